@@ -1,0 +1,128 @@
+"""The `farmflow` command."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+app = typer.Typer(help="farmflow: AlpacaFarm as a cached Prefect pipeline.", no_args_is_help=True, add_completion=False)
+config_app = typer.Typer(help="Inspect presets and configurations.", no_args_is_help=True)
+app.add_typer(config_app, name="config")
+console = Console()
+
+
+def _prefect_env() -> None:
+    """Keep Prefect's state in the project (never ~/.prefect) and its analytics off."""
+    os.environ.setdefault("PREFECT_HOME", str(Path(".farmflow/prefect").absolute()))
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "farmflow")
+
+
+def _config(preset: str, overrides: list[str], store: Optional[str]):
+    from farmflow.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(preset, list(overrides) + ([f"store.uri={json.dumps(store)}"] if store else []))
+    except ConfigError as err:
+        console.print(f"[red]config error:[/red] {err}")
+        raise typer.Exit(2)
+    return cfg
+
+
+def _print_summary(summary: dict, wall: float) -> None:
+    board = Table(title=f"Leaderboard ({summary['preset']}, vs reference outputs, p_sim^eval)")
+    for col in ("method", "win rate", "± SE", "mean gold", "avg length", "n"):
+        board.add_column(col, justify="left" if col == "method" else "right")
+    for r in summary["leaderboard"]:
+        board.add_row(r["method"], f"{r['win_rate']:.1f}", f"{r['standard_error']:.1f}", f"{r['mean_gold']:.3f}", str(r["avg_length"]), str(r["n"]))
+    console.print(board)
+    console.print(f"reference outputs: mean gold {summary['reference_mean_gold']:.3f}")
+    rm = summary["reward_model"]
+    console.print(
+        "reward model, held-out val pairs: accuracy "
+        + ", ".join(f"{k.removeprefix('heldout_').replace('accuracy', 'vs labels').replace('vs labels_unnoised', 'vs un-noised labels').replace('gold_vs labels', 'vs gold')} {v:.3f}" for k, v in rm.items())
+    )
+    stages = Table(title="Stages")
+    for col in ("stage", "seconds", "cached", "key"):
+        stages.add_column(col, justify="right" if col == "seconds" else "left")
+    for s in summary["stages"]:
+        stages.add_row(s["stage"], f"{s['seconds']:.1f}", "cached" if s["cached"] else "", s["key"][:12])
+    console.print(stages)
+    console.print(f"wall time {wall:.1f}s; artifacts in {summary['store']}")
+    for name, uri in summary["artifacts"].items():
+        console.print(f"  {name}: {uri}")
+
+
+def _run(preset: str, overrides: list[str], store: Optional[str], as_json: bool) -> None:
+    import time
+
+    cfg = _config(preset, overrides, store)
+    from farmflow.flows import best_of_n_flow
+
+    start = time.perf_counter()
+    summary = best_of_n_flow(config=cfg)
+    wall = time.perf_counter() - start
+    if as_json:
+        print(json.dumps(summary | {"wall_seconds": wall}, indent=2))
+    else:
+        _print_summary(summary, wall)
+
+
+@app.command()
+def demo(
+    preset: str = typer.Option("synthetic-tiny", help="Preset to run (synthetic-tiny: a few minutes on 2 CPU cores)."),
+    store: Optional[str] = typer.Option(None, help="Artifact store (default ./.farmflow/store or $FARMFLOW_STORE)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON instead of tables."),
+) -> None:
+    """Run the offline synthetic farm end to end (SFT, pairs, annotation, reward model, best-of-n, evaluation)."""
+    _prefect_env()
+    _run(preset, [], store, as_json)
+
+
+@app.command()
+def run(
+    flow: str = typer.Argument("best-of-n", help="Flow to run (best-of-n)."),
+    preset: str = typer.Option("synthetic-tiny", help="Preset to start from."),
+    set_: list[str] = typer.Option([], "--set", help="Override a field: --set best_of_n.n=8 (values parsed as JSON when possible)."),
+    store: Optional[str] = typer.Option(None, help="Artifact store (default ./.farmflow/store or $FARMFLOW_STORE)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+) -> None:
+    """Run a flow on a preset with overrides; unchanged stages come from the cache."""
+    _prefect_env()
+    if flow != "best-of-n":
+        console.print(f"[red]unknown flow {flow!r}[/red]; known flows: best-of-n")
+        raise typer.Exit(2)
+    _run(preset, set_, store, as_json)
+
+
+@config_app.command("presets")
+def presets() -> None:
+    """List the named presets."""
+    from farmflow.config import PRESETS
+
+    for name, factory in sorted(PRESETS.items()):
+        console.print(f"{name}: {(factory.__doc__ or '').strip()}")
+
+
+@config_app.command("show")
+def show(
+    preset: str = typer.Argument("synthetic-tiny", help="Preset name."),
+    set_: list[str] = typer.Option([], "--set", help="Override a field (section.field=value)."),
+) -> None:
+    """Print a preset (with overrides) as JSON."""
+    print(_config(preset, set_, None).model_dump_json(indent=2))
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

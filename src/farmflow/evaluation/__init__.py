@@ -1,0 +1,77 @@
+"""Win rate against reference outputs (AlpacaFarm/AlpacaEval definitions).
+
+Each evaluation row is a pair (output_1 = reference, output_2 = evaluated output) judged
+by the evaluation annotator pool (p_sim^eval: no label noise). With preference p in
+[1, 2] (1: reference wins, 2: evaluated output wins, 1.5: tie):
+
+* win_rate = 100 · mean(p − 1), so ties count 0.5;
+* standard_error = 100 · std(p − 1, ddof=1) / sqrt(n);
+* n_wins / n_wins_base / n_draws count p > 1.5, p < 1.5 and p == 1.5;
+* avg_length = mean characters of the evaluated outputs, truncated to an int;
+* mean_gold = mean gold reward of the evaluated outputs (synthetic farm only).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import pyarrow as pa
+
+from farmflow.annotators import annotate_pairs
+from farmflow.config import AnnotatorConfig
+from farmflow.storage.schemas import SCHEMAS
+
+VERSION = "1"
+
+
+def win_rate_stats(preferences: Sequence[float], outputs: Sequence[str], golds: Sequence[float | None] = ()) -> dict[str, float]:
+    """Summary statistics of one evaluated model (see module doc)."""
+    prefs = [float(p) for p in preferences if p is not None and not math.isnan(float(p))]
+    n = len(prefs)
+    if n == 0:
+        raise ValueError("no valid preferences to compute a win rate from")
+    wins = [p - 1.0 for p in prefs]
+    mean = sum(wins) / n
+    sd = math.sqrt(sum((w - mean) ** 2 for w in wins) / (n - 1)) if n > 1 else float("nan")
+    known = [g for g in golds if g is not None]
+    return {
+        "win_rate": 100.0 * mean,
+        "standard_error": 100.0 * sd / math.sqrt(n),
+        "n_wins": float(sum(p > 1.5 for p in prefs)),
+        "n_wins_base": float(sum(p < 1.5 for p in prefs)),
+        "n_draws": float(sum(p == 1.5 for p in prefs)),
+        "n_total": float(n),
+        "avg_length": float(int(sum(len(o) for o in outputs) / max(1, len(outputs)))),
+        "mean_gold": sum(known) / len(known) if known else float("nan"),
+    }
+
+
+def evaluate_outputs(outputs: Sequence[dict], references: Sequence[dict], annotator: AnnotatorConfig) -> tuple[pa.Table, dict[str, float]]:
+    """Judge each output against the reference output of the same instruction.
+
+    `outputs` rows: id, instruction, input, output, generator, task. `references` rows: id,
+    output (the eval split of the instructions table). Returns the ``evaluation`` table
+    and the summary statistics (plus the reference's mean gold reward).
+    """
+    ref_by_id = {r["id"]: r["output"] for r in references}
+    missing = [o["id"] for o in outputs if o["id"] not in ref_by_id]
+    if missing:
+        raise ValueError(f"{len(missing)} evaluated outputs have no reference output (first: {missing[0]!r})")
+    pairs = [
+        {"id": o["id"], "split": "eval", "instruction": o["instruction"], "input": o["input"], "task": o["task"],
+         "output_1": ref_by_id[o["id"]], "output_2": o["output"]}
+        for o in outputs
+    ]
+    judged = annotate_pairs(pairs, annotator).to_pylist()
+    generator = {o["id"]: o["generator"] for o in outputs}
+    rows = [
+        {k: r[k] for k in ("id", "instruction", "input", "output_1", "output_2", "annotator", "preference", "gold_1", "gold_2")}
+        | {"generator": generator[r["id"]]}
+        for r in judged
+    ]
+    table = pa.Table.from_pylist(rows, schema=SCHEMAS["evaluation"])
+    stats = win_rate_stats([r["preference"] for r in rows], [r["output_2"] for r in rows], [r["gold_2"] for r in rows])
+    ref_gold = [r["gold_1"] for r in rows if r["gold_1"] is not None]
+    stats["reference_mean_gold"] = sum(ref_gold) / len(ref_gold) if ref_gold else float("nan")
+    return table, stats

@@ -1,0 +1,1 @@
+"""One module per method: its loss near the top, its training loop below."""

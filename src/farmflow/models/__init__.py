@@ -1,0 +1,232 @@
+"""Tokenizer and model factory, batched sampling with a KV cache, reward scoring.
+
+* `train_tokenizer`: a byte-level BPE trained locally on the farm's text (no downloads).
+* `build_policy`: a tiny Llama-style causal LM from `ModelConfig`.
+* `sample`: batched ancestral sampling (temperature, top-p, n samples per prompt). The
+  prompt is prefilled once; its KV cache is then repeated n times, so best-of-n pays for
+  one prefill per prompt, not n.
+* Reward model: the policy backbone with a scalar head read at the last non-padding
+  token (`LlamaForSequenceClassification`, num_labels=1), so it saves and loads with
+  ``save_pretrained``/``from_pretrained`` like any Hugging Face model.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    LlamaForSequenceClassification,
+    PreTrainedTokenizerFast,
+)
+
+from farmflow.config import ModelConfig
+
+from transformers.utils import logging as hf_logging
+
+hf_logging.disable_progress_bar()  # per-checkpoint load/save bars are noise in stage logs
+
+PAD, BOS, EOS = "<pad>", "<s>", "</s>"
+IGNORE = -100
+
+
+# ------------------------------------------------------------------ tokenizer
+def train_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    """Byte-level BPE trained on `texts` (deterministic for the same texts)."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[PAD, BOS, EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD, padding_side="right")
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
+    return PreTrainedTokenizerFast.from_pretrained(str(path), padding_side="right")
+
+
+# ---------------------------------------------------------------------- models
+def build_policy(cfg: ModelConfig, tokenizer: PreTrainedTokenizerFast) -> LlamaForCausalLM:
+    """A randomly initialized tiny Llama (seeded by cfg.seed)."""
+    torch.manual_seed(cfg.seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_heads,
+        max_position_embeddings=cfg.max_seq_len, pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True,
+    )
+    return LlamaForCausalLM(config)
+
+
+def load_policy(path: str | Path) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]:
+    return LlamaForCausalLM.from_pretrained(str(path)), load_tokenizer(path)
+
+
+def reward_from_policy(path: str | Path, seed: int = 0) -> LlamaForSequenceClassification:
+    """Reward model initialized from a policy checkpoint: its backbone, a fresh scalar head."""
+    torch.manual_seed(seed)
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the "newly initialized score head" warning is expected here
+    try:
+        return LlamaForSequenceClassification.from_pretrained(str(path), num_labels=1)
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+def load_reward(path: str | Path) -> tuple[LlamaForSequenceClassification, PreTrainedTokenizerFast]:
+    return LlamaForSequenceClassification.from_pretrained(str(path)), load_tokenizer(path)
+
+
+def save(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, folder: str | Path) -> None:
+    model.save_pretrained(str(folder), safe_serialization=True)
+    tokenizer.save_pretrained(str(folder))
+
+
+# ------------------------------------------------------------------- encoding
+def encode_examples(
+    tokenizer: PreTrainedTokenizerFast, prompts: Sequence[str], responses: Sequence[str], max_len: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded ``<s> prompt response </s>``: (input_ids, attention_mask, labels).
+
+    Labels are -100 on the prompt and padding, so a causal-LM loss covers response tokens
+    (and the closing </s>) only. Too-long examples keep the whole prompt when possible and
+    lose the end of the response.
+    """
+    p_ids = tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
+    r_ids = tokenizer(list(responses), add_special_tokens=False)["input_ids"]
+    rows, labels = [], []
+    for p, r in zip(p_ids, r_ids):
+        p = [tokenizer.bos_token_id] + p
+        r = r + [tokenizer.eos_token_id]
+        ids = (p + r)[:max_len]
+        lab = ([IGNORE] * len(p) + r)[:max_len]
+        rows.append(ids)
+        labels.append(lab)
+    width = max(len(x) for x in rows)
+    input_ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+    label_t = torch.full((len(rows), width), IGNORE, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, (ids, lab) in enumerate(zip(rows, labels)):
+        input_ids[i, : len(ids)] = torch.tensor(ids)
+        label_t[i, : len(lab)] = torch.tensor(lab)
+        mask[i, : len(ids)] = 1
+    return input_ids, mask, label_t
+
+
+def _left_pad(tokenizer: PreTrainedTokenizerFast, prompts: Sequence[str], max_prompt_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = [[tokenizer.bos_token_id] + x for x in tokenizer(list(prompts), add_special_tokens=False)["input_ids"]]
+    ids = [x[-max_prompt_len:] for x in ids]
+    width = max(len(x) for x in ids)
+    input_ids = torch.full((len(ids), width), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(ids), width), dtype=torch.long)
+    for i, x in enumerate(ids):
+        input_ids[i, width - len(x):] = torch.tensor(x)
+        mask[i, width - len(x):] = 1
+    return input_ids, mask
+
+
+# ------------------------------------------------------------------- sampling
+def _sample_next(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> torch.Tensor:
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        keep = sorted_p.cumsum(-1) - sorted_p < top_p  # always keeps the most likely token
+        sorted_p = sorted_p * keep
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+    return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+
+
+@torch.no_grad()
+def sample(
+    model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, prompts: Sequence[str], *, n: int = 1,
+    temperature: float = 1.0, top_p: float = 1.0, max_new_tokens: int = 48, batch_size: int = 64, seed: int = 0,
+    progress: Callable[[int], None] | None = None,
+) -> list[list[str]]:
+    """n sampled responses per prompt, as ``result[prompt_index][sample_index]``.
+
+    Prompts are batched by length (less padding), prefilled once, and their KV cache is
+    repeated n times. Deterministic for a given seed, prompts and batch size.
+    `progress(k)` is called after each batch with the number of prompts done.
+    """
+    model.eval()
+    gen = torch.Generator().manual_seed(seed)
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    max_prompt = max(1, model.config.max_position_embeddings - max_new_tokens)
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    results: list[list[str]] = [[] for _ in prompts]
+    for start in range(0, len(order), batch_size):
+        idx = order[start: start + batch_size]
+        input_ids, mask = _left_pad(tokenizer, [prompts[i] for i in idx], max_prompt)
+        position = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = model(input_ids=input_ids, attention_mask=mask, position_ids=position, use_cache=True)
+        cache, logits = out.past_key_values, out.logits[:, -1]
+        if n > 1:
+            cache.batch_repeat_interleave(n)
+            mask, logits = mask.repeat_interleave(n, 0), logits.repeat_interleave(n, 0)
+            position = position.repeat_interleave(n, 0)
+        next_pos = position[:, -1] + 1
+        rows = logits.shape[0]
+        done = torch.zeros(rows, dtype=torch.bool)
+        tokens = []
+        for _ in range(max_new_tokens):
+            nxt = _sample_next(logits, temperature, top_p, gen)
+            nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
+            tokens.append(nxt)
+            done |= nxt == eos
+            if bool(done.all()) or len(tokens) == max_new_tokens:
+                break
+            mask = torch.cat([mask, torch.ones(rows, 1, dtype=mask.dtype)], dim=1)
+            out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=next_pos[:, None], past_key_values=cache, use_cache=True)
+            cache, logits = out.past_key_values, out.logits[:, -1]
+            next_pos = next_pos + 1
+        generated = torch.stack(tokens, dim=1).tolist()
+        for row, ids in enumerate(generated):
+            if eos in ids:
+                ids = ids[: ids.index(eos)]
+            results[idx[row // n]].append(tokenizer.decode([t for t in ids if t != pad], skip_special_tokens=True).strip())
+        if progress:
+            progress(len(idx))
+    return results
+
+
+# ---------------------------------------------------------------- reward scores
+@torch.no_grad()
+def score(
+    reward_model: LlamaForSequenceClassification, tokenizer: PreTrainedTokenizerFast, prompts: Sequence[str],
+    responses: Sequence[str], *, batch_size: int = 64, progress: Callable[[int], None] | None = None,
+) -> torch.Tensor:
+    """Scalar reward of each (prompt, response), read at the closing </s> token."""
+    reward_model.eval()
+    max_len = reward_model.config.max_position_embeddings
+    out = []
+    for start in range(0, len(prompts), batch_size):
+        ids, mask, _ = encode_examples(tokenizer, prompts[start: start + batch_size], responses[start: start + batch_size], max_len)
+        out.append(reward_model(input_ids=ids, attention_mask=mask).logits[:, 0].float())
+        if progress:
+            progress(len(ids))
+    return torch.cat(out) if out else torch.zeros(0)
+
+
+# ---------------------------------------------------------------- optimization
+def optimizer_and_schedule(
+    model: torch.nn.Module, lr: float, weight_decay: float, total_steps: int, warmup_ratio: float,
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW with linear warmup and cosine decay to 0 (the paper's SFT/reward schedule)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    warmup = max(1, int(total_steps * warmup_ratio))
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total_steps - warmup)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)

@@ -1,0 +1,66 @@
+"""The explicit Parquet schema of every table kind in the store.
+
+Writers cast to these schemas, so a missing or mistyped column fails at write time with
+the table kind and column named, never later in a reader.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+_STR, _F, _I, _B = pa.string(), pa.float64(), pa.int64(), pa.bool_()
+
+SCHEMAS: dict[str, pa.Schema] = {
+    # data stage: every instruction of every split; `output` is the demonstration (sft),
+    # the reference output (eval) or empty; `task` holds the synthetic task as JSON
+    # (null in the real farm) so the gold reward can be computed later.
+    "instructions": pa.schema(
+        [("id", _STR), ("split", _STR), ("family", _STR), ("instruction", _STR), ("input", _STR), ("output", _STR), ("task", _STR)]
+    ),
+    # two samples of the SFT policy per PREF/val instruction.
+    "pairs": pa.schema(
+        [("id", _STR), ("split", _STR), ("instruction", _STR), ("input", _STR), ("output_1", _STR), ("output_2", _STR), ("task", _STR)]
+    ),
+    # preference in [1, 2]: 1 means output_1 preferred, 2 output_2 (AlpacaFarm convention).
+    "preferences": pa.schema(
+        [
+            ("id", _STR), ("split", _STR), ("instruction", _STR), ("input", _STR), ("output_1", _STR), ("output_2", _STR),
+            ("task", _STR), ("annotator", _STR), ("preference", _F), ("noised", _B), ("swapped", _B),
+            ("gold_1", _F), ("gold_2", _F),
+        ]
+    ),
+    # one output per evaluation instruction, from a policy or a reranker.
+    "outputs": pa.schema(
+        [("id", _STR), ("instruction", _STR), ("input", _STR), ("output", _STR), ("generator", _STR), ("task", _STR), ("score", _F)]
+    ),
+    # per-instruction judgement against the reference: output_1 = reference, output_2 = evaluated.
+    "evaluation": pa.schema(
+        [
+            ("id", _STR), ("instruction", _STR), ("input", _STR), ("output_1", _STR), ("output_2", _STR), ("generator", _STR),
+            ("annotator", _STR), ("preference", _F), ("gold_1", _F), ("gold_2", _F),
+        ]
+    ),
+    "leaderboard": pa.schema(
+        [
+            ("method", _STR), ("win_rate", _F), ("standard_error", _F), ("mean_gold", _F), ("avg_length", _I),
+            ("n", _I), ("annotator", _STR), ("evaluation_key", _STR),
+        ]
+    ),
+}
+
+
+def conform(table: pa.Table, kind: str, where: str = "") -> pa.Table:
+    """Select and cast `table`'s columns to the schema of `kind`; one clear error otherwise."""
+    if kind not in SCHEMAS:
+        raise ValueError(f"unknown table kind {kind!r}; known: {', '.join(sorted(SCHEMAS))}")
+    schema = SCHEMAS[kind]
+    missing = [f.name for f in schema if f.name not in table.column_names]
+    if missing:
+        raise ValueError(f"{where or kind} table is missing column(s) {missing} required by schema {kind!r}")
+    cols = []
+    for f in schema:
+        try:
+            cols.append(table.column(f.name).cast(f.type))
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as err:
+            raise ValueError(f"{where or kind} table: column {f.name!r} cannot be read as {f.type}: {err}") from None
+    return pa.Table.from_arrays(cols, schema=schema)

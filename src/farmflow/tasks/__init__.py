@@ -1,0 +1,267 @@
+"""Prefect tasks: one per stage, each a thin wrapper around plain functions.
+
+Every stage task takes the store URI, the config that determines its output and the
+`ArtifactRef`s of its inputs. It
+
+1. computes the stage key (stage name, code version, config, input keys);
+2. returns the committed artifact if the store already has that key;
+3. otherwise loads its inputs, calls one plain function, commits one artifact.
+
+Prefect's cache key is the same stage key and the persisted result is the
+`ArtifactRef` as JSON, so a rerun with the same config does not even enter the task.
+`EXECUTED` counts, per stage, how often step 3 actually ran in this process.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from typing import Any
+
+import pyarrow as pa
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+from prefect.exceptions import MissingContextError
+
+from farmflow.annotators import annotate_pairs
+from farmflow.config import AnnotatorConfig, BestOfNConfig, DataConfig, ModelConfig, RewardConfig, SampleConfig, SFTConfig
+from farmflow.data import build_synthetic_farm, prompts_of, split_rows
+from farmflow.evaluation import VERSION as EVAL_VERSION
+from farmflow.evaluation import evaluate_outputs
+from farmflow.methods import best_of_n as bon
+from farmflow.methods import reward as rm
+from farmflow.methods import sft
+from farmflow.models import build_policy, load_policy, load_reward, reward_from_policy, sample, save, train_tokenizer
+from farmflow.progress import progress
+from farmflow.storage import ArtifactRef, LocalStore, open_store, stage_key
+from farmflow.storage.schemas import SCHEMAS
+
+EXECUTED: Counter[str] = Counter()
+
+VERSIONS = {
+    "data": "1", "base_model": "1", "sft": sft.VERSION, "sample_pairs": "1", "annotate": "1",
+    "train_reward": rm.VERSION, "generate": "1", "best_of_n": bon.VERSION, "evaluate": EVAL_VERSION,
+}
+
+
+def _log(msg: str, *args: Any) -> None:
+    try:
+        get_run_logger().info(msg, *args)
+    except MissingContextError:  # called as task.fn(...) outside a flow
+        import logging
+
+        logging.getLogger("farmflow").info(msg, *args)
+
+
+def _inputs(params: dict[str, Any]) -> dict[str, ArtifactRef]:
+    return {k: v for k, v in params.items() if isinstance(v, ArtifactRef)}
+
+
+def _cache_key(stage: str):
+    def key_fn(_ctx: Any, params: dict[str, Any]) -> str:
+        return f"{stage}-{stage_key(stage, VERSIONS[stage], params['config'], _inputs(params))}"
+
+    return key_fn
+
+
+def _lookup(stage: str, store_uri: str, config: Any, **inputs: ArtifactRef) -> tuple[LocalStore, str, ArtifactRef | None]:
+    store = open_store(store_uri)
+    key = stage_key(stage, VERSIONS[stage], config, inputs)
+    hit = store.get(stage, key)
+    if hit is not None:
+        _log("%s: reusing %s from the store", stage, key[:12])
+    else:
+        EXECUTED[stage] += 1
+    return store, key, hit
+
+
+def stage_task(stage: str, **options: Any):
+    """A Prefect task for `stage`: cached by its stage key, result persisted as JSON."""
+    return task(
+        name=stage, cache_key_fn=_cache_key(stage), persist_result=True, result_serializer="json",
+        task_run_name=f"{stage}", **options,
+    )
+
+
+# ----------------------------------------------------------------------- stages
+@stage_task("data")
+def data_task(store_uri: str, config: DataConfig) -> ArtifactRef:
+    """All splits of the farm as one ``instructions`` table."""
+    store, key, hit = _lookup("data", store_uri, config)
+    if hit:
+        return hit
+    table = build_synthetic_farm(config)
+    counts = {f"rows_{s}": float(sum(1 for x in table.column("split").to_pylist() if x == s)) for s in ("sft", "pref", "unlabeled", "val", "eval")}
+    return store.put_table("data", key, table, "instructions", config=config, metrics=counts)
+
+
+@stage_task("base_model")
+def base_model_task(store_uri: str, config: ModelConfig, data: ArtifactRef) -> ArtifactRef:
+    """Tokenizer trained on the farm's text and a randomly initialized tiny Llama."""
+    store, key, hit = _lookup("base_model", store_uri, config, data=data)
+    if hit:
+        return hit
+    rows = store.read_table(data).to_pylist()
+    texts = prompts_of(rows) + [r["output"] for r in rows if r["output"]]
+    tokenizer = train_tokenizer(texts, config.vocab_size)
+    model = build_policy(config, tokenizer)
+    with store.put_model("base_model", key, "policy", config=config, inputs={"data": data}) as (folder, metrics):
+        save(model, tokenizer, folder)
+        metrics["parameters"] = float(sum(p.numel() for p in model.parameters()))
+    return store.get("base_model", key)
+
+
+@stage_task("sft")
+def sft_task(store_uri: str, config: SFTConfig, data: ArtifactRef, base: ArtifactRef) -> ArtifactRef:
+    """Supervised fine-tuning of the base model on the SFT split's demonstrations."""
+    store, key, hit = _lookup("sft", store_uri, config, data=data, base=base)
+    if hit:
+        return hit
+    rows = split_rows(store.read_table(data), "sft")
+    model, tokenizer = load_policy(store.model_dir(base))
+    start = time.perf_counter()
+    metrics = sft.train_sft(model, tokenizer, prompts_of(rows), [r["output"] for r in rows], config, model.config.max_position_embeddings)
+    metrics["seconds"] = time.perf_counter() - start
+    _log("sft: %d steps, loss %.3f -> %.3f, %.0f tokens/s", metrics["steps"], metrics["train_loss_first"],
+         metrics["train_loss_last"], metrics["train_tokens"] / metrics["seconds"])
+    with store.put_model("sft", key, "policy", config=config, inputs={"data": data, "base": base}) as (folder, m):
+        save(model, tokenizer, folder)
+        m.update(metrics)
+    return store.get("sft", key)
+
+
+@stage_task("sample_pairs")
+def sample_pairs_task(store_uri: str, config: SampleConfig, data: ArtifactRef, policy: ArtifactRef) -> ArtifactRef:
+    """Two samples of the policy per PREF and val instruction (paper: temperature 1.0)."""
+    store, key, hit = _lookup("sample_pairs", store_uri, config, data=data, policy=policy)
+    if hit:
+        return hit
+    table = store.read_table(data)
+    rows = split_rows(table, "pref") + split_rows(table, "val")
+    model, tokenizer = load_policy(store.model_dir(policy))
+    with progress("sample_pairs", len(rows), unit="prompt") as bar:
+        outs = sample(model, tokenizer, prompts_of(rows), n=2, temperature=config.temperature, top_p=config.top_p,
+                      max_new_tokens=config.max_new_tokens, batch_size=config.batch_size, seed=config.seed, progress=bar.update)
+    pairs = [{**{k: r[k] for k in ("id", "split", "instruction", "input", "task")}, "output_1": o[0], "output_2": o[1]} for r, o in zip(rows, outs)]
+    identical = sum(p["output_1"] == p["output_2"] for p in pairs)
+    return store.put_table("sample_pairs", key, pa.Table.from_pylist(pairs, schema=SCHEMAS["pairs"]), "pairs", config=config,
+                           inputs={"data": data, "policy": policy}, metrics={"identical_pairs": float(identical)})
+
+
+@stage_task("annotate")
+def annotate_task(store_uri: str, config: AnnotatorConfig, pairs: ArtifactRef) -> ArtifactRef:
+    """Simulated pairwise preferences for every pair (p_sim^ann with the default config)."""
+    store, key, hit = _lookup("annotate", store_uri, config, pairs=pairs)
+    if hit:
+        return hit
+    rows = store.read_table(pairs).to_pylist()
+    with progress("annotate", len(rows), unit="pair"):
+        table = annotate_pairs(rows, config)
+    prefs = table.column("preference").to_pylist()
+    metrics = {"pairs": float(len(prefs)), "noised": float(sum(table.column("noised").to_pylist())),
+               "output_2_preferred": float(sum(p > 1.5 for p in prefs) / max(1, len(prefs)))}
+    return store.put_table("annotate", key, table, "preferences", config=config, inputs={"pairs": pairs}, metrics=metrics)
+
+
+@stage_task("train_reward")
+def train_reward_task(store_uri: str, config: RewardConfig, preferences: ArtifactRef, sft: ArtifactRef) -> ArtifactRef:
+    """Bradley–Terry reward model from the SFT model, trained on PREF, measured on val."""
+    store, key, hit = _lookup("train_reward", store_uri, config, preferences=preferences, sft=sft)
+    if hit:
+        return hit
+    table = store.read_table(preferences)
+    train, held = split_rows(table, "pref"), split_rows(table, "val")
+    model = reward_from_policy(store.model_dir(sft), seed=config.seed)
+    _, tokenizer = load_policy(store.model_dir(sft))
+    col = lambda rows, k: [r[k] for r in rows]  # noqa: E731
+    start = time.perf_counter()
+    metrics = rm.train_reward(model, tokenizer, prompts_of(train), col(train, "output_1"), col(train, "output_2"),
+                              col(train, "preference"), config, model.config.max_position_embeddings)
+    metrics["seconds"] = time.perf_counter() - start
+    if held:
+        metrics["heldout_accuracy"] = rm.pairwise_accuracy(model, tokenizer, prompts_of(held), col(held, "output_1"), col(held, "output_2"), col(held, "preference"))
+        clean = [r for r in held if not r["noised"]]
+        if clean:
+            metrics["heldout_accuracy_unnoised"] = rm.pairwise_accuracy(
+                model, tokenizer, prompts_of(clean), col(clean, "output_1"), col(clean, "output_2"), col(clean, "preference"))
+        gold = [r for r in held if r["gold_1"] is not None and r["gold_1"] != r["gold_2"]]
+        if gold:
+            metrics["heldout_gold_accuracy"] = rm.pairwise_accuracy(
+                model, tokenizer, prompts_of(gold), col(gold, "output_1"), col(gold, "output_2"),
+                [2.0 if r["gold_2"] > r["gold_1"] else 1.0 for r in gold])
+        _log("train_reward: held-out accuracy %.3f on %d val pairs", metrics["heldout_accuracy"], len(held))
+    with store.put_model("train_reward", key, "reward", config=config, inputs={"preferences": preferences, "sft": sft}) as (folder, m):
+        save(model, tokenizer, folder)
+        m.update(metrics)
+    return store.get("train_reward", key)
+
+
+def _outputs_table(rows: list[dict], outputs: list[str], generator: str, scores: list[float] | None = None) -> pa.Table:
+    return pa.Table.from_pylist(
+        [{**{k: r[k] for k in ("id", "instruction", "input", "task")}, "output": o, "generator": generator,
+          "score": (scores[i] if scores else None)} for i, (r, o) in enumerate(zip(rows, outputs))],
+        schema=SCHEMAS["outputs"],
+    )
+
+
+@stage_task("generate")
+def generate_task(store_uri: str, config: dict, data: ArtifactRef, policy: ArtifactRef) -> ArtifactRef:
+    """One sample per evaluation instruction. config: {"sample": SampleConfig, "generator": name}."""
+    store, key, hit = _lookup("generate", store_uri, config, data=data, policy=policy)
+    if hit:
+        return hit
+    cfg = SampleConfig.model_validate(config["sample"])
+    rows = split_rows(store.read_table(data), "eval")
+    model, tokenizer = load_policy(store.model_dir(policy))
+    with progress(f"generate {config['generator']}", len(rows), unit="prompt") as bar:
+        outs = sample(model, tokenizer, prompts_of(rows), n=1, temperature=cfg.temperature, top_p=cfg.top_p,
+                      max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size, seed=cfg.seed, progress=bar.update)
+    return store.put_table("generate", key, _outputs_table(rows, [o[0] for o in outs], config["generator"]), "outputs",
+                           config=config, inputs={"data": data, "policy": policy})
+
+
+@stage_task("best_of_n")
+def best_of_n_task(store_uri: str, config: dict, data: ArtifactRef, policy: ArtifactRef, reward: ArtifactRef) -> ArtifactRef:
+    """Best of n policy samples per evaluation instruction, chosen by the reward model.
+
+    config: {"best_of_n": BestOfNConfig, "max_new_tokens": int, "batch_size": int}.
+    """
+    store, key, hit = _lookup("best_of_n", store_uri, config, data=data, policy=policy, reward=reward)
+    if hit:
+        return hit
+    cfg = BestOfNConfig.model_validate(config["best_of_n"])
+    rows = split_rows(store.read_table(data), "eval")
+    model, tokenizer = load_policy(store.model_dir(policy))
+    reward_model, reward_tokenizer = load_reward(store.model_dir(reward))
+    outs, scores = bon.best_of_n(model, tokenizer, reward_model, reward_tokenizer, prompts_of(rows), n=cfg.n, temperature=cfg.temperature,
+                                 top_p=cfg.top_p, max_new_tokens=config["max_new_tokens"], batch_size=config["batch_size"], seed=cfg.seed)
+    return store.put_table("best_of_n", key, _outputs_table(rows, outs, f"best_of_{cfg.n}", scores), "outputs", config=config,
+                           inputs={"data": data, "policy": policy, "reward": reward},
+                           metrics={"mean_reward": sum(scores) / max(1, len(scores))})
+
+
+@stage_task("evaluate")
+def evaluate_task(store_uri: str, config: AnnotatorConfig, outputs: ArtifactRef, data: ArtifactRef) -> ArtifactRef:
+    """Win rate of the outputs against the reference outputs (p_sim^eval)."""
+    store, key, hit = _lookup("evaluate", store_uri, config, outputs=outputs, data=data)
+    if hit:
+        return hit
+    table, stats = evaluate_outputs(store.read_table(outputs).to_pylist(), split_rows(store.read_table(data), "eval"), config)
+    _log("evaluate: win rate %.1f ± %.1f, mean gold %.3f", stats["win_rate"], stats["standard_error"], stats["mean_gold"])
+    return store.put_table("evaluate", key, table, "evaluation", config=config, inputs={"outputs": outputs, "data": data}, metrics=stats)
+
+
+@task(name="leaderboard", cache_policy=NO_CACHE, persist_result=False)
+def leaderboard_task(store_uri: str, evaluations: dict[str, ArtifactRef]) -> ArtifactRef:
+    """One row per method from the evaluations' metrics; always rebuilt (it is cheap)."""
+    store = open_store(store_uri)
+    rows = [
+        {"method": method, "win_rate": ref.metrics["win_rate"], "standard_error": ref.metrics["standard_error"],
+         "mean_gold": ref.metrics.get("mean_gold"), "avg_length": int(ref.metrics["avg_length"]), "n": int(ref.metrics["n_total"]),
+         "annotator": "p_sim^eval", "evaluation_key": ref.key}
+        for method, ref in evaluations.items()
+    ]
+    rows.sort(key=lambda r: -r["win_rate"])
+    key = stage_key("leaderboard", "1", {}, evaluations)
+    return store.get("leaderboard", key) or store.put_table(
+        "leaderboard", key, pa.Table.from_pylist(rows, schema=SCHEMAS["leaderboard"]), "leaderboard", inputs=evaluations)
