@@ -44,6 +44,14 @@ def unit_hash(*parts: object) -> float:
     return int.from_bytes(h, "big") / 2**64
 
 
+def sigmoid(x: float) -> float:
+    """Logistic function that cannot overflow for any finite x."""
+    if x >= 0:
+        return 1.0 / (1.0 + math.exp(-x))
+    z = math.exp(x)
+    return z / (1.0 + z)
+
+
 def is_list(text: str) -> bool:
     """At least two lines that look like numbered or bulleted list items."""
     return len(_LIST_LINE.findall(text)) >= 2
@@ -80,7 +88,7 @@ class OracleAnnotator:
     def judge(self, row: dict, first: str, second: str, seed: int) -> float:
         if first == second:
             return 1.5
-        p_second = 1.0 / (1.0 + math.exp(-self.logit_second(row, first, second)))
+        p_second = sigmoid(self.logit_second(row, first, second))
         u = unit_hash(seed, "judge", self.name, row["instruction"], row["input"], first, second)
         return 2.0 if u < p_second else 1.0
 
@@ -99,13 +107,22 @@ def annotate_pairs(rows: Sequence[dict], cfg: AnnotatorConfig) -> pa.Table:
     swapped (order shown was output_2 first) and the gold reward of both outputs.
     """
     pool = build_pool(cfg)
+    if cfg.kind == "oracle":
+        untasked = next((r for r in rows if not r.get("task")), None)
+        if untasked is not None:
+            raise ValueError(
+                f"oracle annotators need synthetic tasks with a gold reward; row {untasked.get('id', '?')!r} has none "
+                "(use an API annotator for real data)"
+            )
     out: list[dict] = []
     for row in rows:
         key = (row["instruction"], row["input"])
         annotator = pool[int(unit_hash(cfg.seed, "assign", *key) * len(pool))]
         swapped = unit_hash(cfg.seed, "order", *key, row["output_1"], row["output_2"]) < 0.5
         noised = cfg.label_noise > 0 and unit_hash(cfg.seed, "noise", *key, row["output_1"], row["output_2"]) < cfg.label_noise
-        if noised:
+        if row["output_1"] == row["output_2"]:  # a tie is a tie, noisy annotators or not
+            preference, noised = 1.5, False
+        elif noised:
             preference = 1.0 if unit_hash(cfg.seed, "coin", *key, row["output_1"], row["output_2"]) < 0.5 else 2.0
         else:
             first, second = (row["output_2"], row["output_1"]) if swapped else (row["output_1"], row["output_2"])

@@ -235,7 +235,7 @@ def load_config(preset_name: str = "synthetic-tiny", overrides: list[str] | dict
     """
     base = preset(preset_name).model_dump()
     if isinstance(overrides, dict):
-        items = [(k.split("."), v) for k, v in _flatten(overrides)]
+        items = [(k.split("."), v) for k, v in overrides.items()]
     else:
         items = [_parse_override(o) for o in overrides or []]
     for path, value in items:
@@ -246,8 +246,21 @@ def load_config(preset_name: str = "synthetic-tiny", overrides: list[str] | dict
             node = node[part]
         if not isinstance(node, dict) or path[-1] not in node:
             raise ConfigError(f"unknown field {'.'.join(path)!r}")
-        node[path[-1]] = value
+        if isinstance(node[path[-1]], dict) and isinstance(value, dict):
+            _merge(node[path[-1]], value, ".".join(path))  # a section: update only the fields given
+        else:
+            node[path[-1]] = value
     return validate_config(base)
+
+
+def _merge(target: dict, update: dict, where: str) -> None:
+    for k, v in update.items():
+        if k not in target:
+            raise ConfigError(f"unknown field {where + '.' + k!r}")
+        if isinstance(target[k], dict) and isinstance(v, dict):
+            _merge(target[k], v, f"{where}.{k}")
+        else:
+            target[k] = v
 
 
 def validate_config(data: dict | FarmConfig) -> FarmConfig:
@@ -257,17 +270,6 @@ def validate_config(data: dict | FarmConfig) -> FarmConfig:
         return FarmConfig.model_validate(data)
     except ValidationError as err:
         raise ConfigError(_format_validation_error(err)) from None
-
-
-def _flatten(d: dict, prefix: str = "") -> list[tuple[str, Any]]:
-    out: list[tuple[str, Any]] = []
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict) and v:
-            out.extend(_flatten(v, key + "."))
-        else:
-            out.append((key, v))
-    return out
 
 
 __all__ = [

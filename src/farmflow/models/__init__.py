@@ -98,14 +98,17 @@ def encode_examples(
 
     Labels are -100 on the prompt and padding, so a causal-LM loss covers response tokens
     (and the closing </s>) only. Too-long examples keep the whole prompt when possible and
-    lose the end of the response.
+    lose the end of the response; a prompt too long to leave room for a quarter of
+    `max_len` of response is cut from the left (after <s>), so every example keeps
+    response tokens to learn from.
     """
     p_ids = tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
     r_ids = tokenizer(list(responses), add_special_tokens=False)["input_ids"]
     rows, labels = [], []
     for p, r in zip(p_ids, r_ids):
-        p = [tokenizer.bos_token_id] + p
         r = r + [tokenizer.eos_token_id]
+        room = max_len - 1 - min(len(r), max(1, max_len // 4))
+        p = [tokenizer.bos_token_id] + (p[-room:] if len(p) > room else p)
         ids = (p + r)[:max_len]
         lab = ([IGNORE] * len(p) + r)[:max_len]
         rows.append(ids)

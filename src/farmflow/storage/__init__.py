@@ -98,7 +98,8 @@ class LocalStore:
         return json.loads((self.path(ref.stage, ref.key) / COMMIT_FILE).read_text())
 
     def list(self) -> list[ArtifactRef]:
-        refs = [self.get(p.parent.parent.name, p.parent.name) for p in self.root.glob(f"*/*/{COMMIT_FILE}")]
+        commits = (p for p in self.root.glob(f"*/*/{COMMIT_FILE}") if not p.parent.parent.name.startswith("."))  # not .staging
+        refs = [self.get(p.parent.parent.name, p.parent.name) for p in commits]
         return sorted((r for r in refs if r is not None), key=lambda r: r.created)
 
     # ---------------------------------------------------------------- writes

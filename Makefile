@@ -1,0 +1,32 @@
+# farmflow developer entry points. Each target creates .venv when missing and installs
+# what it needs first (torch==2.13.0 before anything that depends on torch).
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.farmflow-installed
+
+export PREFECT_HOME ?= $(CURDIR)/.farmflow/prefect
+export PREFECT_SERVER_ANALYTICS_ENABLED := false
+
+.PHONY: install demo test bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -c constraints.txt -e ".[dev]"
+	touch $(STAMP)
+
+demo: install  ## the offline synthetic farm end to end (a few minutes on 2 CPU cores)
+	$(VENV)/bin/farmflow demo
+
+test: install  ## the whole suite, slow end-to-end tests included
+	$(PY) -m pytest -q
+
+bench: install  ## performance benchmarks; results in bench/results/
+	$(PY) -m bench.sampling
+
+clean:  ## remove the local store and Prefect state (not the venv)
+	rm -rf .farmflow

@@ -1,0 +1,30 @@
+"""Test environment: Prefect state in a temp folder, one Prefect test harness per session."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+# Before anything imports prefect: never touch ~/.prefect, no analytics.
+os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="farmflow-prefect-")
+os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def prefect_harness():
+    """A real (temporary) Prefect API for flow tests; entered once (~15 s)."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@pytest.fixture
+def micro_config(tmp_path):
+    """The synthetic-micro preset with a fresh store in tmp_path."""
+    from farmflow.config import load_config
+
+    return load_config("synthetic-micro", [f"store.uri={tmp_path / 'store'}"])

@@ -1,0 +1,238 @@
+"""farmflow.config: presets, overrides, validation errors that name the field, descriptions."""
+
+import json
+import typing
+
+import pytest
+from pydantic import BaseModel
+from typer.testing import CliRunner
+
+from farmflow.cli import app
+from farmflow.config import (
+    PRESETS, BestOfNConfig, ConfigError, FarmConfig, ModelConfig, OracleAnnotatorConfig, load_config, preset,
+    validate_config,
+)
+
+
+# ----------------------------------------------------------------------------- presets
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_presets_load_and_validate(name):
+    cfg = preset(name)
+    assert isinstance(cfg, FarmConfig)
+    assert cfg.name == name
+    # a preset survives a dump/validate round trip unchanged
+    assert validate_config(cfg.model_dump()) == cfg
+    assert load_config(name) == cfg
+
+
+def test_preset_returns_fresh_copies():
+    a = preset("synthetic-micro")
+    a.best_of_n.n = 99
+    assert preset("synthetic-micro").best_of_n.n == 4
+
+
+def test_micro_preset_values():
+    cfg = preset("synthetic-micro")
+    assert (cfg.model.hidden_size, cfg.model.num_layers, cfg.model.num_heads, cfg.model.vocab_size) == (32, 1, 2, 384)
+    assert cfg.best_of_n.n == 4
+    assert cfg.annotation.label_noise == 0.5  # p_sim^ann
+    assert cfg.evaluation.annotator.label_noise == 0.0  # p_sim^eval
+
+
+def test_unknown_preset_lists_known_presets():
+    with pytest.raises(ConfigError) as err:
+        preset("synthetic-huge")
+    msg = str(err.value)
+    assert "'synthetic-huge'" in msg
+    for name in PRESETS:
+        assert name in msg
+    with pytest.raises(ConfigError, match="known presets: synthetic-micro, synthetic-tiny"):
+        load_config("nope")
+
+
+# ----------------------------------------------------------------------------- overrides
+
+def test_string_overrides_are_parsed_as_json():
+    cfg = load_config("synthetic-micro", ["best_of_n.n=8", 'data.families=["sort", "reverse"]', "sft.lr=0.01"])
+    assert cfg.best_of_n.n == 8 and isinstance(cfg.best_of_n.n, int)
+    assert cfg.data.families == ["sort", "reverse"]
+    assert cfg.sft.lr == 0.01
+    # untouched fields keep the preset's values, not the class defaults
+    assert cfg.sft.epochs == 1.0 and cfg.sft.batch_size == 16
+    assert cfg.name == "synthetic-micro"
+
+
+def test_string_override_bare_string_value():
+    cfg = load_config("synthetic-micro", ["store.uri=/tmp/somewhere", "name=my-farm"])
+    assert cfg.store.uri == "/tmp/somewhere"
+    assert cfg.name == "my-farm"
+
+
+def test_string_override_value_may_contain_equals():
+    cfg = load_config("synthetic-micro", ["store.uri=/tmp/a=b"])
+    assert cfg.store.uri == "/tmp/a=b"
+
+
+def test_override_without_equals_is_an_error():
+    with pytest.raises(ConfigError, match="section.field=value"):
+        load_config("synthetic-micro", ["best_of_n.n"])
+
+
+def test_dict_overrides_nested():
+    cfg = load_config("synthetic-micro", {"best_of_n": {"n": 3, "temperature": 0.5}, "model": {"hidden_size": 16}})
+    assert cfg.best_of_n.n == 3 and cfg.best_of_n.temperature == 0.5
+    assert cfg.model.hidden_size == 16
+    assert cfg.model.num_heads == 2  # preset value kept
+    # dotted keys in a dict work too, and give the same result as the string form
+    assert load_config("synthetic-micro", {"best_of_n.n": 3}) == load_config("synthetic-micro", ["best_of_n.n=3"])
+
+
+def test_dict_override_of_pool_list():
+    pool = [{"name": "solo", "sharpness": 2.0}]
+    cfg = load_config("synthetic-micro", {"annotation": {"pool": pool, "label_noise": 0.0}})
+    assert cfg.annotation.pool == [OracleAnnotatorConfig(name="solo", sharpness=2.0)]
+    assert cfg.annotation.label_noise == 0.0
+
+
+def test_empty_section_override_is_a_no_op():
+    assert load_config("synthetic-micro", {"sft": {}}) == preset("synthetic-micro")
+
+
+def test_partial_section_override_keeps_the_preset_values():
+    base = preset("synthetic-micro")
+    for overrides in ({"sft": {"lr": 0.1}}, ['sft={"lr": 0.1}'], {"sft.lr": 0.1}):
+        cfg = load_config("synthetic-micro", overrides)
+        assert cfg.sft.lr == 0.1
+        assert cfg.sft.epochs == base.sft.epochs and cfg.sft.batch_size == base.sft.batch_size
+
+
+# ----------------------------------------------------------------------------- errors
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (["bogus=1"], "'bogus'"),
+        (["sft.bogus=1"], "'sft.bogus'"),
+        (["bogus.n=1"], "'bogus'"),
+        (["best_of_n.n.deeper=1"], "'best_of_n.n.deeper'"),
+        ({"sft": {"lrr": 0.5}}, "'sft.lrr'"),
+        ({"evaluation": {"annotator": {"seeed": 1}}}, "'evaluation.annotator.seeed'"),
+    ],
+)
+def test_unknown_field_names_the_dotted_field(overrides, field):
+    with pytest.raises(ConfigError) as err:
+        load_config("synthetic-micro", overrides)
+    assert f"unknown field {field}" in str(err.value)
+
+
+def test_unknown_field_inside_a_list_item():
+    with pytest.raises(ConfigError) as err:
+        load_config("synthetic-micro", {"annotation": {"pool": [{"name": "x", "bogus": 1}]}})
+    assert "unknown field 'annotation.pool.0.bogus'" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (["sft.lr=-1"], "'sft.lr'"),
+        (["reward.lr=0"], "'reward.lr'"),
+        ({"best_of_n": {"n": 0}}, "'best_of_n.n'"),
+        (["data.demo_error_rate=1.5"], "'data.demo_error_rate'"),
+        (['best_of_n.n="many"'], "'best_of_n.n'"),
+        (["pairs.top_p=0"], "'pairs.top_p'"),
+        (["data.families=[]"], "'data.families'"),
+        (["model.vocab_size=100"], "'model.vocab_size'"),
+    ],
+)
+def test_invalid_value_names_the_field(overrides, field):
+    with pytest.raises(ConfigError) as err:
+        load_config("synthetic-micro", overrides)
+    assert f"invalid value for {field}" in str(err.value)
+
+
+def test_hidden_size_not_divisible_by_heads():
+    with pytest.raises(ConfigError) as err:
+        load_config("synthetic-micro", ["model.num_heads=3"])
+    msg = str(err.value)
+    assert "invalid value for 'model'" in msg
+    assert "hidden_size (32) must be divisible by num_heads (3)" in msg
+    # directly on the model too
+    with pytest.raises(ValueError, match="divisible"):
+        ModelConfig(hidden_size=30, num_heads=4)
+    assert ModelConfig(hidden_size=32, num_heads=4).hidden_size == 32
+
+
+def test_several_errors_are_all_reported():
+    with pytest.raises(ConfigError) as err:
+        validate_config({"sft": {"lr": -1, "batch_size": 0}})
+    msg = str(err.value)
+    assert "'sft.lr'" in msg and "'sft.batch_size'" in msg
+
+
+def test_config_error_is_a_value_error():
+    assert issubclass(ConfigError, ValueError)
+
+
+def test_validate_assignment_and_forbid_extra():
+    cfg = BestOfNConfig()
+    with pytest.raises(ValueError):
+        cfg.n = 0
+    with pytest.raises(ValueError):
+        BestOfNConfig(n=2, m=3)
+
+
+# ----------------------------------------------------------------------------- descriptions
+
+def _models_in(annotation) -> list[type[BaseModel]]:
+    """Pydantic model classes reachable from a field annotation (through list[...], X | None...)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in typing.get_args(annotation) for m in _models_in(arg)]
+
+
+def _walk(model: type[BaseModel], prefix: str, seen: dict[str, type[BaseModel]]) -> list[tuple[str, str | None]]:
+    fields = []
+    for name, info in model.model_fields.items():
+        path = f"{prefix}{name}"
+        fields.append((path, info.description))
+        for sub in _models_in(info.annotation):
+            seen[path] = sub
+            fields.extend(_walk(sub, path + ".", seen))
+    return fields
+
+
+def test_every_field_has_a_description():
+    seen: dict[str, type[BaseModel]] = {}
+    fields = _walk(FarmConfig, "", seen)
+    missing = [path for path, desc in fields if not (desc and desc.strip())]
+    assert missing == []
+    # the walk really reached the nested models (including the pool's list items)
+    assert {"data", "model", "sft", "annotation", "annotation.pool", "evaluation.annotator",
+            "evaluation.annotator.pool", "best_of_n", "store"} <= set(seen)
+    assert seen["annotation.pool"] is OracleAnnotatorConfig
+    assert "annotation.pool.sharpness" in dict(fields)
+    assert len(fields) > 60
+
+
+# ----------------------------------------------------------------------------- CLI
+
+def test_cli_config_show_bad_override_exits_2():
+    result = CliRunner().invoke(app, ["config", "show", "synthetic-micro", "--set", "sft.bogus=1"])
+    assert result.exit_code == 2
+    assert "unknown field 'sft.bogus'" in result.output
+
+
+def test_cli_config_show_prints_the_overridden_config():
+    result = CliRunner().invoke(app, ["config", "show", "synthetic-micro", "--set", "best_of_n.n=8"])
+    assert result.exit_code == 0, result.output
+    shown = json.loads(result.output)
+    assert shown["best_of_n"]["n"] == 8
+    assert shown["name"] == "synthetic-micro"
+    assert FarmConfig.model_validate(shown) == load_config("synthetic-micro", ["best_of_n.n=8"])
+
+
+def test_cli_config_show_unknown_preset_exits_2():
+    result = CliRunner().invoke(app, ["config", "show", "nope"])
+    assert result.exit_code == 2
+    assert "unknown preset 'nope'" in result.output

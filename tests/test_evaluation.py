@@ -1,0 +1,140 @@
+"""Win-rate statistics and evaluation against reference outputs."""
+
+import math
+import random
+
+import pytest
+
+from farmflow.config import AnnotatorConfig, OracleAnnotatorConfig
+from farmflow.data.synthetic import correct_output, sample_task, task_to_json
+from farmflow.evaluation import evaluate_outputs, win_rate_stats
+from farmflow.storage.schemas import SCHEMAS
+
+
+# ----------------------------------------------------------------------------- win_rate_stats
+
+def test_win_rate_hand_computed():
+    stats = win_rate_stats([2, 1, 1.5, 2], ["ab", "abc", "abcd", "abcdefg"], [0.5, 1.0, None, 0.0])
+    # wins p - 1 = [1, 0, 0.5, 1]: mean 0.625
+    # deviations [0.375, -0.625, -0.125, 0.375]: squares sum 0.6875, ddof=1 variance 0.6875 / 3
+    sd = math.sqrt(0.6875 / 3)
+    assert stats["win_rate"] == pytest.approx(62.5)
+    assert stats["standard_error"] == pytest.approx(100 * sd / 2)
+    assert stats["standard_error"] == pytest.approx(23.935678, abs=1e-5)
+    assert stats["n_wins"] == 2.0
+    assert stats["n_wins_base"] == 1.0
+    assert stats["n_draws"] == 1.0
+    assert stats["n_total"] == 4.0
+    assert stats["avg_length"] == 4.0  # (2 + 3 + 4 + 7) / 4 = 4.0
+    assert stats["mean_gold"] == pytest.approx(0.5)  # None gold ignored: (0.5 + 1 + 0) / 3
+
+
+def test_all_ties():
+    stats = win_rate_stats([1.5] * 5, ["x"] * 5)
+    assert stats["win_rate"] == 50.0
+    assert stats["standard_error"] == 0.0
+    assert stats["n_draws"] == 5.0 and stats["n_wins"] == 0.0 and stats["n_wins_base"] == 0.0
+    assert math.isnan(stats["mean_gold"])  # no golds given
+
+
+def test_all_wins_and_all_losses():
+    assert win_rate_stats([2.0, 2.0, 2.0], ["a"] * 3)["win_rate"] == 100.0
+    assert win_rate_stats([1.0, 1.0, 1.0], ["a"] * 3)["win_rate"] == 0.0
+
+
+def test_avg_length_is_truncated_to_int():
+    # (1 + 2 + 2) / 3 = 1.67 -> 1 (truncation, not rounding)
+    stats = win_rate_stats([2, 1, 2], ["a", "bb", "cc"])
+    assert stats["avg_length"] == 1.0
+    # (3 + 4) / 2 = 3.5 -> 3
+    assert win_rate_stats([2, 1], ["abc", "abcd"])["avg_length"] == 3.0
+
+
+def test_nan_and_none_preferences_are_ignored():
+    stats = win_rate_stats([2.0, float("nan"), None, 1.0], ["a", "b", "c", "d"])
+    assert stats["n_total"] == 2.0
+    assert stats["win_rate"] == 50.0
+    # wins [1, 0]: sd = sqrt(0.5), se = 100 * sqrt(0.5) / sqrt(2) = 50
+    assert stats["standard_error"] == pytest.approx(50.0)
+
+
+def test_fractional_preferences():
+    stats = win_rate_stats([1.25, 1.75], ["a", "b"])
+    assert stats["win_rate"] == pytest.approx(50.0)
+    # wins [0.25, 0.75]: sd = sqrt(0.125), se = 100 * sqrt(0.125) / sqrt(2) = 25
+    assert stats["standard_error"] == pytest.approx(25.0)
+    assert stats["n_wins"] == 1.0 and stats["n_wins_base"] == 1.0 and stats["n_draws"] == 0.0
+
+
+def test_single_preference_has_nan_standard_error():
+    stats = win_rate_stats([2.0], ["a"])
+    assert stats["win_rate"] == 100.0
+    assert math.isnan(stats["standard_error"])
+
+
+@pytest.mark.parametrize("prefs", [[], [None], [float("nan"), None]])
+def test_no_valid_preferences_raises(prefs):
+    with pytest.raises(ValueError, match="no valid preferences"):
+        win_rate_stats(prefs, ["a"] * len(prefs))
+
+
+# ----------------------------------------------------------------------------- evaluate_outputs
+
+# sharpness 500: a gold difference of 1 gives p = sigmoid(±500), exactly 1.0 / ~1e-217 in float64.
+# (Much larger sharpness overflows math.exp in OracleAnnotator.judge; see test_annotators.py.)
+SHARP = AnnotatorConfig(pool=[OracleAnnotatorConfig(name="sharp", sharpness=500.0)], label_noise=0.0, seed=0)
+
+
+def _eval_rows(n=3, seed=0):
+    rng = random.Random(seed)
+    tasks = [sample_task("sort", rng) for _ in range(n)]
+    refs, base = [], []
+    for i, t in enumerate(tasks):
+        refs.append({"id": f"eval-{i:05d}", "output": correct_output(t)})
+        base.append({"id": f"eval-{i:05d}", "instruction": t.instruction, "input": t.input, "generator": "m",
+                     "task": task_to_json(t)})
+    return tasks, refs, base
+
+
+def test_output_equal_to_reference_is_a_tie():
+    tasks, refs, base = _eval_rows(2)
+    outputs = [b | {"output": r["output"]} for b, r in zip(base, refs)]
+    table, stats = evaluate_outputs(outputs, refs, AnnotatorConfig())  # default pool
+    assert table.schema == SCHEMAS["evaluation"]
+    assert table.column("preference").to_pylist() == [1.5, 1.5]
+    assert stats["win_rate"] == 50.0 and stats["standard_error"] == 0.0 and stats["n_draws"] == 2.0
+    assert stats["mean_gold"] == 1.0 and stats["reference_mean_gold"] == 1.0
+
+
+def test_evaluate_outputs_judges_against_the_reference():
+    tasks, refs, base = _eval_rows(3)
+    # row 0: equal to the reference (tie); row 1: the reference is wrong and the output right (win);
+    # row 2: the output is garbage (loss)
+    refs[1]["output"] = "1, 2"  # numbers not in the input: gold 0
+    outputs = [
+        base[0] | {"output": refs[0]["output"]},
+        base[1] | {"output": correct_output(tasks[1]), "generator": "other"},
+        base[2] | {"output": "no idea"},
+    ]
+    table, stats = evaluate_outputs(outputs, list(reversed(refs)), SHARP)  # reference order does not matter
+    rows = table.to_pylist()
+    assert [r["id"] for r in rows] == ["eval-00000", "eval-00001", "eval-00002"]
+    assert [r["preference"] for r in rows] == [1.5, 2.0, 1.0]
+    assert [r["output_1"] for r in rows] == [refs[0]["output"], "1, 2", refs[2]["output"]]
+    assert [r["output_2"] for r in rows] == [o["output"] for o in outputs]
+    assert [r["generator"] for r in rows] == ["m", "other", "m"]
+    assert [r["annotator"] for r in rows] == ["sharp"] * 3
+    assert [r["gold_1"] for r in rows] == [1.0, 0.0, 1.0]
+    assert [r["gold_2"] for r in rows] == [1.0, 1.0, 0.0]
+    assert stats["win_rate"] == 50.0
+    assert (stats["n_wins"], stats["n_wins_base"], stats["n_draws"]) == (1.0, 1.0, 1.0)
+    assert stats["mean_gold"] == pytest.approx(2 / 3)
+    assert stats["reference_mean_gold"] == pytest.approx(2 / 3)
+    assert stats["avg_length"] == float(int(sum(len(o["output"]) for o in outputs) / 3))
+
+
+def test_missing_reference_raises():
+    tasks, refs, base = _eval_rows(3)
+    outputs = [b | {"output": "x"} for b in base]
+    with pytest.raises(ValueError, match="eval-00001"):
+        evaluate_outputs(outputs, [refs[0], refs[2]], SHARP)

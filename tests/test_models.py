@@ -1,0 +1,291 @@
+"""farmflow.models: tokenizer, encoding, sampling with a KV cache, reward scores, schedule."""
+
+import math
+import random
+
+import pytest
+import torch
+
+from farmflow.config import ModelConfig
+from farmflow.data.prompts import format_prompt
+from farmflow.data.synthetic import correct_output, sample_task
+from farmflow.models import (
+    BOS, EOS, IGNORE, PAD, build_policy, encode_examples, load_policy, optimizer_and_schedule, reward_from_policy,
+    sample, save, score, train_tokenizer,
+)
+
+FAMILIES = ("arithmetic", "sort", "reverse", "list_items", "max_number")
+CFG = ModelConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, vocab_size=384, max_seq_len=128)
+
+
+def _texts(n=300, seed=0):
+    rng = random.Random(seed)
+    tasks = [sample_task(FAMILIES[i % len(FAMILIES)], rng) for i in range(n)]
+    return [format_prompt(t.instruction, t.input) for t in tasks], [correct_output(t) for t in tasks]
+
+
+PROMPTS, RESPONSES = _texts()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny tensors: one thread is faster, and much faster on a busy 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return train_tokenizer(PROMPTS + RESPONSES, vocab_size=384)
+
+
+@pytest.fixture(scope="module")
+def policy(tok):
+    """A random tiny Llama with large weights (std 0.3), so greedy decoding has clear margins and
+    depends on the whole context; the </s> row is scaled so some continuations stop early."""
+    model = build_policy(CFG, tok)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+        model.get_output_embeddings().weight[tok.eos_token_id] *= 2.0
+    model.eval()
+    return model
+
+
+# Prompts of very different lengths, deliberately not sorted by length.
+SAMPLE_PROMPTS = [PROMPTS[3], "Hi", PROMPTS[0], PROMPTS[7], "What is 2 + 2?", PROMPTS[12]]
+MAX_NEW = 16
+
+
+def greedy_by_hand(model, tok, prompt, max_new_tokens=MAX_NEW):
+    """Argmax decoding with full forward passes, no cache, no padding; also the smallest top-2 margin."""
+    ids = torch.tensor([[tok.bos_token_id] + tok(prompt, add_special_tokens=False)["input_ids"]])
+    gen, margin = [], math.inf
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            logits = model(input_ids=ids).logits[0, -1]
+            top = logits.topk(2).values
+            margin = min(margin, float(top[0] - top[1]))
+            nxt = int(logits.argmax())
+            gen.append(nxt)
+            if nxt == tok.eos_token_id:
+                break
+            ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
+    stopped = tok.eos_token_id in gen
+    if stopped:
+        gen = gen[: gen.index(tok.eos_token_id)]
+    return tok.decode(gen, skip_special_tokens=True).strip(), len(gen), stopped, margin
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+def test_tokenizer_round_trip(tok):
+    prompt = format_prompt("Sort the following numbers in ascending order.", "12, 85, 3")
+    ids = tok(prompt, add_special_tokens=False)["input_ids"]
+    assert tok.decode(ids) == prompt
+    # BPE merges were learned: far fewer tokens than bytes
+    assert len(ids) < len(prompt.encode()) / 2
+    # any byte sequence round-trips (byte-level), even text unseen in training
+    odd = "Zebra ✓ 9999 — ünïcode\n\t!"
+    assert tok.decode(tok(odd, add_special_tokens=False)["input_ids"]) == odd
+
+
+def test_tokenizer_special_tokens(tok):
+    assert (tok.pad_token, tok.bos_token, tok.eos_token) == (PAD, BOS, EOS)
+    ids = (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
+    assert len(set(ids)) == 3
+    assert ids == (0, 1, 2)
+    assert len(tok) == 384
+    # special tokens are single tokens, never produced from ordinary text
+    assert tok("<s>", add_special_tokens=False)["input_ids"] == [tok.bos_token_id]
+    assert not set(ids) & set(tok(PROMPTS[0], add_special_tokens=False)["input_ids"])
+
+
+def test_tokenizer_is_deterministic(tok):
+    again = train_tokenizer(PROMPTS + RESPONSES, vocab_size=384)
+    assert again.get_vocab() == tok.get_vocab()
+
+
+# ----------------------------------------------------------------------------- encoding
+
+def test_encode_examples_masks_prompt_and_padding(tok):
+    prompts, responses = ["What is 2 + 2?", "List 3 colors."], ["4", "red, blue, green"]
+    ids, mask, labels = encode_examples(tok, prompts, responses, max_len=128)
+    enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]
+    bos, eos, pad = tok.bos_token_id, tok.eos_token_id, tok.pad_token_id
+    rows = [[bos] + enc(p) + enc(r) + [eos] for p, r in zip(prompts, responses)]
+    width = max(map(len, rows))
+    assert ids.shape == mask.shape == labels.shape == (2, width)
+    assert ids.dtype == mask.dtype == labels.dtype == torch.long
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        n_prompt, n_resp = 1 + len(enc(p)), len(enc(r)) + 1
+        n_pad = width - n_prompt - n_resp
+        assert ids[i].tolist() == rows[i] + [pad] * n_pad
+        assert mask[i].tolist() == [1] * (n_prompt + n_resp) + [0] * n_pad
+        # -100 on <s> + prompt and on padding; the response and the closing </s> are labels
+        assert labels[i].tolist() == [IGNORE] * n_prompt + enc(r) + [eos] + [IGNORE] * n_pad
+    assert (mask == 0).sum() > 0  # one row is padded
+
+
+def test_encode_examples_exact_small_example(tok):
+    # single ASCII letters are single byte-level tokens, and "QZ" never occurs in training
+    q, z, j = (tok.convert_tokens_to_ids(c) for c in "QZJ")
+    assert tok("QZ", add_special_tokens=False)["input_ids"] == [q, z]
+    ids, mask, labels = encode_examples(tok, ["QZ", "Q"], ["J", "J"], max_len=64)
+    bos, eos, pad = 1, 2, 0
+    assert ids.tolist() == [[bos, q, z, j, eos], [bos, q, j, eos, pad]]
+    assert mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]]
+    assert labels.tolist() == [[IGNORE, IGNORE, IGNORE, j, eos], [IGNORE, IGNORE, j, eos, IGNORE]]
+
+
+def test_encode_examples_truncates_the_response_end(tok):
+    enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]
+    prompt, response = "What is 37 + 48?", "The answer is 37 + 48 = 85. " * 8
+    n_prompt = 1 + len(enc(prompt))
+    max_len = 4 * n_prompt  # a quarter of max_len fits the response, so the whole prompt is kept
+    kept = max_len - n_prompt
+    ids, mask, labels = encode_examples(tok, [prompt], [response], max_len=max_len)
+    assert ids.shape == (1, max_len)
+    assert ids[0].tolist() == [tok.bos_token_id] + enc(prompt) + enc(response)[:kept]
+    assert labels[0].tolist() == [IGNORE] * n_prompt + enc(response)[:kept]  # no </s>: it was cut
+    assert mask[0].tolist() == [1] * max_len
+
+
+# ----------------------------------------------------------------------------- sampling
+
+def test_sample_shape_and_determinism(policy, tok):
+    prompts = SAMPLE_PROMPTS[:3]
+    out = sample(policy, tok, prompts, n=3, temperature=1.0, max_new_tokens=8, seed=0)
+    assert len(out) == 3 and all(len(o) == 3 and all(isinstance(s, str) for s in o) for o in out)
+    # the 3 samples of a prompt differ at temperature 1 from a near-uniform random model
+    assert all(len(set(o)) > 1 for o in out)
+    assert sample(policy, tok, prompts, n=3, temperature=1.0, max_new_tokens=8, seed=0) == out
+    other = sample(policy, tok, prompts, n=3, temperature=1.0, max_new_tokens=8, seed=1)
+    assert other != out
+    assert all(len(o) == 3 for o in other)
+    single = sample(policy, tok, prompts, temperature=1.0, max_new_tokens=8, seed=0)
+    assert [len(o) for o in single] == [1, 1, 1]
+
+
+def test_sample_reports_progress(policy, tok):
+    done = []
+    sample(policy, tok, SAMPLE_PROMPTS, max_new_tokens=2, batch_size=4, progress=done.append)
+    assert done == [4, 2]
+
+
+def test_greedy_reference_is_well_conditioned(policy, tok):
+    refs = [greedy_by_hand(policy, tok, p) for p in SAMPLE_PROMPTS]
+    # margins far above float noise: a temperature of 1e-4 makes sampling effectively greedy
+    assert min(r[3] for r in refs) > 0.01
+    # the continuations differ, some stop on </s> early and some run to max_new_tokens
+    assert len({r[0] for r in refs}) == len(refs)
+    assert any(r[2] and r[1] < MAX_NEW // 2 for r in refs)
+    assert any(not r[2] for r in refs)
+
+
+@pytest.mark.parametrize("batch_size", [64, 4, 1])
+def test_kv_cache_sampling_matches_full_forward_greedy(policy, tok, batch_size):
+    expected = [greedy_by_hand(policy, tok, p)[0] for p in SAMPLE_PROMPTS]
+    batched = sample(policy, tok, SAMPLE_PROMPTS, temperature=1e-4, max_new_tokens=MAX_NEW, batch_size=batch_size, seed=3)
+    assert [o[0] for o in batched] == expected
+    alone = [sample(policy, tok, [p], temperature=1e-4, max_new_tokens=MAX_NEW, seed=5)[0][0] for p in SAMPLE_PROMPTS]
+    assert alone == expected
+
+
+def test_kv_cache_repeat_for_n_samples(policy, tok):
+    expected = [greedy_by_hand(policy, tok, p)[0] for p in SAMPLE_PROMPTS]
+    out = sample(policy, tok, SAMPLE_PROMPTS, n=3, temperature=1e-4, max_new_tokens=MAX_NEW, seed=0)
+    assert out == [[e] * 3 for e in expected]
+
+
+def test_tiny_top_p_is_greedy_at_temperature_one(policy, tok):
+    expected = [greedy_by_hand(policy, tok, p)[0] for p in SAMPLE_PROMPTS]
+    out = sample(policy, tok, SAMPLE_PROMPTS, n=2, temperature=1.0, top_p=1e-6, max_new_tokens=MAX_NEW, seed=0)
+    assert out == [[e] * 2 for e in expected]
+
+
+# ----------------------------------------------------------------------------- reward scores
+
+@pytest.fixture(scope="module")
+def reward_model(policy, tok, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("policy")
+    save(policy, tok, folder)
+    return reward_from_policy(folder, seed=0), folder
+
+
+def test_save_load_policy_round_trip(policy, tok, reward_model):
+    _, folder = reward_model
+    assert list(folder.glob("*.safetensors"))
+    loaded, loaded_tok = load_policy(folder)
+    assert loaded_tok.get_vocab() == tok.get_vocab()
+    for (name, a), (_, b) in zip(policy.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+def test_reward_model_backbone_from_policy(policy, reward_model):
+    rm, folder = reward_model
+    assert rm.config.num_labels == 1
+    assert torch.equal(rm.model.embed_tokens.weight, policy.model.embed_tokens.weight)
+    # the fresh head is seeded
+    assert torch.equal(reward_from_policy(folder, seed=0).score.weight, rm.score.weight)
+    assert not torch.equal(reward_from_policy(folder, seed=1).score.weight, rm.score.weight)
+
+
+def test_score_reads_the_last_non_pad_token(tok, reward_model):
+    rm, _ = reward_model
+    prompts = [PROMPTS[0], "Hi", PROMPTS[5], PROMPTS[9], "What is 2 + 2?"]
+    responses = [RESPONSES[0], "a much longer response than the others, to force padding", "", RESPONSES[9], "4"]
+    scores = score(rm, tok, prompts, responses, batch_size=2)
+    assert scores.shape == (5,) and scores.dtype == torch.float32
+    assert len(scores.tolist()) == 5 and all(isinstance(s, float) for s in scores.tolist())
+    with torch.no_grad():
+        for i, (p, r) in enumerate(zip(prompts, responses)):
+            ids, _, _ = encode_examples(tok, [p], [r], rm.config.max_position_embeddings)  # alone: no padding
+            assert ids[0, -1] == tok.eos_token_id
+            hidden = rm.model(input_ids=ids).last_hidden_state[0, -1]
+            assert scores[i].item() == pytest.approx(rm.score(hidden).item(), abs=1e-5)
+    # batch composition does not matter
+    assert torch.allclose(score(rm, tok, prompts, responses, batch_size=64), scores, atol=1e-5)
+    assert score(rm, tok, [], []).shape == (0,)
+    assert len(set(round(s, 5) for s in scores.tolist())) == 5
+
+
+# ----------------------------------------------------------------------------- schedule
+
+def test_optimizer_and_schedule_warmup_then_cosine():
+    model = torch.nn.Linear(2, 1)
+    lr, total = 0.1, 20
+    opt, sched = optimizer_and_schedule(model, lr=lr, weight_decay=0.01, total_steps=total, warmup_ratio=0.2)
+    assert isinstance(opt, torch.optim.AdamW)
+    assert opt.param_groups[0]["weight_decay"] == 0.01
+    lrs = []
+    for _ in range(total):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    # warmup = int(20 * 0.2) = 4 steps: lr * (k + 1) / 4
+    assert lrs[:4] == pytest.approx([0.025, 0.05, 0.075, 0.1])
+    # then cosine from the peak to 0 over the remaining 16 steps
+    for k in range(4, total):
+        assert lrs[k] == pytest.approx(lr * 0.5 * (1 + math.cos(math.pi * (k - 4) / 16)))
+    assert lrs[4] == pytest.approx(lr)
+    assert all(a >= b for a, b in zip(lrs[4:], lrs[5:]))
+    assert lrs[-1] < 0.01 * lr
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-12)  # after the last step
+
+
+def test_schedule_without_warmup_starts_at_peak():
+    opt, sched = optimizer_and_schedule(torch.nn.Linear(2, 1), lr=1.0, weight_decay=0.0, total_steps=10, warmup_ratio=0.0)
+    assert opt.param_groups[0]["lr"] == pytest.approx(1.0)
+
+
+def test_encode_examples_keeps_response_tokens_when_the_prompt_is_too_long(tok):
+    long_prompt = "Sort these numbers: " + ", ".join(str(i) for i in range(200))
+    ids, mask, labels = encode_examples(tok, [long_prompt], ["1, 2, 3"], 32)
+    assert ids.shape[1] <= 32
+    assert ids[0, 0].item() == tok.bos_token_id
+    assert (labels[0] != -100).sum().item() >= 1  # something to learn from, never an all-ignored row
