@@ -15,7 +15,7 @@ from farmflow import tasks
 from farmflow.config import load_config
 from farmflow.flows import best_of_n_flow
 
-pytestmark = pytest.mark.usefixtures("prefect_harness")
+pytestmark = [pytest.mark.usefixtures("prefect_harness"), pytest.mark.slow]
 
 ALL_STAGES = {"data", "base_model", "sft", "sample_pairs", "annotate", "train_reward", "generate", "best_of_n", "evaluate"}
 

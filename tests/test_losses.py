@@ -129,3 +129,30 @@ def test_sft_loss_upcasts_half_precision():
     logits = torch.tensor([LOGITS], dtype=torch.bfloat16)
     loss = sft_loss(logits, torch.tensor([[-100, -100, 2]]))
     assert loss.dtype == torch.float32
+
+
+def test_pairwise_accuracy_skips_ties_in_labels_and_rewards():
+    from farmflow.methods.reward import pairwise_accuracy
+
+    r1 = [0.0, 1.0, 0.5, 0.2, 0.3]
+    r2 = [1.0, 0.0, 0.5, 0.9, 0.1]
+    prefs = [2.0, 2.0, 1.0, 1.5, 1.0]
+    # pair 0 right, pair 1 wrong, pair 2 reward tie (skipped), pair 3 label tie (skipped), pair 4 right
+    assert pairwise_accuracy(r1, r2, prefs) == pytest.approx(2 / 3)
+    assert math.isnan(pairwise_accuracy([0.0], [0.0], [2.0]))
+
+
+def test_heldout_accuracies_split_noised_and_gold():
+    from farmflow.tasks import heldout_accuracies
+
+    rows = [
+        {"preference": 2.0, "noised": False, "gold_1": 0.0, "gold_2": 1.0},  # right on all three
+        {"preference": 1.0, "noised": True, "gold_1": 0.0, "gold_2": 1.0},   # coin flip says 1; gold says 2
+        {"preference": 1.0, "noised": False, "gold_1": 0.5, "gold_2": 0.5},  # gold tie: not in gold accuracy
+        {"preference": 2.0, "noised": False, "gold_1": 1.0, "gold_2": 0.0},  # annotator disagrees with gold
+    ]
+    r1, r2 = [0.0, 0.0, 1.0, 0.0], [1.0, 1.0, 0.0, 1.0]  # the model prefers output_2 except on row 2
+    acc = heldout_accuracies(rows, r1, r2)
+    assert acc["heldout_accuracy"] == pytest.approx(3 / 4)
+    assert acc["heldout_accuracy_unnoised"] == pytest.approx(3 / 3)
+    assert acc["heldout_gold_accuracy"] == pytest.approx(2 / 3)

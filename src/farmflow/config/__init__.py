@@ -30,7 +30,7 @@ class DataConfig(Section):
     )
     seed: int = Field(0, description="Seed for task generation and split assignment.")
     families: list[str] = Field(
-        default_factory=lambda: ["arithmetic", "sort", "reverse", "list_items"],
+        default_factory=lambda: ["arithmetic", "sort", "reverse", "list_items", "max_number", "categorize"],
         min_length=1,
         description="Synthetic task families to draw instructions from (see farmflow.data.synthetic.FAMILIES).",
     )
@@ -169,11 +169,11 @@ def _synthetic_tiny() -> FarmConfig:
     """The demo: meaningful results in minutes on 2 CPU cores."""
     return FarmConfig(
         name="synthetic-tiny",
-        data=DataConfig(sft_size=2500, pref_size=2500, unlabeled_size=5000, val_size=500, eval_size=300),
-        model=ModelConfig(hidden_size=128, num_layers=4, num_heads=4, intermediate_size=384, vocab_size=1024),
-        sft=SFTConfig(epochs=6, batch_size=32, lr=2e-3, weight_decay=0.0),
+        data=DataConfig(sft_size=4000, pref_size=4000, unlabeled_size=8000, val_size=800, eval_size=400, reference_error_rate=0.9),
+        model=ModelConfig(hidden_size=128, num_layers=2, num_heads=4, intermediate_size=384, vocab_size=1024),
+        sft=SFTConfig(epochs=12, batch_size=32, lr=3e-3),
         pairs=SampleConfig(temperature=1.0, max_new_tokens=48, batch_size=128),
-        reward=RewardConfig(epochs=2, batch_size=32, lr=3e-4),
+        reward=RewardConfig(epochs=2, batch_size=32, lr=5e-4),
         best_of_n=BestOfNConfig(n=16),
         generation=SampleConfig(temperature=0.7, max_new_tokens=48, batch_size=128),
     )

@@ -5,21 +5,28 @@ English words in five categories) so that a ~1M-parameter model can learn it in 
 
 Families and their gold reward (always a float in [0, 1], partial credit for near misses):
 
-* arithmetic  "What is 37 + 48?" (no input). Add or subtract two numbers of 1-3 digits.
+* arithmetic  "What is 37 + 48?" (no input). Add or subtract two numbers of 1-2 digits.
   The predicted number is the first integer after the last "=" or ":" (or in the whole text).
   Exact -> 1.0; otherwise 0.8 * mean(right-aligned digit match fraction,
   max(0, 1 - |pred - ans| / max(ans, 10))); no number -> 0.0.
-* sort        "Sort the following numbers in ascending order." input "12, 85, 3" (3-7 numbers
+* sort        "Sort the following numbers in ascending order." input "12, 85, 3" (3-5 numbers
   0-99, ascending or descending). gold = kept * ordered, where kept = |input & output as
   multisets| / max(n_in, n_out) and ordered = fraction of adjacent output pairs in order.
-* reverse     "Reverse the order of the words below." input "red cat hammer" (3-7 words).
+* reverse     "Reverse the order of the words below." input "red cat hammer" (3-5 words).
   gold = mean(position matches, longest common subsequence), both / max(n_want, n_got).
 * list_items  "List 4 animals." (no input; 2-6 items of one category).
   gold = min(distinct in-category items, k) / max(k, n_items): duplicates, items from the wrong
   category, missing items and extra items all cost credit.
-* max_number  "Which number is the largest?" input "12, 85, 3" (3-7 numbers 0-999).
+* max_number  "Which number is the largest?" input "12, 85, 3" (3-6 numbers 0-99).
   Exact -> 1.0; another number of the input -> 0.5 * (fraction of the other numbers it beats);
   anything else -> 0.0.
+* categorize  "What kind of thing is this?" input "tiger" (one vocabulary word).
+  gold = 1 / (number of categories named) if the right category is among them, else 0, so a
+  hedge ("an animal or a fruit") earns half.
+
+Fluency: the task score is multiplied by 0.8 for every garbled token (a chunk that is neither
+a number nor a word the farm's writers use, e.g. "4truck" or mojibake), as human judges mark
+down garbled text even when the answer can be dug out of it.
 
 Parsing is tolerant of human-like formatting: a lead-in sentence ("Sure! Here they are:"),
 numbered lists, bullets, commas or spaces all give the same gold for the same content. Words
@@ -33,6 +40,7 @@ earn partial credit. Everything random goes through the `random.Random` passed i
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import random
@@ -40,7 +48,7 @@ import re
 from collections import Counter
 from dataclasses import asdict, dataclass
 
-FAMILIES: tuple[str, ...] = ("arithmetic", "sort", "reverse", "list_items", "max_number")
+FAMILIES: tuple[str, ...] = ("arithmetic", "sort", "reverse", "list_items", "max_number", "categorize")
 
 CATEGORIES: dict[str, tuple[str, ...]] = {
     "colors": ("red", "blue", "green", "yellow", "purple", "pink",
@@ -56,6 +64,8 @@ CATEGORIES: dict[str, tuple[str, ...]] = {
 }
 ALL_WORDS: tuple[str, ...] = tuple(w for ws in CATEGORIES.values() for w in ws)
 VOCAB: frozenset[str] = frozenset(ALL_WORDS)
+SINGULAR = {"colors": "color", "animals": "animal", "fruits": "fruit", "tools": "tool", "vehicles": "vehicle"}
+CATEGORY_OF = {w: c for c, ws in CATEGORIES.items() for w in ws}
 COUNT_WORDS = {2: "two", 3: "three", 4: "four", 5: "five", 6: "six", 7: "seven"}
 
 
@@ -91,13 +101,15 @@ REVERSE_PROMPTS = ("Reverse the order of the words below.", "Write these words i
                    "Reverse the following sequence of words.")
 LIST_PROMPTS = ("List {k} {cat}.", "Name {k} {cat}.", "Give me {k} examples of {cat}.",
                 "Write down {k} different {cat}.")
+CATEGORIZE_PROMPTS = ("What kind of thing is this?", "Which category does this word belong to?",
+                      "Name the category of the word below.", "Classify the following word.")
 MAX_PROMPTS = ("Which number is the largest?", "Find the largest number in the list.",
                "What is the biggest of these numbers?",
                "Identify the maximum of the following numbers.")
 
 
 def _number(rng: random.Random) -> int:
-    digits = rng.choices((1, 2, 3), weights=(3, 4, 3))[0]
+    digits = rng.choices((1, 2), weights=(4, 6))[0]
     return rng.randint(0 if digits == 1 else 10 ** (digits - 1), 10 ** digits - 1)
 
 
@@ -110,20 +122,23 @@ def sample_task(family: str, rng: random.Random) -> Task:
         instruction = rng.choice(ARITH_PROMPTS).format(expr=f"{a} {op} {b}")
         return Task(family, instruction, "", {"a": a, "b": b, "op": op})
     if family == "sort":
-        numbers = rng.sample(range(100), rng.randint(3, 7))
+        numbers = rng.sample(range(100), rng.randint(3, 5))
         descending = rng.random() < 0.3
         instruction = rng.choice(SORT_PROMPTS[descending])
         return Task(family, instruction, ", ".join(map(str, numbers)),
                     {"numbers": numbers, "descending": descending})
     if family == "reverse":
-        words = rng.sample(ALL_WORDS, rng.randint(3, 7))
+        words = rng.sample(ALL_WORDS, rng.randint(3, 5))
         return Task(family, rng.choice(REVERSE_PROMPTS), " ".join(words), {"words": words})
     if family == "list_items":
         category, count = rng.choice(tuple(CATEGORIES)), rng.randint(2, 6)
         k = str(count) if rng.random() < 0.5 else COUNT_WORDS[count]
         instruction = rng.choice(LIST_PROMPTS).format(k=k, cat=category)
         return Task(family, instruction, "", {"category": category, "count": count})
-    numbers = rng.sample(range(1000), rng.randint(3, 7))  # max_number
+    if family == "categorize":
+        word = rng.choice(ALL_WORDS)
+        return Task(family, rng.choice(CATEGORIZE_PROMPTS), word, {"word": word, "category": CATEGORY_OF[word]})
+    numbers = rng.sample(range(100), rng.randint(3, 6))  # max_number
     return Task(family, rng.choice(MAX_PROMPTS), ", ".join(map(str, numbers)),
                 {"numbers": numbers})
 
@@ -177,6 +192,12 @@ def _lcs(a: list, b: list) -> int:
 
 # ----------------------------------------------------------------------------- gold reward
 
+def _categories_named(text: str) -> set[str]:
+    """Categories mentioned by name, singular or plural ("animal", "fruits")."""
+    names = {**{c: c for c in CATEGORIES}, **{v: c for c, v in SINGULAR.items()}}
+    return {names[w] for w in re.findall(r"[a-z]+", text.lower()) if w in names}
+
+
 def _arithmetic_answer(params: dict) -> int:
     a, b = params["a"], params["b"]
     return a + b if params["op"] == "+" else a - b
@@ -211,6 +232,9 @@ def _gold(family: str, params: dict, output: str) -> float:
         pairs = list(zip(got, got[1:]))
         ok = sum(x >= y if params["descending"] else x <= y for x, y in pairs)
         return kept * ok / len(pairs)
+    if family == "categorize":  # 1 / (categories named) when the right one is among them
+        named = _categories_named(output)
+        return (params["category"] in named) / len(named) if named else 0.0
     got = _vocab_words(output)
     if not got:
         return 0.0
@@ -225,12 +249,43 @@ def _gold(family: str, params: dict, output: str) -> float:
     return min(distinct, k) / max(k, len(got))
 
 
+FLUENCY_PENALTY = 0.8  # gold is multiplied by this for every garbled token
+_CHUNK = re.compile(r"[^\s,.;:!?()\[\]=+*/-]+")
+
+
+@functools.cache
+def _known_words() -> frozenset[str]:
+    """Every word the farm's own writers use: the vocabulary, count words, categories, and the
+    words of every instruction, lead-in and reference template (collected by running them)."""
+    words = set(VOCAB) | set(COUNT_WORDS.values()) | set(CATEGORIES)
+    rng = random.Random(0)
+    for family in FAMILIES:
+        for _ in range(300):
+            task = sample_task(family, rng)
+            for text in (task.instruction, demonstrate(task, rng, 0.5), reference_output(task, rng, 0.5)):
+                words.update(c.lower() for c in _CHUNK.findall(text) if c.isalpha())
+    return frozenset(words)
+
+
+def garbled_tokens(output: str) -> int:
+    """Chunks that are neither numbers nor words the farm's writers use ("4truck", "ghest", "\ufffd")."""
+    known = _known_words()
+    return sum(
+        1 for c in _CHUNK.findall(output)
+        if not c.isascii() or not c.isprintable() or not (c.isdigit() or c.lower() in known)
+    )
+
+
 def gold_reward(family: str, params: dict, output: str) -> float:
-    """Gold reward of `output` for a task of `family` with `params`; in [0, 1]."""
+    """Gold reward of `output` for a task of `family` with `params`; in [0, 1].
+
+    The task score (partial credit, see the module doc) times FLUENCY_PENALTY per garbled
+    token: human judges mark down garbled text even when the answer can be dug out of it.
+    """
     _check_family(family)
     if not isinstance(output, str) or not output.strip():
         return 0.0
-    r = float(_gold(family, params, output))
+    r = float(_gold(family, params, output)) * FLUENCY_PENALTY ** garbled_tokens(output)
     return min(1.0, max(0.0, r)) if math.isfinite(r) else 0.0
 
 
@@ -247,6 +302,8 @@ def _content(task: Task, rng: random.Random | None = None) -> int | list[str]:
         return [str(x) for x in sorted(p["numbers"], reverse=p["descending"])]
     if task.family == "reverse":
         return list(reversed(p["words"]))
+    if task.family == "categorize":
+        return [p["category"]]
     words = CATEGORIES[p["category"]]  # list_items: canonical = first k, policies sample
     return list(words[:p["count"]]) if rng is None else rng.sample(words, p["count"])
 
@@ -259,9 +316,14 @@ def _mistake(task: Task, content: int | list[str], rng: random.Random) -> int | 
         step = rng.choices(steps, weights=(4, 4, 2)[:len(steps)])[0]
         wrong = content + rng.choice((-1, 1)) * step
         return wrong if wrong >= 0 else content + step
-    if task.family == "max_number":  # usually the runner-up
-        others = sorted(x for x in p["numbers"] if x != content)
-        return others[-1] if rng.random() < 0.7 else rng.choice(others[1:])  # never the min
+    if task.family == "categorize":  # a wrong category, or hedging between the right one and another
+        wrong = rng.choice([c for c in CATEGORIES if c not in content and c != p["category"]])
+        return [wrong] if rng.random() < 0.3 or len(content) > 1 else rng.sample([content[0], wrong], 2)
+    if task.family == "max_number":  # a smaller number: usually the next one down, never the min
+        lower = sorted(x for x in p["numbers"] if x < content)
+        if len(lower) <= 1:
+            return content
+        return lower[-1] if rng.random() < 0.7 else rng.choice(lower[1:])
     items = list(content)
     kind = rng.choices(("swap", "drop", "extra"), weights=(5, 3, 2))[0]
     if task.family == "reverse" and kind == "extra":  # forgot to reverse at all
@@ -307,6 +369,12 @@ def _demo_text(task: Task, content: int | list[str], rng: random.Random) -> str:
         template = rng.choice(("{ans}", "The largest number is {ans}.",
                                "{ans} is the largest number.", "Sure! The biggest one is {ans}."))
         return template.format(ans=content)
+    if task.family == "categorize":
+        kinds = [f"{_article(SINGULAR[c])} {SINGULAR[c]}" for c in content]
+        if len(kinds) > 1:
+            return rng.choice(("It is {0} or {1}.", "Maybe {0}, or {1}.")).format(*kinds)
+        template = rng.choice(("{plural}", "It is {kind}.", "{word} is {kind}.", "Sure! That is {kind}.", "The category is {plural}."))
+        return template.format(plural=content[0], kind=kinds[0], word=p["word"].capitalize())
     if task.family == "sort":
         style = rng.choices(("comma", "numbered", "bullet"), weights=(5, 3, 2))[0]
         leads = ("Here is the sorted list:", "Sure! Here they are:", "The numbers in order are:")
@@ -322,8 +390,15 @@ def _demo_text(task: Task, content: int | list[str], rng: random.Random) -> str:
     return _with_lead(lead, _format_items(content, style), style)
 
 
+def _article(word: str) -> str:
+    return "an" if word[0] in "aeiou" else "a"
+
+
 def _reference_text(task: Task, content: int | list[str]) -> str:
     p = task.params
+    if task.family == "categorize":
+        kinds = " or ".join(f"{_article(SINGULAR[c])} {SINGULAR[c]}" for c in content)
+        return f"The word {p['word']} names {kinds}, so it belongs to the {' or '.join(content)}."
     if task.family == "arithmetic":
         return f"The answer is {p['a']} {p['op']} {p['b']} = {content}."
     if task.family == "max_number":
@@ -360,12 +435,23 @@ def demonstrate(task: Task, rng: random.Random, error_rate: float) -> str:
     return _demo_text(task, content, rng)
 
 
+MAX_REFERENCE_MISTAKES = 4
+
+
 def reference_output(task: Task, rng: random.Random, error_rate: float) -> str:
-    """Fixed reference policy: always a brief lead-in sentence plus the answer on one line."""
+    """Fixed reference policy: always a brief lead-in sentence plus the answer on one line.
+
+    Its mistakes compound: with probability error_rate it makes a mistake, and after each
+    mistake another one with probability error_rate again (at most 4). So error_rate
+    spans references from perfect (0) to clearly flawed (1), which lets the farm calibrate
+    the reference to what a tiny model can reach.
+    """
     _check_family(task.family)
     _check_rate(error_rate)
     content = _content(task, rng)
-    if rng.random() < error_rate:
+    for _ in range(MAX_REFERENCE_MISTAKES):
+        if rng.random() >= error_rate or (task.family in ("sort", "reverse", "list_items") and len(content) <= 2):
+            break
         content = _mistake(task, content, rng)
     return _reference_text(task, content)
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from farmflow.config import RewardConfig
-from farmflow.models import encode_examples, optimizer_and_schedule, score
+from farmflow.models import encode_examples, optimizer_and_schedule
 from farmflow.progress import progress
 
 VERSION = "1"
@@ -72,11 +72,10 @@ def train_reward(
     return {"steps": float(total), "train_loss_first": losses[0], "train_loss_last": sum(tail) / len(tail)}
 
 
-def pairwise_accuracy(
-    model, tokenizer, prompts: Sequence[str], out_1: Sequence[str], out_2: Sequence[str], preferences: Sequence[float],
-) -> float:
-    """Fraction of non-tied pairs where the higher reward goes to the preferred output."""
-    r1 = score(model, tokenizer, prompts, out_1)
-    r2 = score(model, tokenizer, prompts, out_2)
-    hits = [(b > a) == (p > 1.5) for a, b, p in zip(r1.tolist(), r2.tolist(), preferences) if p != 1.5 and a != b]
+def pairwise_accuracy(reward_1: Sequence[float], reward_2: Sequence[float], preferences: Sequence[float]) -> float:
+    """Fraction of non-tied pairs where the higher reward goes to the preferred output.
+
+    Ties in the label (1.5) and in the rewards are left out; NaN when nothing is left.
+    """
+    hits = [(b > a) == (p > 1.5) for a, b, p in zip(reward_1, reward_2, preferences) if p != 1.5 and a != b]
     return sum(hits) / len(hits) if hits else float("nan")

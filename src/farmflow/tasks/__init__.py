@@ -31,7 +31,7 @@ from farmflow.evaluation import evaluate_outputs
 from farmflow.methods import best_of_n as bon
 from farmflow.methods import reward as rm
 from farmflow.methods import sft
-from farmflow.models import build_policy, load_policy, load_reward, reward_from_policy, sample, save, train_tokenizer
+from farmflow.models import build_policy, load_policy, load_reward, reward_from_policy, sample, save, score, train_tokenizer
 from farmflow.progress import progress
 from farmflow.storage import ArtifactRef, LocalStore, open_store, stage_key
 from farmflow.storage.schemas import SCHEMAS
@@ -179,21 +179,36 @@ def train_reward_task(store_uri: str, config: RewardConfig, preferences: Artifac
                               col(train, "preference"), config, model.config.max_position_embeddings)
     metrics["seconds"] = time.perf_counter() - start
     if held:
-        metrics["heldout_accuracy"] = rm.pairwise_accuracy(model, tokenizer, prompts_of(held), col(held, "output_1"), col(held, "output_2"), col(held, "preference"))
-        clean = [r for r in held if not r["noised"]]
-        if clean:
-            metrics["heldout_accuracy_unnoised"] = rm.pairwise_accuracy(
-                model, tokenizer, prompts_of(clean), col(clean, "output_1"), col(clean, "output_2"), col(clean, "preference"))
-        gold = [r for r in held if r["gold_1"] is not None and r["gold_1"] != r["gold_2"]]
-        if gold:
-            metrics["heldout_gold_accuracy"] = rm.pairwise_accuracy(
-                model, tokenizer, prompts_of(gold), col(gold, "output_1"), col(gold, "output_2"),
-                [2.0 if r["gold_2"] > r["gold_1"] else 1.0 for r in gold])
-        _log("train_reward: held-out accuracy %.3f on %d val pairs", metrics["heldout_accuracy"], len(held))
+        r1 = score(model, tokenizer, prompts_of(held), col(held, "output_1")).tolist()
+        r2 = score(model, tokenizer, prompts_of(held), col(held, "output_2")).tolist()
+        metrics.update(heldout_accuracies(held, r1, r2))
+        _log("train_reward: held-out accuracy %.3f (un-noised labels %.3f, gold %.3f) on %d val pairs",
+             metrics["heldout_accuracy"], metrics.get("heldout_accuracy_unnoised", float("nan")),
+             metrics.get("heldout_gold_accuracy", float("nan")), len(held))
     with store.put_model("train_reward", key, "reward", config=config, inputs={"preferences": preferences, "sft": sft}) as (folder, m):
         save(model, tokenizer, folder)
         m.update(metrics)
     return store.get("train_reward", key)
+
+
+def heldout_accuracies(rows: list[dict], r1: list[float], r2: list[float]) -> dict[str, float]:
+    """Reward-model accuracy on annotated pairs it was not trained on.
+
+    * heldout_accuracy: against the stored labels (p_sim^ann: a quarter are coin flips);
+    * heldout_accuracy_unnoised: on the pairs an annotator actually judged (what the
+      p_sim^eval pool would say; the coin flips are unpredictable by construction);
+    * heldout_gold_accuracy: against the gold reward, on pairs whose gold differs.
+    """
+    out = {"heldout_accuracy": rm.pairwise_accuracy(r1, r2, [r["preference"] for r in rows])}
+    judged = [i for i, r in enumerate(rows) if not r["noised"]]
+    if judged:
+        out["heldout_accuracy_unnoised"] = rm.pairwise_accuracy(
+            [r1[i] for i in judged], [r2[i] for i in judged], [rows[i]["preference"] for i in judged])
+    gold = [i for i, r in enumerate(rows) if r["gold_1"] is not None and r["gold_1"] != r["gold_2"]]
+    if gold:
+        out["heldout_gold_accuracy"] = rm.pairwise_accuracy(
+            [r1[i] for i in gold], [r2[i] for i in gold], [2.0 if rows[i]["gold_2"] > rows[i]["gold_1"] else 1.0 for i in gold])
+    return out
 
 
 def _outputs_table(rows: list[dict], outputs: list[str], generator: str, scores: list[float] | None = None) -> pa.Table:

@@ -1,0 +1,1 @@
+"""Benchmarks (`make bench`); each writes its results under bench/results/."""
