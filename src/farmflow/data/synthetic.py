@@ -5,22 +5,22 @@ English words in five categories) so that a ~1M-parameter model can learn it in 
 
 Families and their gold reward (always a float in [0, 1], partial credit for near misses):
 
-* arithmetic  "What is 37 + 48?" (no input). Add or subtract two numbers of 1-2 digits.
+* arithmetic  "What is 17 + 8?" (no input). Add or subtract two numbers from 0 to 20.
   The predicted number is the first integer after the last "=" or ":" (or in the whole text).
   Exact -> 1.0; otherwise 0.8 * mean(right-aligned digit match fraction,
   max(0, 1 - |pred - ans| / max(ans, 10))); no number -> 0.0.
-* sort        "Sort the following numbers in ascending order." input "12, 85, 3" (3-5 numbers
+* sort        "Sort the following numbers in ascending order." input "12, 85, 3" (3-4 numbers
   0-99, ascending or descending). gold = kept * ordered, where kept = |input & output as
   multisets| / max(n_in, n_out) and ordered = fraction of adjacent output pairs in order.
-* reverse     "Reverse the order of the words below." input "red cat hammer" (3-5 words).
+* reverse     "Reverse the order of the words below." input "red cat hammer" (3-4 words).
   gold = mean(position matches, longest common subsequence), both / max(n_want, n_got).
 * list_items  "List 4 animals." (no input; 2-6 items of one category).
   gold = min(distinct in-category items, k) / max(k, n_items): duplicates, items from the wrong
   category, missing items and extra items all cost credit.
-* max_number  "Which number is the largest?" input "12, 85, 3" (3-6 numbers 0-99).
+* max_number  "Which number is the largest?" input "12, 85, 3" (3-5 numbers 0-99).
   Exact -> 1.0; another number of the input -> 0.5 * (fraction of the other numbers it beats);
   anything else -> 0.0.
-* categorize  "What kind of thing is this?" input "tiger" (one vocabulary word).
+* categorize  "What kind of thing is mentioned below?" input "I saw a tiger." (one vocabulary word).
   gold = 1 / (number of categories named) if the right category is among them, else 0, so a
   hedge ("an animal or a fruit") earns half.
 
@@ -47,6 +47,10 @@ import random
 import re
 from collections import Counter
 from dataclasses import asdict, dataclass
+
+# Bump when task generation, the policies or the gold reward change: it is part of the data
+# stage's key, and every other stage key chains from the data key.
+VERSION = "2"
 
 FAMILIES: tuple[str, ...] = ("arithmetic", "sort", "reverse", "list_items", "max_number", "categorize")
 
@@ -101,16 +105,17 @@ REVERSE_PROMPTS = ("Reverse the order of the words below.", "Write these words i
                    "Reverse the following sequence of words.")
 LIST_PROMPTS = ("List {k} {cat}.", "Name {k} {cat}.", "Give me {k} examples of {cat}.",
                 "Write down {k} different {cat}.")
-CATEGORIZE_PROMPTS = ("What kind of thing is this?", "Which category does this word belong to?",
-                      "Name the category of the word below.", "Classify the following word.")
+CATEGORIZE_PROMPTS = ("What kind of thing is mentioned below?", "Which category does the thing below belong to?",
+                      "Classify the object mentioned below.", "Name the category of the item below.")
+# The word sits inside a short sentence, so it is tokenized as in answers (" pear", not "pear").
+CATEGORIZE_INPUTS = ("I saw {a} {w}.", "There is {a} {w} here.", "Look at the {w}.", "My friend has {a} {w}.")
 MAX_PROMPTS = ("Which number is the largest?", "Find the largest number in the list.",
                "What is the biggest of these numbers?",
                "Identify the maximum of the following numbers.")
 
 
 def _number(rng: random.Random) -> int:
-    digits = rng.choices((1, 2), weights=(4, 6))[0]
-    return rng.randint(0 if digits == 1 else 10 ** (digits - 1), 10 ** digits - 1)
+    return rng.randint(0, 20)
 
 
 def sample_task(family: str, rng: random.Random) -> Task:
@@ -122,13 +127,13 @@ def sample_task(family: str, rng: random.Random) -> Task:
         instruction = rng.choice(ARITH_PROMPTS).format(expr=f"{a} {op} {b}")
         return Task(family, instruction, "", {"a": a, "b": b, "op": op})
     if family == "sort":
-        numbers = rng.sample(range(100), rng.randint(3, 5))
+        numbers = rng.sample(range(100), rng.randint(3, 4))
         descending = rng.random() < 0.3
         instruction = rng.choice(SORT_PROMPTS[descending])
         return Task(family, instruction, ", ".join(map(str, numbers)),
                     {"numbers": numbers, "descending": descending})
     if family == "reverse":
-        words = rng.sample(ALL_WORDS, rng.randint(3, 5))
+        words = rng.sample(ALL_WORDS, rng.randint(3, 4))
         return Task(family, rng.choice(REVERSE_PROMPTS), " ".join(words), {"words": words})
     if family == "list_items":
         category, count = rng.choice(tuple(CATEGORIES)), rng.randint(2, 6)
@@ -137,8 +142,9 @@ def sample_task(family: str, rng: random.Random) -> Task:
         return Task(family, instruction, "", {"category": category, "count": count})
     if family == "categorize":
         word = rng.choice(ALL_WORDS)
-        return Task(family, rng.choice(CATEGORIZE_PROMPTS), word, {"word": word, "category": CATEGORY_OF[word]})
-    numbers = rng.sample(range(100), rng.randint(3, 6))  # max_number
+        text = rng.choice(CATEGORIZE_INPUTS).format(a=_article(word), w=word)
+        return Task(family, rng.choice(CATEGORIZE_PROMPTS), text, {"word": word, "category": CATEGORY_OF[word]})
+    numbers = rng.sample(range(100), rng.randint(3, 5))  # max_number
     return Task(family, rng.choice(MAX_PROMPTS), ", ".join(map(str, numbers)),
                 {"numbers": numbers})
 

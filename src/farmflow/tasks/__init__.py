@@ -25,7 +25,7 @@ from prefect.exceptions import MissingContextError
 
 from farmflow.annotators import annotate_pairs
 from farmflow.config import AnnotatorConfig, BestOfNConfig, DataConfig, ModelConfig, RewardConfig, SampleConfig, SFTConfig
-from farmflow.data import build_synthetic_farm, prompts_of, split_rows
+from farmflow.data import build_synthetic_farm, prompts_of, split_rows, synthetic
 from farmflow.evaluation import VERSION as EVAL_VERSION
 from farmflow.evaluation import evaluate_outputs
 from farmflow.methods import best_of_n as bon
@@ -39,7 +39,7 @@ from farmflow.storage.schemas import SCHEMAS
 EXECUTED: Counter[str] = Counter()
 
 VERSIONS = {
-    "data": "1", "base_model": "1", "sft": sft.VERSION, "sample_pairs": "1", "annotate": "1",
+    "data": f"1+synthetic{synthetic.VERSION}", "base_model": "1", "sft": sft.VERSION, "sample_pairs": "1", "annotate": "1",
     "train_reward": rm.VERSION, "generate": "1", "best_of_n": bon.VERSION, "evaluate": EVAL_VERSION,
 }
 
