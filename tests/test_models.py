@@ -179,8 +179,9 @@ def test_sample_reports_progress(policy, tok):
 
 def test_greedy_reference_is_well_conditioned(policy, tok):
     refs = [greedy_by_hand(policy, tok, p) for p in SAMPLE_PROMPTS]
-    # margins far above float noise: a temperature of 1e-4 makes sampling effectively greedy
-    assert min(r[3] for r in refs) > 0.01
+    # margins far above float noise (~1e-6): at temperature 1e-4 a margin of 1e-3 is a logit gap
+    # of 10, so sampling is effectively greedy
+    assert min(r[3] for r in refs) > 1e-3
     # the continuations differ, some stop on </s> early and some run to max_new_tokens
     assert len({r[0] for r in refs}) == len(refs)
     assert any(r[2] and r[1] < MAX_NEW // 2 for r in refs)
