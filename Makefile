@@ -7,6 +7,7 @@ STAMP := $(VENV)/.farmflow-installed
 
 export PREFECT_HOME ?= $(CURDIR)/.farmflow/prefect
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
+export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 180
 
 .PHONY: install demo test bench clean
 

@@ -23,6 +23,9 @@ def _prefect_env() -> None:
     os.environ.setdefault("PREFECT_HOME", str(Path(".farmflow/prefect").absolute()))
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "farmflow")
+    # the first start of the temporary API creates and migrates its database: on a busy
+    # 2-core machine that can take longer than Prefect's default 20 s
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 
 
 def _config(preset: str, overrides: list[str], store: Optional[str]):
