@@ -21,6 +21,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 demo: install  ## the offline synthetic farm end to end (a few minutes on 2 CPU cores)
+	mkdir -p "$(PREFECT_HOME)"
 	$(VENV)/bin/farmflow demo
 
 test: install  ## the whole suite, slow end-to-end tests included

@@ -236,3 +236,13 @@ def test_cli_config_show_unknown_preset_exits_2():
     result = CliRunner().invoke(app, ["config", "show", "nope"])
     assert result.exit_code == 2
     assert "unknown preset 'nope'" in result.output
+
+
+def test_cli_creates_a_missing_prefect_home(tmp_path, monkeypatch):
+    """A fresh clone has no .farmflow/prefect: Prefect's SQLite database needs the folder."""
+    from farmflow.cli import _prefect_env
+
+    home = tmp_path / "fresh" / "prefect"
+    monkeypatch.setenv("PREFECT_HOME", str(home))
+    _prefect_env()
+    assert home.is_dir()

@@ -21,6 +21,8 @@ console = Console()
 def _prefect_env() -> None:
     """Keep Prefect's state in the project (never ~/.prefect) and its analytics off."""
     os.environ.setdefault("PREFECT_HOME", str(Path(".farmflow/prefect").absolute()))
+    # Prefect opens its SQLite database inside PREFECT_HOME without creating the folder
+    Path(os.environ["PREFECT_HOME"]).expanduser().mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "farmflow")
     # the first start of the temporary API creates and migrates its database: on a busy
