@@ -41,14 +41,19 @@ def _config(preset: str, overrides: list[str], store: Optional[str]):
     return cfg
 
 
+def _num(x: float | None) -> str:
+    """Three decimals, or a dash where there is no value (no gold reward in the real farm)."""
+    return "—" if x is None or x != x else f"{x:.3f}"
+
+
 def _print_summary(summary: dict, wall: float) -> None:
     board = Table(title=f"Leaderboard ({summary['preset']}, vs reference outputs, p_sim^eval)")
     for col in ("method", "win rate", "± SE", "mean gold", "avg length", "n"):
         board.add_column(col, justify="left" if col == "method" else "right")
     for r in summary["leaderboard"]:
-        board.add_row(r["method"], f"{r['win_rate']:.1f}", f"{r['standard_error']:.1f}", f"{r['mean_gold']:.3f}", str(r["avg_length"]), str(r["n"]))
+        board.add_row(r["method"], f"{r['win_rate']:.1f}", f"{r['standard_error']:.1f}", _num(r["mean_gold"]), str(r["avg_length"]), str(r["n"]))
     console.print(board)
-    console.print(f"reference outputs: mean gold {summary['reference_mean_gold']:.3f}")
+    console.print(f"reference outputs: mean gold {_num(summary['reference_mean_gold'])}")
     rm = summary["reward_model"]
     console.print(
         "reward model, held-out val pairs: accuracy "

@@ -1,4 +1,4 @@
-"""Deployment definitions for the flows (served by `farmflow serve`).
+"""Deployment definitions for the flows (serve them with `prefect`'s `serve(*deployments())`).
 
 A deployment's parameters are the flows' pydantic config models, so the Prefect UI
 renders the whole `FarmConfig` as a form with every field's description.
