@@ -15,7 +15,10 @@ from rich.table import Table
 app = typer.Typer(help="farmflow: AlpacaFarm as a cached Prefect pipeline.", no_args_is_help=True, add_completion=False)
 config_app = typer.Typer(help="Inspect presets and configurations.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
+eval_app = typer.Typer(help="Evaluation statistics (AlpacaEval definitions).", no_args_is_help=True)
+app.add_typer(eval_app, name="eval")
 console = Console()
+err_console = Console(stderr=True)
 
 
 def _prefect_env() -> None:
@@ -128,6 +131,29 @@ def show(
 ) -> None:
     """Print a preset (with overrides) as JSON."""
     print(_config(preset, set_, None).model_dump_json(indent=2))
+
+
+@eval_app.command("winrate")
+def winrate(path: Path = typer.Argument(..., help="AlpacaEval annotations JSON: a list of rows with 'preference' and 'output_2'.")) -> None:
+    """Win rate, standard error, counts, discrete win rate and average length of an annotations file, as JSON."""
+    from farmflow.evaluation import alpaca_eval_winrate
+
+    try:
+        rows = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        console.print(f"[red]cannot read {path}:[/red] {err}")
+        raise typer.Exit(2)
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        console.print(f"[red]{path}:[/red] expected a JSON list of annotation objects")
+        raise typer.Exit(2)
+    try:
+        stats = alpaca_eval_winrate(rows, where=str(path))
+    except ValueError as err:
+        console.print(f"[red]{err}[/red]")
+        raise typer.Exit(2)
+    if stats["n_invalid"]:
+        err_console.print(f"[yellow]{int(stats['n_invalid'])} rows with a missing or malformed preference were left out[/yellow]")
+    print(json.dumps({k: (int(v) if k.startswith("n_") or k == "avg_length" else v) for k, v in stats.items()}, indent=2))
 
 
 def main() -> None:
