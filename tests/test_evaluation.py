@@ -138,3 +138,35 @@ def test_missing_reference_raises():
     outputs = [b | {"output": "x"} for b in base]
     with pytest.raises(ValueError, match="eval-00001"):
         evaluate_outputs(outputs, [refs[0], refs[2]], SHARP)
+
+
+# ----------------------------------------------------------------------------- leaderboards
+BOARD = [
+    {"method": "best_of_4", "win_rate": 57.2, "standard_error": 2.5, "mean_gold": 0.6, "avg_length": 26, "n": 400},
+    {"method": "sft", "win_rate": 54.2, "standard_error": 2.5, "mean_gold": None, "avg_length": 25, "n": 400},
+    {"method": "untrained", "win_rate": 11.8, "standard_error": float("nan"), "mean_gold": 0.004, "avg_length": 144, "n": 400},
+]
+
+
+def test_leaderboard_markdown_has_every_row():
+    from farmflow.evaluation import leaderboard_markdown
+
+    md = leaderboard_markdown(BOARD, "Demo")
+    assert md.startswith("### Demo")
+    assert "| best_of_4 | 57.2 | 2.5 | 0.600 | 26 | 400 |" in md
+    assert "| sft | 54.2 | 2.5 | — | 25 | 400 |" in md  # no gold in the real farm: a dash
+    assert "| untrained | 11.8 | — | 0.004 | 144 | 400 |" in md
+
+
+def test_leaderboard_plot_is_a_real_png(tmp_path):
+    import matplotlib.image as mpimg
+
+    from farmflow.evaluation import method_family, plot_leaderboard
+
+    path = tmp_path / "board.png"
+    plot_leaderboard(BOARD, str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    img = mpimg.imread(str(path))
+    assert img.shape[0] > 100 and img.shape[1] > 300
+    assert img[..., :3].std() > 0.05  # bars, text and axes, not a blank canvas
+    assert [method_family(m) for m in ("untrained", "sft", "best_of_16", "dpo")] == ["baseline", "sft", "reward model", "preferences"]

@@ -39,9 +39,18 @@ def test_flow_end_to_end_then_fully_cached_then_only_best_of_n(micro_config):
     assert 0 <= summary["reward_model"]["heldout_accuracy"] <= 1
     assert not any(s["cached"] for s in summary["stages"])
 
-    # the leaderboard is a real Parquet artifact with the declared schema
-    board = pq.read_table(f"{summary['artifacts']['leaderboard']}/data.parquet")
+    # the leaderboard is a real Parquet artifact with the declared schema, plus Markdown and a plot
+    folder = summary["artifacts"]["leaderboard"]
+    board = pq.read_table(f"{folder}/data.parquet")
     assert board.num_rows == 3 and "win_rate" in board.column_names
+    assert "| sft |" in open(f"{folder}/leaderboard.md").read()
+    assert open(f"{folder}/leaderboard.png", "rb").read(4) == b"\x89PNG"
+    # ... and a Prefect markdown artifact
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        keys = {a.key for a in client.read_artifacts()}
+    assert {"leaderboard", "leaderboard-table"} <= keys
 
     # same config again: nothing executes, every stage reports cached
     again, executed = _run(micro_config)
@@ -75,3 +84,6 @@ def test_demo_cli_runs_micro_and_prints_leaderboard(micro_config):
     assert result.exit_code == 0, result.output
     for text in ("Leaderboard", "untrained", "sft", "best_of_4", "reward model", "Stages", "artifacts in"):
         assert text in result.output
+    latest = CliRunner().invoke(app, ["leaderboard", "--store", micro_config.store.uri])
+    assert latest.exit_code == 0, latest.output
+    assert "best_of_4" in latest.output and "leaderboard.png" in latest.output

@@ -49,13 +49,17 @@ def _num(x: float | None) -> str:
     return "—" if x is None or x != x else f"{x:.3f}"
 
 
-def _print_summary(summary: dict, wall: float) -> None:
-    board = Table(title=f"Leaderboard ({summary['preset']}, vs reference outputs, p_sim^eval)")
+def _board(rows: list[dict], title: str) -> Table:
+    board = Table(title=title)
     for col in ("method", "win rate", "± SE", "mean gold", "avg length", "n"):
         board.add_column(col, justify="left" if col == "method" else "right")
-    for r in summary["leaderboard"]:
+    for r in rows:
         board.add_row(r["method"], f"{r['win_rate']:.1f}", f"{r['standard_error']:.1f}", _num(r["mean_gold"]), str(r["avg_length"]), str(r["n"]))
-    console.print(board)
+    return board
+
+
+def _print_summary(summary: dict, wall: float) -> None:
+    console.print(_board(summary["leaderboard"], f"Leaderboard ({summary['preset']}, vs reference outputs, p_sim^eval)"))
     console.print(f"reference outputs: mean gold {_num(summary['reference_mean_gold'])}")
     rm = summary["reward_model"]
     console.print(
@@ -113,6 +117,24 @@ def run(
         console.print(f"[red]unknown flow {flow!r}[/red]; known flows: best-of-n")
         raise typer.Exit(2)
     _run(preset, set_, store, as_json)
+
+
+@app.command()
+def leaderboard(
+    store: Optional[str] = typer.Option(None, help="Artifact store (default ./.farmflow/store or $FARMFLOW_STORE)."),
+) -> None:
+    """Print the most recent leaderboard in the store, and where its Parquet, Markdown and plot are."""
+    from farmflow.config import StoreConfig
+    from farmflow.storage import open_store
+
+    st = open_store(store or StoreConfig().uri)
+    boards = [r for r in st.list() if r.stage == "leaderboard"]
+    if not boards:
+        console.print(f"no leaderboard in {st.root} yet: run `farmflow demo` first")
+        raise typer.Exit(1)
+    latest = boards[-1]
+    console.print(_board(st.read_table(latest).to_pylist(), f"Leaderboard ({latest.created})"))
+    console.print(f"files: {latest.uri}/data.parquet, leaderboard.md, leaderboard.png")
 
 
 @config_app.command("presets")

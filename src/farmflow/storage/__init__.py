@@ -135,12 +135,20 @@ class LocalStore:
 
     def put_table(
         self, stage: str, key: str, table: pa.Table, format: str, *, config: Any = None,
-        inputs: dict | None = None, metrics: dict[str, float] | None = None,
+        inputs: dict | None = None, metrics: dict[str, float] | None = None, extra_files: dict[str, bytes] | None = None,
     ) -> ArtifactRef:
-        """Validate `table` against the schema of `format` and commit it atomically."""
+        """Validate `table` against the schema of `format` and commit it atomically.
+
+        `extra_files` (name → bytes) are committed in the same folder, e.g. a rendered
+        Markdown table or plot of the data.
+        """
         table = conform(table, format, where=f"stage {stage!r}")
         with self._staged(stage, key) as staging:
             pq.write_table(table, staging / "data.parquet")
+            for name, data in (extra_files or {}).items():
+                if "/" in name or name.startswith(".") or name in ("data.parquet", COMMIT_FILE):
+                    raise ValueError(f"invalid extra file name {name!r} for stage {stage!r}")
+                (staging / name).write_bytes(data)
             ref = ArtifactRef(
                 uri="", stage=stage, key=key, kind="table", format=format, rows=table.num_rows,
                 created=_now(), metrics=dict(metrics or {}),

@@ -14,20 +14,25 @@ Prefect's cache key is the same stage key and the persisted result is the
 
 from __future__ import annotations
 
+import tempfile
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+
 from prefect import get_run_logger, task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
+from prefect.context import TaskRunContext
 from prefect.exceptions import MissingContextError
 
 from farmflow.annotators import annotate_pairs
 from farmflow.config import AnnotatorConfig, BestOfNConfig, DataConfig, ModelConfig, RewardConfig, SampleConfig, SFTConfig
 from farmflow.data import build_synthetic_farm, prompts_of, split_rows, synthetic
 from farmflow.evaluation import VERSION as EVAL_VERSION
-from farmflow.evaluation import evaluate_outputs
+from farmflow.evaluation import evaluate_outputs, leaderboard_markdown, plot_leaderboard
 from farmflow.methods import best_of_n as bon
 from farmflow.methods import reward as rm
 from farmflow.methods import sft
@@ -267,8 +272,12 @@ def evaluate_task(store_uri: str, config: AnnotatorConfig, outputs: ArtifactRef,
 
 
 @task(name="leaderboard", cache_policy=NO_CACHE, persist_result=False)
-def leaderboard_task(store_uri: str, evaluations: dict[str, ArtifactRef]) -> ArtifactRef:
-    """One row per method from the evaluations' metrics; always rebuilt (it is cheap)."""
+def leaderboard_task(store_uri: str, evaluations: dict[str, ArtifactRef], title: str = "Leaderboard") -> ArtifactRef:
+    """One row per method from the evaluations' metrics; always rebuilt (it is cheap).
+
+    The artifact holds the Parquet table plus ``leaderboard.md`` and ``leaderboard.png``;
+    inside a flow the table is also published as Prefect markdown and table artifacts.
+    """
     store = open_store(store_uri)
     rows = [
         {"method": method, "win_rate": ref.metrics["win_rate"], "standard_error": ref.metrics["standard_error"],
@@ -277,6 +286,19 @@ def leaderboard_task(store_uri: str, evaluations: dict[str, ArtifactRef]) -> Art
         for method, ref in evaluations.items()
     ]
     rows.sort(key=lambda r: -r["win_rate"])
-    key = stage_key("leaderboard", "1", {}, evaluations)
-    return store.get("leaderboard", key) or store.put_table(
-        "leaderboard", key, pa.Table.from_pylist(rows, schema=SCHEMAS["leaderboard"]), "leaderboard", inputs=evaluations)
+    key = stage_key("leaderboard", "2", {"title": title}, evaluations)
+    markdown = leaderboard_markdown(rows, title)
+    ref = store.get("leaderboard", key)
+    if ref is None:
+        with tempfile.TemporaryDirectory() as tmp:
+            plot_leaderboard(rows, f"{tmp}/leaderboard.png", title)
+            png = Path(f"{tmp}/leaderboard.png").read_bytes()
+        ref = store.put_table(
+            "leaderboard", key, pa.Table.from_pylist(rows, schema=SCHEMAS["leaderboard"]), "leaderboard", inputs=evaluations,
+            extra_files={"leaderboard.md": markdown.encode(), "leaderboard.png": png},
+        )
+    if TaskRunContext.get() is not None:  # not when called as task.fn(...) outside a flow
+        create_markdown_artifact(markdown + f"\nParquet, Markdown and plot: `{ref.uri}`\n", key="leaderboard", description=title)
+        create_table_artifact([{k: r[k] for k in ("method", "win_rate", "standard_error", "mean_gold", "avg_length", "n")} for r in rows],
+                              key="leaderboard-table", description=title)
+    return ref
