@@ -251,12 +251,10 @@ KILL_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_put_model_is_atomic_under_sigkill(tmp_path, tiny_model):
-    from farmflow.models import load_policy, save
-
-    root, ready = tmp_path / "store", tmp_path / "ready"
+def kill_writer_when_ready(script: str, root, ready) -> None:
+    """Run `script` (argv: store root, ready file) in a real process; SIGKILL it once it signals."""
     env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(root), str(ready)], env=env,
+    proc = subprocess.Popen([sys.executable, "-c", script, str(root), str(ready)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 60
@@ -269,6 +267,13 @@ def test_put_model_is_atomic_under_sigkill(tmp_path, tiny_model):
         proc.kill()
         proc.wait(timeout=30)
     assert proc.returncode == -signal.SIGKILL
+
+
+def test_put_model_is_atomic_under_sigkill(tmp_path, tiny_model):
+    from farmflow.models import load_policy, save
+
+    root = tmp_path / "store"
+    kill_writer_when_ready(KILL_SCRIPT, root, tmp_path / "ready")
 
     store = LocalStore(root)
     assert store.get("sft", "killme") is None
@@ -306,20 +311,8 @@ COMMIT_KILL_SCRIPT = textwrap.dedent("""
 
 
 def test_kill_between_commit_record_and_rename_lists_nothing(tmp_path):
-    root, ready = tmp_path / "store", tmp_path / "ready"
-    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.Popen([sys.executable, "-c", COMMIT_KILL_SCRIPT, str(root), str(ready)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        deadline = time.monotonic() + 60
-        while not ready.exists():
-            assert proc.poll() is None, proc.communicate()[1].decode()[-2000:]
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-        os.kill(proc.pid, signal.SIGKILL)
-    finally:
-        proc.kill()
-        proc.wait(timeout=30)
+    root = tmp_path / "store"
+    kill_writer_when_ready(COMMIT_KILL_SCRIPT, root, tmp_path / "ready")
     store = LocalStore(root)
     assert store.get("pairs", "k") is None
     assert store.list() == []
