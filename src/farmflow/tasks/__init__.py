@@ -36,7 +36,9 @@ from farmflow.evaluation import evaluate_outputs, leaderboard_markdown, plot_lea
 from farmflow.methods import best_of_n as bon
 from farmflow.methods import reward as rm
 from farmflow.methods import sft
-from farmflow.models import build_policy, load_policy, load_reward, reward_from_policy, sample, save, score, train_tokenizer
+from farmflow.models import (
+    build_policy, load_policy, load_reward, load_tokenizer, reward_from_policy, sample, save, score, train_tokenizer,
+)
 from farmflow.progress import progress
 from farmflow.storage import ArtifactRef, LocalStore, open_store, stage_key
 from farmflow.storage.schemas import SCHEMAS
@@ -96,7 +98,7 @@ def data_task(store_uri: str, config: DataConfig) -> ArtifactRef:
     if hit:
         return hit
     table = build_synthetic_farm(config)
-    counts = {f"rows_{s}": float(sum(1 for x in table.column("split").to_pylist() if x == s)) for s in ("sft", "pref", "unlabeled", "val", "eval")}
+    counts = {f"rows_{split}": float(n) for split, n in Counter(table.column("split").to_pylist()).items()}
     return store.put_table("data", key, table, "instructions", config=config, metrics=counts)
 
 
@@ -177,7 +179,7 @@ def train_reward_task(store_uri: str, config: RewardConfig, preferences: Artifac
     table = store.read_table(preferences)
     train, held = split_rows(table, "pref"), split_rows(table, "val")
     model = reward_from_policy(store.model_dir(sft), seed=config.seed)
-    _, tokenizer = load_policy(store.model_dir(sft))
+    tokenizer = load_tokenizer(store.model_dir(sft))
     col = lambda rows, k: [r[k] for r in rows]  # noqa: E731
     start = time.perf_counter()
     metrics = rm.train_reward(model, tokenizer, prompts_of(train), col(train, "output_1"), col(train, "output_2"),
