@@ -91,6 +91,19 @@ class DataConfig(Section):
 
 
 # -------------------------------------------------------------------------- model
+class LoraConfig(Section):
+    """Low-rank adapters (peft) for policy training on small GPUs; the saved policy is always the merged model."""
+
+    r: int = Field(16, ge=1, description="Rank of each adapter (LoRA paper: 4-64; 16 is a common choice for 7B instruction tuning).")
+    alpha: float = Field(32.0, gt=0, description="Adapter scaling numerator: updates are scaled by alpha / r (commonly 2 x r).")
+    dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the adapter input during training.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1,
+        description="Names of the linear layers that get adapters (Llama attention projections by default; add gate_proj, up_proj, "
+        "down_proj for the MLP, or ['all-linear']).",
+    )
+
+
 class ModelConfig(Section):
     pretrained: str | None = Field(
         None,
@@ -113,6 +126,12 @@ class ModelConfig(Section):
     )
     vocab_size: int = Field(1024, ge=300, description="Size of the byte-level BPE vocabulary trained on the farm's text.")
     seed: int = Field(0, description="Seed for weight initialization.")
+    lora: LoraConfig | None = Field(
+        None,
+        description="Train policies through LoRA adapters (SFT, FeedME, reward conditioning, expert iteration, DPO, the PPO/Quark "
+        "policy; not the reward or value model): less GPU memory, the saved checkpoint is the merged model. None: full fine-tuning "
+        "(the paper). Recorded in the checkpoint's config, so every later policy-training stage applies it.",
+    )
 
     @model_validator(mode="after")
     def _heads_divide(self) -> "ModelConfig":
@@ -129,6 +148,12 @@ class SFTConfig(Section):
     warmup_ratio: float = Field(0.03, ge=0, lt=1, description="Fraction of steps with linear warmup; cosine decay after (paper: 0.03).")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay (paper: 0).")
     seed: int = Field(0, description="Seed for data order.")
+    micro_batch_size: int | None = Field(
+        None, ge=1, json_schema_extra={"stage_key": False},
+        description="Sequences per forward pass (per process); gradients of the micro-batches accumulate into one optimizer step of "
+        "batch_size, so results equal the unaccumulated run up to float rounding (memory only; None: the whole batch at once). "
+        "Not part of the stage key.",
+    )
 
 
 class SampleConfig(Section):
@@ -329,6 +354,12 @@ class BestOfNConfig(Section):
     n: int = Field(16, ge=1, description="Samples drawn per prompt and reranked by the reward model (paper: n=1024).")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature of the candidates (paper: 1.0).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold for candidates.")
+    micro_batch_size: int | None = Field(
+        None, ge=1, json_schema_extra={"stage_key": False},
+        description="Pairs per forward pass (per process); gradients of the micro-batches accumulate into one optimizer step of "
+        "batch_size, so results equal the unaccumulated run up to float rounding (memory only; None: the whole batch at once). "
+        "Not part of the stage key.",
+    )
     seed: int = Field(0, description="Seed of the candidate sampler.")
 
 
@@ -361,6 +392,12 @@ class ExpertIterationConfig(Section):
     rounds: int = Field(1, ge=1, description="Rounds of (best-of-n on the unlabeled split, then SFT); round r samples from round r-1's policy (paper: 1 round).")
     n: int = Field(16, ge=1, description="Samples per unlabeled instruction, the reward model keeps the best (paper: best-of-16).")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature of the candidates (paper: 1.0).")
+    micro_batch_size: int | None = Field(
+        None, ge=1, json_schema_extra={"stage_key": False},
+        description="Pairs per forward pass (per process); gradients of the micro-batches accumulate into one optimizer step of "
+        "batch_size, so results equal the unaccumulated run up to float rounding (memory only; None: the whole batch at once). "
+        "Not part of the stage key.",
+    )
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold for candidates.")
     max_prompts: int | None = Field(None, ge=1, description="Use only this many unlabeled instructions (None: the whole split, as the paper).")
     train: SFTConfig = Field(
@@ -530,6 +567,24 @@ class FarmConfig(Section):
     name: str = Field("custom", description="Name of the preset this config came from (informational; not part of any stage key).")
     data: DataConfig = Field(default_factory=DataConfig, description="Instruction data and splits.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="Tokenizer and base model.")
+    launcher: Literal["inline", "process", "accelerate"] = Field(
+        "inline",
+        description="How a GPU stage (gpu_stages) runs where it runs: 'inline' in the calling process; 'process' in a child Python "
+        "process (its GPU memory is released when it ends); 'accelerate': training stages through `accelerate launch` with "
+        "accelerate_config (several GPUs: DDP, FSDP or DeepSpeed), the other GPU stages (sampling, PPO, Quark) in one child process. "
+        "A child writes its output folder and the calling process commits it, so the artifacts and stage keys are the same either way.",
+    )
+    accelerate_config: str | None = Field(
+        None,
+        description="launcher 'accelerate': an `accelerate launch` config file (relative paths: from the working directory, else "
+        "from the farmflow checkout; configs/accelerate/ has single_gpu, multi_gpu (DDP), fsdp and deepspeed_zero3). None: "
+        "accelerate's defaults (`accelerate config`).",
+    )
+    num_processes: int | None = Field(
+        None, ge=1,
+        description="launcher 'accelerate': processes (GPUs) per training stage, passed as --num_processes (None: from the config "
+        "file). Each stage's batch_size must divide evenly between them.",
+    )
     sft: SFTConfig = Field(default_factory=SFTConfig, description="Supervised fine-tuning on demonstrations.")
     pairs: SampleConfig = Field(default_factory=SampleConfig, description="Sampling two outputs per PREF/val instruction (paper: temperature 1.0).")
     annotation: AnnotatorConfig = Field(
@@ -669,6 +724,9 @@ def _alpacafarm_7b() -> FarmConfig:
         generation=SampleConfig(temperature=0.7, max_new_tokens=300, batch_size=32),
         evaluation=EvaluationConfig(annotator=AnnotatorConfig(preset="p_sim_eval")),
     )
+        execution=ExecutionConfig(launcher="accelerate", accelerate_config="configs/accelerate/fsdp.yaml"),
+        sft=SFTConfig(micro_batch_size=4), feedme=SFTConfig(micro_batch_size=4),  # 4 sequences per GPU per pass, 128 per step
+        reward=RewardConfig(micro_batch_size=2), dpo=DPOConfig(micro_batch_size=2),
 
 
 PRESETS: dict[str, Any] = {
@@ -754,6 +812,6 @@ def validate_config(data: dict | FarmConfig) -> FarmConfig:
 
 __all__ = [
     "ANNOTATOR_PRESETS", "AnnotatorConfig", "ApiAnnotatorConfig", "BestOfNConfig", "CheckpointConfig", "ConfigError", "DPOConfig", "DataConfig", "EvaluationConfig", "ExecutionConfig", "GPU_STAGES", "ExpertIterationConfig", "FarmConfig",
-    "ModelConfig", "ModelPrice", "OracleAnnotatorConfig", "PPOConfig", "PRESETS", "QuarkConfig", "RewardConditioningConfig", "RewardConfig", "SFTConfig", "SampleConfig",
+    "LoraConfig", "ModelConfig", "ModelPrice", "OracleAnnotatorConfig", "PPOConfig", "PRESETS", "QuarkConfig", "RewardConditioningConfig", "RewardConfig", "SFTConfig", "SampleConfig",
     "StoreConfig", "load_config", "preset", "validate_config",
 ]

@@ -15,7 +15,9 @@ The reference log-probs do not change during training, so they are computed once
 never recomputed per step. Ties (preference 1.5) are skipped.
 
 Defaults (`DPOConfig`) follow AlpacaFarm's dpo.sh for LLaMA-7B: β 0.1, 2 epochs, AdamW
-lr 1e-6, 3% warmup then cosine, batch 128 pairs, no weight decay.
+lr 1e-6, 3% warmup then cosine, batch 128 pairs, no weight decay. The loop runs through
+`farmflow.models.runtime.Runtime` (device, processes, micro-batches of `micro_batch_size`
+pairs weighted by their share of the batch, LoRA when the model asks for it).
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ import torch
 import torch.nn.functional as F
 
 from farmflow.config import DPOConfig
-from farmflow.models import IGNORE, batch_order, encode_examples, optimizer_and_schedule, optimizer_step
+from farmflow.models import IGNORE, batch_order, encode_examples, optimizer_and_schedule
 from farmflow.models.checkpoint import Checkpointer
+from farmflow.models.runtime import Runtime, device_of
 from farmflow.progress import progress
 
 VERSION = "1"
@@ -44,7 +47,7 @@ def dpo_loss(
 
 def sequence_logps(model, tokenizer, prompts: Sequence[str], responses: Sequence[str], max_len: int) -> torch.Tensor:
     """Sum of log π(response token | prefix) over the response tokens (and </s>) of each example."""
-    ids, mask, labels = encode_examples(tokenizer, prompts, responses, max_len)
+    ids, mask, labels = (t.to(device_of(model)) for t in encode_examples(tokenizer, prompts, responses, max_len))
     logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
     targets = labels[:, 1:]
     token_logps = torch.gather(logits.log_softmax(-1), 2, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
@@ -63,6 +66,7 @@ def reference_logps(
             sl = slice(i, i + batch_size)
             both = sequence_logps(model, tokenizer, list(prompts[sl]) * 2, list(out_1[sl]) + list(out_2[sl]), max_len)
             half = len(both) // 2
+            both = both.cpu()
             l1 += both[:half].tolist()
             l2 += both[half:].tolist()
             bar.update(half)
@@ -94,28 +98,39 @@ def train_dpo(
 
     total = max(1, round(cfg.epochs * -(-len(pairs) // cfg.batch_size)))
     batches = batch_order(len(pairs), cfg.batch_size, total, cfg.seed)
-    opt, sched = optimizer_and_schedule(model, cfg.lr, cfg.weight_decay, total, cfg.warmup_ratio)
-    ckpt = checkpointer or Checkpointer(None, "dpo", "", 0)
-    state = {"modules": {"model": model}, "optimizers": {"opt": opt}, "schedulers": {"sched": sched}}
+    rt = Runtime(model, len(batches[0]), cfg.micro_batch_size, "dpo")
+    trained = rt.adapt(model)
+    opt, sched = optimizer_and_schedule(trained, cfg.lr, cfg.weight_decay, total, cfg.warmup_ratio)
+    trained, opt = rt.prepare(trained, opt)
+    ckpt = rt.checkpointer(checkpointer or Checkpointer(None, "dpo", "", 0))
+    state = {"modules": {"model": rt.unwrap(trained)}, "optimizers": {"opt": opt}, "schedulers": {"sched": sched}}
     start, extra = ckpt.restore(**state)
     losses, accs = list(extra.get("losses", [])), list(extra.get("accuracies", []))
-    model.train()
+    trained.train()
     with progress("dpo", total, unit="step", initial=start) as bar:
         for step in range(start, total):
-            idx = batches[step]
-            logps = sequence_logps(
-                model, tokenizer, [pair_prompts[i] for i in idx] * 2, [chosen[i] for i in idx] + [rejected[i] for i in idx], max_len,
-            )
-            pi_c, pi_r = logps[: len(idx)], logps[len(idx):]
-            ref_c = torch.tensor([ref_c_all[i] for i in idx])
-            ref_r = torch.tensor([ref_r_all[i] for i in idx])
-            loss = dpo_loss(pi_c, pi_r, ref_c, ref_r, cfg.beta)
-            optimizer_step(loss, model, opt, sched)
-            losses.append(loss.item())
-            accs.append(((pi_c - ref_c) > (pi_r - ref_r)).float().mean().item())
+            step_loss = step_acc = 0.0
+            for rows in rt.micro_batches():
+                part = batches[step][rows]
+                with rt.accumulate(trained):
+                    logps = sequence_logps(
+                        trained, tokenizer, [pair_prompts[i] for i in part] * 2, [chosen[i] for i in part] + [rejected[i] for i in part], max_len,
+                    )
+                    pi_c, pi_r = logps[: len(part)], logps[len(part):]
+                    ref_c = torch.tensor([ref_c_all[i] for i in part], device=logps.device)
+                    ref_r = torch.tensor([ref_r_all[i] for i in part], device=logps.device)
+                    loss = dpo_loss(pi_c, pi_r, ref_c, ref_r, cfg.beta)
+                    share = len(part) / len(batches[step])
+                    rt.backward(loss, share)
+                    rt.step(trained, opt, sched, 1.0)
+                step_loss += loss.item() * share
+                step_acc += ((pi_c - ref_c) > (pi_r - ref_r)).float().mean().item() * share
+            losses.append(rt.sum(step_loss))
+            accs.append(rt.sum(step_acc))
             bar.update(1)
             bar.set_postfix(loss=f"{losses[-1]:.3f}", acc=f"{accs[-1]:.2f}")
             ckpt.save(step + 1, **state, extra={"losses": losses, "accuracies": accs})
+    rt.finish(trained)
     k = max(1, len(losses) // 10)
     return {
         "steps": float(total), "resumed_from_step": float(start), "pairs": float(len(pairs)),

@@ -21,6 +21,11 @@ code: rollout batch 512, step batch 256, 2 epochs per step, KL coefficient 0.02,
 temperature 1.0, 300-token responses, penalty -1 for responses without EOS, value-loss
 weight 0.1, clip ranges 0.2, whitened rewards, AdamW ε 1e-5.
 
+Rollouts and updates run on the policy's device; the update goes through
+`farmflow.models.runtime.Runtime` (mixed precision on a GPU, micro-batches of
+`micro_batch_size` accumulated into each minibatch, LoRA on the policy when the model asks
+for it). PPO runs in one process (the `execution.launcher` never starts it on several).
+
 The `synthetic-tiny` preset scales the batches and steps down and raises the learning rate
 for a 0.6M-parameter model: rollout 128, step batch 64, 31 steps, lr 1e-4, KL coefficient
 0.05, 48-token responses. Measured on 2 shared CPU cores with the demo's SFT and reward
@@ -41,6 +46,7 @@ import torch.nn.functional as F
 from farmflow.config import PPOConfig
 from farmflow.models import _left_pad, batch_order, decode_response, sample_ids, score
 from farmflow.models.checkpoint import Checkpointer
+from farmflow.models.runtime import Runtime, device_of, to_device
 from farmflow.progress import progress
 
 VERSION = "1"
@@ -175,7 +181,7 @@ RewardFn = Callable[[Sequence[str], Sequence[str]], torch.Tensor]
 
 
 def reward_model_fn(reward_model, reward_tokenizer, batch_size: int = 64) -> RewardFn:
-    """The reward model's score of each (prompt, response) as a `RewardFn`."""
+    """The reward model's score of each (prompt, response) as a `RewardFn` (scores on the reward model's device, returned on the CPU)."""
     return lambda prompts, responses: score(reward_model, reward_tokenizer, prompts, responses, batch_size=batch_size)
 
 
@@ -230,7 +236,8 @@ def rollout(policy, ref_policy, value_model, reward_fn: RewardFn, tokenizer, pro
     responses, scores, ended = sample_and_score(
         policy, tokenizer, reward_fn, prompts, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
         penalty_reward_value=cfg.penalty_reward_value, batch_size=cfg.micro_batch_size, seed=seed)
-    batch = pack(tokenizer, prompts, responses, max_prompt)
+    batch = to_device(pack(tokenizer, prompts, responses, max_prompt), device_of(policy))
+    scores = scores.to(batch["tokens"].device)
     parts: dict[str, list[torch.Tensor]] = {"logprobs": [], "ref_logprobs": [], "values": [], "entropy": []}
     for start in range(0, len(prompts), cfg.micro_batch_size):
         chunk = take(batch, slice(start, start + cfg.micro_batch_size))
@@ -277,31 +284,38 @@ def train_ppo(
     ref_policy.eval().requires_grad_(False)
     steps = total_steps(len(prompts), cfg.epochs, cfg.rollout_batch_size)
     prompt_batches = batch_order(len(prompts), cfg.rollout_batch_size, steps, cfg.seed)
-    params = [p for m in (policy, value_model) for p in m.parameters()]
+    rt = Runtime(policy, cfg.step_batch_size, cfg.micro_batch_size, "ppo")
+    if rt.processes > 1:
+        raise ValueError("ppo runs in one process; start it without `accelerate launch` (execution.launcher does)")
+    trained = rt.adapt(policy)
+    params = [p for m in (trained, value_model) for p in m.parameters() if p.requires_grad]
     params = list({id(p): p for p in params}.values())
     opt = torch.optim.AdamW(params, lr=cfg.lr, eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
     sched = linear_schedule(opt, cfg.warmup_steps, steps)
+    trained, value_model, opt = rt.prepare(trained, value_model, opt)
+    ref_policy.to(rt.device)
     ckpt = checkpointer or Checkpointer(None, "ppo", "", 0)
-    state = {"modules": {"policy": policy, "value": value_model}, "optimizers": {"opt": opt}, "schedulers": {"sched": sched}}
+    state = {"modules": {"policy": rt.unwrap(trained), "value": rt.unwrap(value_model)}, "optimizers": {"opt": opt}, "schedulers": {"sched": sched}}
     start, extra = ckpt.restore(**state)
     history: list[dict[str, float]] = list(extra.get("history", []))
     with progress("ppo", steps, unit="step", initial=start) as bar:
         for step in range(start, steps):
             batch_prompts = [prompts[i] for i in prompt_batches[step]]
-            batch, stats = rollout(policy, ref_policy, value_model, reward_fn, tokenizer, batch_prompts, cfg, seed=cfg.seed * 1_000_003 + step)
-            stats.update(_optimize(policy, value_model, opt, params, batch, cfg, seed=cfg.seed * 1_000_003 + step))
+            batch, stats = rollout(trained, ref_policy, value_model, reward_fn, tokenizer, batch_prompts, cfg, seed=cfg.seed * 1_000_003 + step)
+            stats.update(_optimize(rt, trained, value_model, opt, params, batch, cfg, seed=cfg.seed * 1_000_003 + step))
             stats["lr"] = sched.get_last_lr()[0]
             sched.step()
             history.append({"step": float(step + 1), **stats})
             bar.update(1)
             bar.set_postfix(reward=f"{stats['reward']:.3f}", kl=f"{stats['kl']:.2f}")
             if on_step is not None:
-                on_step(step + 1, policy)
+                on_step(step + 1, rt.plain(trained))
             ckpt.save(step + 1, **state, extra={"history": history})
+    rt.finish(trained)
     return _summary(history, steps, start), history
 
 
-def _optimize(policy, value_model, opt, params, batch, cfg: PPOConfig, seed: int) -> dict[str, float]:
+def _optimize(rt: Runtime, policy, value_model, opt, params, batch, cfg: PPOConfig, seed: int) -> dict[str, float]:
     """`ppo_epochs` passes over the rollout in shuffled minibatches of `step_batch_size`."""
     policy.train()
     value_model.train()
@@ -313,18 +327,18 @@ def _optimize(policy, value_model, opt, params, batch, cfg: PPOConfig, seed: int
         order = torch.randperm(n, generator=gen)
         for start in range(0, n - cfg.step_batch_size + 1, cfg.step_batch_size):
             idx = order[start: start + cfg.step_batch_size]
-            opt.zero_grad(set_to_none=True)
-            for chunk_idx in idx.split(cfg.micro_batch_size):
+            for rows in rt.micro_batches():
+                chunk_idx = idx[rows]
                 mb = take(batch, chunk_idx)
-                logprobs = token_logprobs(response_logits(policy, mb, cfg.temperature), mb["tokens"])
-                values = response_values(value_model, mb)
-                loss, st = ppo_loss(logprobs, mb["logprobs"], mb["advantages"], values, mb["values"], mb["returns"],
-                                    mb["response_mask"], cfg.clip_range, cfg.clip_range_value, cfg.vf_coef)
-                (loss * len(chunk_idx) / len(idx)).backward()
+                with rt.accumulate(policy, value_model):
+                    logprobs = token_logprobs(response_logits(policy, mb, cfg.temperature), mb["tokens"])
+                    values = response_values(value_model, mb)
+                    loss, st = ppo_loss(logprobs, mb["logprobs"], mb["advantages"], values, mb["values"], mb["returns"],
+                                        mb["response_mask"], cfg.clip_range, cfg.clip_range_value, cfg.vf_coef)
+                    rt.backward(loss, len(chunk_idx) / len(idx))
+                    rt.step(params, opt, None, cfg.max_grad_norm)
                 for k, v in st.items():
                     totals[k] = totals.get(k, 0.0) + v.item() * len(chunk_idx) / len(idx)
-            torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-            opt.step()
             updates += 1
     opt.zero_grad(set_to_none=True)
     return {k: v / max(1, updates) for k, v in totals.items()}

@@ -15,7 +15,9 @@ Each Quark step:
 Defaults (`farmflow.config.QuarkConfig`) follow AlpacaFarm's released Quark script:
 rollout batch 512, step batch 256, KL coefficient 0.05, lr 3e-6, temperature 1.0,
 300-token responses, AdamW ε 1e-5; 5 quantiles as in Quark (Lu et al., 2022).
-Rollout sampling, scoring and sequence packing are shared with `farmflow.methods.ppo`.
+Rollout sampling, scoring and sequence packing are shared with `farmflow.methods.ppo`; so is
+the device handling (`farmflow.models.runtime.Runtime`, one process, LoRA on the policy when
+the model asks for it).
 
 The `synthetic-tiny` preset uses rollout 128, step batch 32 (the best 25 of 128 samples),
 62 steps, lr 1e-4, KL coefficient 0.1, 48-token responses. Measured on 2 shared CPU cores
@@ -35,6 +37,7 @@ from farmflow.config import QuarkConfig
 from farmflow.methods.ppo import RewardFn, check_lengths, linear_schedule, masked_mean, pack, response_logits, sample_and_score, take, total_steps
 from farmflow.models import batch_order
 from farmflow.models.checkpoint import Checkpointer
+from farmflow.models.runtime import Runtime, device_of, to_device
 from farmflow.progress import progress
 
 VERSION = "1"
@@ -82,10 +85,17 @@ def train_quark(
     ref_policy.eval().requires_grad_(False)
     steps = total_steps(len(prompts), cfg.epochs, cfg.rollout_batch_size)
     prompt_batches = batch_order(len(prompts), cfg.rollout_batch_size, steps, cfg.seed)
-    opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
+    pool_size = max(1, min(cfg.rollout_batch_size, len(prompts)) // cfg.num_quantiles)  # what `top_quantile` keeps
+    rt = Runtime(policy, min(cfg.step_batch_size, pool_size), cfg.micro_batch_size, "quark")
+    if rt.processes > 1:
+        raise ValueError("quark runs in one process; start it without `accelerate launch` (execution.launcher does)")
+    trained = rt.adapt(policy)
+    opt = torch.optim.AdamW([p for p in trained.parameters() if p.requires_grad], lr=cfg.lr, eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
     sched = linear_schedule(opt, cfg.warmup_steps, steps)
+    trained, opt = rt.prepare(trained, opt)
+    ref_policy.to(rt.device)
     ckpt = checkpointer or Checkpointer(None, "quark", "", 0)
-    state = {"modules": {"policy": policy}, "optimizers": {"opt": opt}, "schedulers": {"sched": sched}}
+    state = {"modules": {"policy": rt.unwrap(trained)}, "optimizers": {"opt": opt}, "schedulers": {"sched": sched}}
     start, extra = ckpt.restore(**state)
     history: list[dict[str, float]] = list(extra.get("history", []))
     max_prompt = max(1, policy.config.max_position_embeddings - cfg.max_new_tokens)
@@ -93,24 +103,25 @@ def train_quark(
         for step in range(start, steps):
             seed = cfg.seed * 1_000_003 + step
             batch_prompts = [prompts[i] for i in prompt_batches[step]]
-            policy.eval()
+            trained.eval()
             with torch.no_grad():
                 responses, scores, ended = sample_and_score(
-                    policy, tokenizer, reward_fn, batch_prompts, temperature=cfg.temperature,
+                    trained, tokenizer, reward_fn, batch_prompts, temperature=cfg.temperature,
                     max_new_tokens=cfg.max_new_tokens, penalty_reward_value=cfg.penalty_reward_value,
                     batch_size=cfg.micro_batch_size, seed=seed)
             keep = top_quantile(scores, cfg.num_quantiles).tolist()  # the pool: this rollout's best quantile only
-            pool = pack(tokenizer, [batch_prompts[i] for i in keep], [responses[i] for i in keep], max_prompt)
+            pool = to_device(pack(tokenizer, [batch_prompts[i] for i in keep], [responses[i] for i in keep], max_prompt), device_of(trained))
             stats = {"reward": scores.mean().item(), "ended": ended.float().mean().item(),
                      "pool_reward": scores[keep].mean().item(), "pool_threshold": scores[keep].min().item(),
                      "response_tokens": float(sum(len(r) for r in responses)) / len(responses)}
-            stats.update(_optimize(policy, ref_policy, opt, pool, cfg, seed))
+            stats.update(_optimize(rt, trained, ref_policy, opt, pool, cfg, seed))
             stats["lr"] = sched.get_last_lr()[0]
             sched.step()
             history.append({"step": float(step + 1), **stats})
             bar.update(1)
             bar.set_postfix(reward=f"{stats['reward']:.3f}", kl=f"{stats['kl']:.2f}")
             ckpt.save(step + 1, **state, extra={"history": history})
+    rt.finish(trained)
     tail = history[-max(1, len(history) // 10):]
     summary = {"steps": float(steps), "resumed_from_step": float(start)}
     for k in ("reward", "pool_reward", "kl", "nll", "ended", "response_tokens"):
@@ -119,22 +130,22 @@ def train_quark(
     return summary, history
 
 
-def _optimize(policy, ref_policy, opt, pool: dict[str, torch.Tensor], cfg: QuarkConfig, seed: int) -> dict[str, float]:
+def _optimize(rt: Runtime, policy, ref_policy, opt, pool: dict[str, torch.Tensor], cfg: QuarkConfig, seed: int) -> dict[str, float]:
     """`grad_steps_per_rollout` optimizer steps on minibatches of the pool (cycled when it is small)."""
     policy.train()
     n = pool["tokens"].shape[0]
     totals: dict[str, float] = {}
     for idx in batch_order(n, cfg.step_batch_size, cfg.grad_steps_per_rollout, seed):
-        opt.zero_grad(set_to_none=True)
-        for chunk in torch.tensor(idx).split(cfg.micro_batch_size):
+        for rows in rt.micro_batches():
+            chunk = torch.tensor(idx[rows])
             mb = take(pool, chunk)
             with torch.no_grad():
                 ref_logits = response_logits(ref_policy, mb, cfg.temperature)
-            loss, st = quark_loss(response_logits(policy, mb, cfg.temperature), ref_logits, mb["tokens"], mb["response_mask"], cfg.kl_coef)
-            (loss * len(chunk) / len(idx)).backward()
+            with rt.accumulate(policy):
+                loss, st = quark_loss(response_logits(policy, mb, cfg.temperature), ref_logits, mb["tokens"], mb["response_mask"], cfg.kl_coef)
+                rt.backward(loss, len(chunk) / len(idx))
+                rt.step(policy, opt, None, cfg.max_grad_norm)
             for k, v in {"loss": loss.detach(), **st}.items():
                 totals[k] = totals.get(k, 0.0) + v.item() * len(chunk) / len(idx)
-        torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
-        opt.step()
     opt.zero_grad(set_to_none=True)
     return {k: v / cfg.grad_steps_per_rollout for k, v in totals.items()}

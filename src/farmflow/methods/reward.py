@@ -7,7 +7,9 @@ the loss is the mean binary cross-entropy of that probability against p − 1.
 The model is the SFT backbone with a fresh scalar head read at the last non-padding
 token (`farmflow.models.reward_from_policy`). Defaults (`farmflow.config.RewardConfig`)
 follow AlpacaFarm's reward-modeling script for LLaMA-7B: 1 epoch, AdamW lr 3e-6, batch
-16, 3% warmup then cosine, no weight decay.
+16, 3% warmup then cosine, no weight decay. The loop runs through
+`farmflow.models.runtime.Runtime` (device, processes, micro-batches of `micro_batch_size`
+pairs weighted by their share of the batch).
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from farmflow.config import RewardConfig
-from farmflow.models import batch_order, encode_examples, optimizer_and_schedule, optimizer_step
+from farmflow.models import batch_order, encode_examples, optimizer_and_schedule
+from farmflow.models.runtime import Runtime
 from farmflow.progress import progress
 
 VERSION = "1"
@@ -34,7 +37,8 @@ def bradley_terry_loss(reward_1: torch.Tensor, reward_2: torch.Tensor, preferenc
 def _rewards(model, tokenizer, prompts, out_1, out_2, max_len) -> tuple[torch.Tensor, torch.Tensor]:
     """Score both outputs of each pair in one forward pass."""
     ids, mask, _ = encode_examples(tokenizer, list(prompts) * 2, list(out_1) + list(out_2), max_len)
-    r = model(input_ids=ids, attention_mask=mask).logits[:, 0].float()
+    device = next(model.parameters()).device
+    r = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits[:, 0].float()
     return r[: len(prompts)], r[len(prompts):]
 
 
@@ -44,17 +48,27 @@ def train_reward(
 ) -> dict[str, float]:
     """Train `model` in place on preference pairs; returns training metrics."""
     total = max(1, round(cfg.epochs * math.ceil(len(prompts) / cfg.batch_size)))
+    batches = batch_order(len(prompts), cfg.batch_size, total, cfg.seed)
+    rt = Runtime(model, len(batches[0]), cfg.micro_batch_size, "reward")
     opt, sched = optimizer_and_schedule(model, cfg.lr, cfg.weight_decay, total, cfg.warmup_ratio)
+    model, opt = rt.prepare(model, opt)
     model.train()
     losses = []
     with progress("reward", total, unit="step") as bar:
-        for idx in batch_order(len(prompts), cfg.batch_size, total, cfg.seed):
-            r1, r2 = _rewards(model, tokenizer, [prompts[i] for i in idx], [out_1[i] for i in idx], [out_2[i] for i in idx], max_len)
-            loss = bradley_terry_loss(r1, r2, torch.tensor([preferences[i] for i in idx]))
-            optimizer_step(loss, model, opt, sched)
-            losses.append(loss.item())
+        for idx in batches:
+            step_loss = 0.0
+            for rows in rt.micro_batches():
+                part = idx[rows]
+                with rt.accumulate(model):
+                    r1, r2 = _rewards(model, tokenizer, [prompts[i] for i in part], [out_1[i] for i in part], [out_2[i] for i in part], max_len)
+                    loss = bradley_terry_loss(r1, r2, torch.tensor([preferences[i] for i in part], device=r1.device))
+                    rt.backward(loss, len(part) / len(idx))
+                    rt.step(model, opt, sched, 1.0)
+                step_loss += loss.item() * len(part) / len(idx)
+            losses.append(rt.sum(step_loss))
             bar.update(1)
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
+    rt.finish(model)
     tail = losses[-max(1, len(losses) // 10):]
     return {"steps": float(total), "train_loss_first": losses[0], "train_loss_last": sum(tail) / len(tail)}
 

@@ -7,6 +7,12 @@ Defaults (`farmflow.config.SFTConfig`) follow the Alpaca/AlpacaFarm recipe for L
 3 epochs, AdamW, peak lr 2e-5, 3% linear warmup then cosine decay, no weight decay,
 batch 128. The `synthetic-tiny` preset trains a ~1M-parameter model from scratch, so it
 uses more epochs and a much larger learning rate (see the preset).
+
+The loop runs through `farmflow.models.runtime.Runtime`: on a GPU when there is one, over
+several processes under ``accelerate launch`` (each takes a share of every batch), in
+micro-batches of `micro_batch_size` whose gradients accumulate, and through LoRA adapters
+when the model asks for them. The loss of a micro-batch is weighted by its share of the
+batch's response tokens, so the update is the full batch's.
 """
 
 from __future__ import annotations
@@ -18,8 +24,9 @@ import torch
 import torch.nn.functional as F
 
 from farmflow.config import SFTConfig
-from farmflow.models import IGNORE, batch_order, encode_examples, optimizer_and_schedule, optimizer_step
+from farmflow.models import IGNORE, batch_order, encode_examples, optimizer_and_schedule
 from farmflow.models.checkpoint import Checkpointer
+from farmflow.models.runtime import Runtime
 from farmflow.progress import progress
 
 VERSION = "1"
@@ -43,23 +50,36 @@ def train_sft(
     """
     total = max(1, round(cfg.epochs * math.ceil(len(prompts) / cfg.batch_size)))
     batches = batch_order(len(prompts), cfg.batch_size, total, cfg.seed)
-    opt, sched = optimizer_and_schedule(model, cfg.lr, cfg.weight_decay, total, cfg.warmup_ratio)
-    ckpt = checkpointer or Checkpointer(None, name, "", 0)
-    state = {"modules": {"model": model}, "optimizers": {"opt": opt}, "schedulers": {"sched": sched}}
+    rt = Runtime(model, len(batches[0]), cfg.micro_batch_size, name)
+    trained = rt.adapt(model)
+    opt, sched = optimizer_and_schedule(trained, cfg.lr, cfg.weight_decay, total, cfg.warmup_ratio)
+    trained, opt = rt.prepare(trained, opt)
+    ckpt = rt.checkpointer(checkpointer or Checkpointer(None, name, "", 0))
+    state = {"modules": {"model": rt.unwrap(trained)}, "optimizers": {"opt": opt}, "schedulers": {"sched": sched}}
     start, extra = ckpt.restore(**state)
     losses, tokens = list(extra.get("losses", [])), int(extra.get("tokens", 0))
-    model.train()
+    trained.train()
     with progress(name, total, unit="step", initial=start) as bar:
         for step in range(start, total):
             idx = batches[step]
             ids, mask, labels = encode_examples(tokenizer, [prompts[i] for i in idx], [responses[i] for i in idx], max_len)
-            loss = sft_loss(model(input_ids=ids, attention_mask=mask).logits, labels)
-            optimizer_step(loss, model, opt, sched)
-            losses.append(loss.item())
+            targets = (labels[:, 1:] != IGNORE).sum()
+            step_loss = 0.0
+            for rows in rt.micro_batches():
+                width = int(mask[rows].sum(1).max())  # right-padded: drop the columns only padding fills
+                b_ids, b_mask, b_labels = (t[rows, :width].to(rt.device) for t in (ids, mask, labels))
+                with rt.accumulate(trained):
+                    loss = sft_loss(trained(input_ids=b_ids, attention_mask=b_mask).logits, b_labels)
+                    share = (labels[rows, 1:] != IGNORE).sum() / targets
+                    rt.backward(loss, share)
+                    rt.step(trained, opt, sched, 1.0)
+                step_loss += loss.item() * float(share)
+            losses.append(rt.sum(step_loss))
             tokens += int(mask.sum())
             bar.update(1)
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
             ckpt.save(step + 1, **state, extra={"losses": losses, "tokens": tokens})
+    rt.finish(trained)
     tail = losses[-max(1, len(losses) // 10):]
     return {
         "steps": float(total), "resumed_from_step": float(start), "train_loss_first": losses[0],

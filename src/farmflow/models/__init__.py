@@ -8,10 +8,15 @@
 * Reward model: the policy backbone with a scalar head read at the last non-padding
   token (`LlamaForSequenceClassification`, num_labels=1), so it saves and loads with
   ``save_pretrained``/``from_pretrained`` like any Hugging Face model.
+
+Loaders put models on this process's device (`runtime.default_device`: its GPU, else the
+CPU); sampling, scoring and log-probs move their inputs to the model's device. Training
+loops run through `farmflow.models.runtime.Runtime` (accelerate).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from pathlib import Path
@@ -28,6 +33,7 @@ from transformers import (
 )
 
 from farmflow.config import ModelConfig
+from farmflow.models.runtime import FULL_STATE, default_device, device_of, is_main_process
 
 from transformers.utils import logging as hf_logging
 
@@ -65,6 +71,7 @@ def build_policy(cfg: ModelConfig, tokenizer: PreTrainedTokenizerFast) -> LlamaF
         max_position_embeddings=cfg.max_seq_len, pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True,
     )
+    config.farmflow_lora = cfg.lora.model_dump() if cfg.lora else None
     return LlamaForCausalLM(config)
 
 
@@ -91,6 +98,7 @@ def load_pretrained(cfg: ModelConfig) -> tuple[torch.nn.Module, PreTrainedTokeni
     model.config.pad_token_id, model.config.bos_token_id, model.config.eos_token_id = tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id
     model.config.max_position_embeddings = min(cfg.max_seq_len, getattr(model.config, "max_position_embeddings", cfg.max_seq_len))
     model.config.farmflow_gradient_checkpointing = cfg.gradient_checkpointing
+    model.config.farmflow_lora = cfg.lora.model_dump() if cfg.lora else None  # policy training applies it (runtime.adapt)
     return model, tokenizer
 
 
@@ -100,7 +108,7 @@ def load_policy(path: str | Path) -> tuple[LlamaForCausalLM, PreTrainedTokenizer
     model = AutoModelForCausalLM.from_pretrained(str(path))
     if getattr(model.config, "farmflow_gradient_checkpointing", False):
         model.activation_checkpointing_enable()
-    return model, load_tokenizer(path)
+    return model.to(default_device()), load_tokenizer(path)
 
 
 def reward_from_policy(path: str | Path, seed: int = 0) -> LlamaForSequenceClassification:
@@ -109,13 +117,13 @@ def reward_from_policy(path: str | Path, seed: int = 0) -> LlamaForSequenceClass
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # the "newly initialized score head" warning is expected here
     try:
-        return AutoModelForSequenceClassification.from_pretrained(str(path), num_labels=1)
+        return AutoModelForSequenceClassification.from_pretrained(str(path), num_labels=1).to(default_device())
     finally:
         hf_logging.set_verbosity(level)
 
 
 def load_reward(path: str | Path) -> tuple[LlamaForSequenceClassification, PreTrainedTokenizerFast]:
-    return AutoModelForSequenceClassification.from_pretrained(str(path)), load_tokenizer(path)
+    return AutoModelForSequenceClassification.from_pretrained(str(path)).to(default_device()), load_tokenizer(path)
 
 
 class ValueModel(torch.nn.Module):
@@ -140,12 +148,24 @@ class ValueModel(torch.nn.Module):
 def value_from_reward(path: str | Path) -> ValueModel:
     """Value model initialized from a reward model: its backbone, a fresh zero-initialized head."""
     reward = AutoModelForSequenceClassification.from_pretrained(str(path))
-    return ValueModel(reward.base_model, reward.config.hidden_size)
+    return ValueModel(reward.base_model, reward.config.hidden_size).to(default_device())
 
 
 def save(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, folder: str | Path) -> None:
-    model.save_pretrained(str(folder), safe_serialization=True)
+    """`save_pretrained` of the model and tokenizer, by the main process only.
+
+    A model trained under FSDP/DeepSpeed is saved from the full state dict `Runtime.finish`
+    gathered, in its stored dtype (which config.json then records).
+    """
+    if not is_main_process():
+        return
+    state = model.__dict__.get(FULL_STATE)
+    model.save_pretrained(str(folder), safe_serialization=True, state_dict=state)
     tokenizer.save_pretrained(str(folder))
+    if state:
+        config = json.loads((Path(folder) / "config.json").read_text())
+        config["dtype"] = str(next(v.dtype for v in state.values() if v.is_floating_point())).removeprefix("torch.")
+        (Path(folder) / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 # ------------------------------------------------------------------- encoding
@@ -220,14 +240,15 @@ def sample_ids(
     `progress(k)` is called after each batch with the number of prompts done.
     """
     model.eval()
-    gen = torch.Generator().manual_seed(seed)
+    device = device_of(model)
+    gen = torch.Generator(device=device).manual_seed(seed)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     max_prompt = max(1, model.config.max_position_embeddings - max_new_tokens)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     results: list[list[list[int]]] = [[] for _ in prompts]
     for start in range(0, len(order), batch_size):
         idx = order[start: start + batch_size]
-        input_ids, mask = _left_pad(tokenizer, [prompts[i] for i in idx], max_prompt)
+        input_ids, mask = (t.to(device) for t in _left_pad(tokenizer, [prompts[i] for i in idx], max_prompt))
         position = (mask.cumsum(-1) - 1).clamp(min=0)
         out = model(input_ids=input_ids, attention_mask=mask, position_ids=position, use_cache=True)
         cache, logits = out.past_key_values, out.logits[:, -1]
@@ -237,7 +258,7 @@ def sample_ids(
             position = position.repeat_interleave(n, 0)
         next_pos = position[:, -1] + 1
         rows = logits.shape[0]
-        done = torch.zeros(rows, dtype=torch.bool)
+        done = torch.zeros(rows, dtype=torch.bool, device=device)
         tokens = []
         for _ in range(max_new_tokens):
             nxt = _sample_next(logits, temperature, top_p, gen)
@@ -246,7 +267,7 @@ def sample_ids(
             done |= nxt == eos
             if bool(done.all()) or len(tokens) == max_new_tokens:
                 break
-            mask = torch.cat([mask, torch.ones(rows, 1, dtype=mask.dtype)], dim=1)
+            mask = torch.cat([mask, torch.ones(rows, 1, dtype=mask.dtype, device=device)], dim=1)
             out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=next_pos[:, None], past_key_values=cache, use_cache=True)
             cache, logits = out.past_key_values, out.logits[:, -1]
             next_pos = next_pos + 1
@@ -288,11 +309,11 @@ def score(
 ) -> torch.Tensor:
     """Scalar reward of each (prompt, response), read at the closing </s> token."""
     reward_model.eval()
-    max_len = reward_model.config.max_position_embeddings
+    max_len, device = reward_model.config.max_position_embeddings, device_of(reward_model)
     out = []
     for start in range(0, len(prompts), batch_size):
         ids, mask, _ = encode_examples(tokenizer, prompts[start: start + batch_size], responses[start: start + batch_size], max_len)
-        out.append(reward_model(input_ids=ids, attention_mask=mask).logits[:, 0].float())
+        out.append(reward_model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits[:, 0].float().cpu())
         if progress:
             progress(len(ids))
     return torch.cat(out) if out else torch.zeros(0)
@@ -318,20 +339,11 @@ def batch_order(n: int, batch_size: int, steps: int, seed: int) -> list[list[int
     return batches
 
 
-def optimizer_step(loss: torch.Tensor, model: torch.nn.Module, opt: torch.optim.Optimizer, sched, max_grad_norm: float = 1.0) -> None:
-    """One update of the supervised-style loops (SFT, reward model, DPO): backward, clip, step, schedule."""
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-    opt.step()
-    sched.step()
-
-
 def optimizer_and_schedule(
     model: torch.nn.Module, lr: float, weight_decay: float, total_steps: int, warmup_ratio: float,
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW with linear warmup and cosine decay to 0 (the paper's SFT/reward schedule)."""
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    """AdamW over the trainable parameters with linear warmup and cosine decay to 0 (the paper's SFT/reward schedule)."""
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay)
     warmup = max(1, int(total_steps * warmup_ratio))
 
     def factor(step: int) -> float:

@@ -4,7 +4,8 @@ A checkpoint is a folder: each module's weights as safetensors, each optimizer's
 as safetensors plus its scalars and param groups as JSON, each scheduler's state and the
 loop's own counters as JSON, random generator states as tensors. `Checkpointer` keeps them
 in the artifact store under ``_checkpoints/<stage>/<key>/`` (the stage key of the run),
-so a rerun of the same stage on any machine with the store finds them.
+so a rerun of the same stage on any machine with the store finds them. Modules are saved
+unwrapped (what `Runtime.unwrap` gives); with several processes only rank 0 writes.
 
 A loop uses it like this::
 
@@ -28,6 +29,8 @@ from typing import Any, Protocol
 
 import torch
 from safetensors.torch import load_file, load_model, save_file, save_model
+
+from farmflow.models.runtime import is_main_process
 
 STATE_FILE = "state.json"
 
@@ -125,8 +128,8 @@ class Checkpointer:
         return load_state(latest[1], **objects)
 
     def save(self, step: int, *, force: bool = False, **objects: Any) -> bool:
-        """Checkpoint at `step` (the number of completed steps) when it is due."""
-        if not self.enabled or not (force or self.due(step)):
+        """Checkpoint at `step` (the number of completed steps) when it is due; only the main process writes."""
+        if not self.enabled or not (force or self.due(step)) or not is_main_process():
             return False
         with tempfile.TemporaryDirectory(prefix="farmflow-ckpt-") as tmp:
             save_state(tmp, step=step, **objects)
@@ -137,5 +140,5 @@ class Checkpointer:
 
     def clear(self) -> None:
         """Drop the checkpoints once the final artifact is committed."""
-        if self.enabled:
+        if self.enabled and is_main_process():
             self.store.clear_checkpoints(self.stage, self.key)

@@ -1,0 +1,231 @@
+"""Where and how the training loops run: device, mixed precision, micro-batches, processes.
+
+One `Runtime` per training loop wraps an `accelerate.Accelerator`:
+
+* **device**: this process's GPU when there is one (``cuda:<local rank>`` under
+  ``accelerate launch``), else the CPU;
+* **mixed precision** from the weights' dtype (`ModelConfig.dtype`): on a GPU, bf16/fp16
+  weights train with bf16/fp16 autocast and float32 master copies of the trained parameters,
+  and are saved back in their own dtype. On the CPU nothing changes: no autocast, the model
+  trains in the dtype it has (float32 for the synthetic farm), exactly as without a runtime;
+* **data parallelism and gradient accumulation**: every process builds the same global batch
+  (`farmflow.models.batch_order` is a pure function of the step), takes its contiguous share
+  and splits it into micro-batches (`micro_batches`). Each micro-batch's loss is weighted by
+  its share of the global batch (`backward`), so one optimizer step equals the unaccumulated
+  single-process step up to float rounding;
+* ``accelerator.prepare`` for model and optimizer, ``accelerator.backward``, gradient clipping
+  through the accelerator (DDP, FSDP and DeepSpeed each clip their own way), and only the
+  main process writes: `finish` leaves the model as `farmflow.models.save` should write it
+  (back in its dtype; under FSDP/DeepSpeed with its full state dict gathered on rank 0), and
+  checkpoints are written by rank 0 only;
+* **LoRA** (`adapt`/`finish`): when the checkpoint's config carries ``farmflow_lora`` (set
+  from `ModelConfig.lora`), policy training wraps the model with peft adapters and merges
+  them into the weights at the end, so every later stage loads a plain Hugging Face model.
+
+A loop reads like this (see `farmflow.methods.sft`)::
+
+    rt = Runtime(model, batch_size, cfg.micro_batch_size, "sft")
+    rt.adapt(model)                                          # LoRA, when asked for
+    opt, sched = optimizer_and_schedule(model, ...)
+    model, opt = rt.prepare(model, opt)
+    for step in ...:
+        for rows in rt.micro_batches():
+            with rt.accumulate(model):
+                loss = ...
+                rt.backward(loss, share_of_the_global_batch)
+                rt.step(model, opt, sched, max_grad_norm)
+    rt.finish(model)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+FULL_STATE = "farmflow_full_state"
+"""Attribute of a model trained under FSDP/DeepSpeed: its gathered full state dict (rank 0), for `farmflow.models.save`."""
+
+
+def _state():
+    from accelerate import PartialState
+
+    return PartialState()
+
+
+def default_device() -> torch.device:
+    """Where this process puts models: its GPU (``cuda:<local rank>``) when it has one, else the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    return _state().device
+
+
+def device_of(model: torch.nn.Module) -> torch.device:
+    """The device of a model's first parameter (inputs go there)."""
+    return next(model.parameters()).device
+
+
+def to_device(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {k: v.to(device) for k, v in tensors.items()}
+
+
+def is_main_process() -> bool:
+    """Rank 0, or the only process (nothing distributed started)."""
+    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+
+
+class Runtime:
+    """One training loop's accelerator: device, precision, micro-batches of this process's share.
+
+    `batch_size` is the global batch of one optimizer step (over all processes); it must divide
+    evenly between the processes. `micro_batch_size` (None: the whole share at once) bounds the
+    sequences (or pairs) per forward pass.
+    """
+
+    def __init__(self, model: torch.nn.Module, batch_size: int, micro_batch_size: int | None = None, name: str = "train"):
+        from accelerate import Accelerator
+        from accelerate.state import AcceleratorState
+
+        self.name = name
+        self.dtype = next(model.parameters()).dtype  # the stored dtype (model.dtype); saved back in it
+        state = _state()
+        self.processes, self.rank = state.num_processes, state.process_index
+        if batch_size % self.processes:
+            raise ValueError(f"{name}: the batch of {batch_size} does not split evenly over {self.processes} processes; "
+                             "choose a batch size divisible by execution.num_processes")
+        self.batch_size = batch_size
+        self.share = batch_size // self.processes
+        self.micro = min(micro_batch_size or self.share, self.share)
+        self.accumulation = math.ceil(self.share / self.micro)
+        on_gpu = state.device.type == "cuda"
+        self.precision = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(self.dtype, "no") if on_gpu else "no"
+        acc = AcceleratorState._shared_state
+        if acc and acc.get("_mixed_precision") not in (None, self.precision) and self.processes == 1:
+            AcceleratorState._reset_state()  # one process, a stage with another dtype: a fresh state, not an error
+        self.accelerator = Accelerator(mixed_precision=self.precision, gradient_accumulation_steps=self.accumulation)
+        self.device = self.accelerator.device
+        self.lora = None
+        self.original: torch.nn.Module | None = None  # the Hugging Face model the stage saves
+        self.prepared: torch.nn.Module | None = None
+
+    # --------------------------------------------------------------------- setup
+    @property
+    def is_main(self) -> bool:
+        return self.accelerator.is_main_process
+
+    @property
+    def sharded(self) -> bool:
+        """FSDP or DeepSpeed: parameters and optimizer state are split between processes."""
+        return self.accelerator.distributed_type.value in ("FSDP", "DEEPSPEED")
+
+    def adapt(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Wrap `model` with LoRA adapters (in place) when its config asks for them; returns the module to train.
+
+        Only the adapters train; `finish` merges them back into `model`'s weights.
+        """
+        self.original = model
+        spec = getattr(model.config, "farmflow_lora", None)
+        if not spec:
+            return model
+        from peft import LoraConfig, get_peft_model
+
+        targets = spec["target_modules"]
+        self.lora = get_peft_model(model, LoraConfig(
+            r=spec["r"], lora_alpha=spec["alpha"], lora_dropout=spec["dropout"], bias="none", task_type="CAUSAL_LM",
+            target_modules="all-linear" if targets == ["all-linear"] else targets,
+        ))
+        return self.lora
+
+    def prepare(self, model: torch.nn.Module, *rest: Any) -> tuple:
+        """Place the model (and other modules, optimizers) with the accelerator; float32 master weights under mixed precision.
+
+        `model` is the one that `farmflow.models.save` will save (the policy).
+        """
+        if self.original is None:
+            self.original = self.unwrap(model)
+        for m in (model, *rest):
+            if isinstance(m, torch.nn.Module):
+                m.to(self.device)
+                for p in m.parameters() if self.precision != "no" else ():
+                    if p.requires_grad and p.dtype != torch.float32:
+                        p.data = p.data.float()
+        ds = self.accelerator.state.deepspeed_plugin
+        if ds is not None:  # no dataloader to infer them from: DeepSpeed gets our micro-batch and accumulation
+            ds.deepspeed_config.update(train_micro_batch_size_per_gpu=self.micro, gradient_accumulation_steps=self.accumulation)
+        prepared = self.accelerator.prepare(model, *rest)
+        self.prepared = prepared[0] if rest else prepared
+        return prepared if rest else (prepared,)
+
+    def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The plain module behind a prepared one (no DDP/FSDP wrapper, no autocast wrapper)."""
+        return self.accelerator.unwrap_model(model, keep_fp32_wrapper=False)
+
+    def checkpointer(self, ckpt):
+        """`ckpt` as is, or switched off under FSDP/DeepSpeed (their sharded optimizer state is not ours to save)."""
+        if self.sharded and ckpt.enabled:
+            from farmflow.models.checkpoint import Checkpointer
+
+            return Checkpointer(None, ckpt.stage, ckpt.key)
+        return ckpt
+
+    # ----------------------------------------------------------------------- steps
+    def micro_batches(self) -> list[slice]:
+        """This process's micro-batches of a global batch: slices of its contiguous share."""
+        start = self.rank * self.share
+        return [slice(s, min(s + self.micro, start + self.share)) for s in range(start, start + self.share, self.micro)]
+
+    def accumulate(self, *models: torch.nn.Module):
+        """Context for one micro-batch: gradients are synced (and the optimizer steps) on the last one only."""
+        return self.accelerator.accumulate(*models)
+
+    def backward(self, loss: torch.Tensor, share: float | torch.Tensor = 1.0) -> None:
+        """Backward of a micro-batch's mean loss that makes up `share` of the global batch's loss.
+
+        Processes average their gradients and accelerate divides by the accumulation steps, so
+        the loss is scaled by both: the sum over micro-batches and processes is the global mean.
+        """
+        self.accelerator.backward(loss * (share * (self.processes * self.accumulation)))
+
+    def step(self, model: torch.nn.Module | list[torch.nn.Parameter], opt, sched, max_grad_norm: float) -> None:
+        """Clip (a model's or a list of parameters), step, schedule and zero the gradients after the last micro-batch of a step."""
+        if not self.accelerator.sync_gradients:
+            return
+        self.accelerator.clip_grad_norm_(model.parameters() if isinstance(model, torch.nn.Module) else model, max_grad_norm)
+        opt.step()
+        if sched is not None:
+            sched.step()
+        opt.zero_grad(set_to_none=True)
+
+    def sum(self, value: torch.Tensor | float) -> float:
+        """Sum of a per-process number over all processes (losses, counts for metrics)."""
+        if self.processes == 1:
+            return float(value)
+        t = torch.as_tensor(value, dtype=torch.float64, device=self.device).reshape(1)
+        return float(self.accelerator.reduce(t, "sum")[0])
+
+    def plain(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The model as a plain Hugging Face model in the middle of training (a merged copy under LoRA), e.g. for snapshots."""
+        if self.lora is None:
+            return self.unwrap(model)
+        import copy
+
+        return copy.deepcopy(self.lora).merge_and_unload()
+
+    def finish(self, model: torch.nn.Module) -> None:
+        """After training (every process): leave the model as `farmflow.models.save` writes it.
+
+        LoRA adapters are merged into the weights (the model object becomes a plain model
+        again); float32 master weights go back to the stored dtype; under FSDP/DeepSpeed the
+        full state dict is gathered (a collective) and kept on the model for rank 0 to save.
+        """
+        if self.lora is not None:
+            self.lora.merge_and_unload()
+            self.lora = None
+        if self.sharded:
+            state = self.accelerator.get_state_dict(self.prepared)
+            if self.dtype != torch.float32:
+                state = {k: (v.to(self.dtype) if v.is_floating_point() else v) for k, v in state.items()}
+            self.original.__dict__[FULL_STATE] = state if self.is_main else None
+        elif self.precision != "no":
+            self.original.to(self.dtype)

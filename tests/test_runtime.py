@@ -1,0 +1,134 @@
+"""farmflow.models.runtime: micro-batches equal the full batch, CPU training unchanged, micro_batch_size operational."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from farmflow.config import DPOConfig, RewardConfig, SFTConfig
+from farmflow.methods import dpo, reward, sft
+from farmflow.models import batch_order, build_policy, encode_examples, optimizer_and_schedule, reward_from_policy, save, train_tokenizer
+from farmflow.models.runtime import Runtime
+from farmflow.tasks.core import key_config
+
+from test_models import CFG, PROMPTS, RESPONSES
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+N = 16  # examples (pairs): 2 optimizer steps of 8
+OTHER = [r[::-1] + " ok" for r in RESPONSES[:N]]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return train_tokenizer(PROMPTS + RESPONSES, vocab_size=384)
+
+
+@pytest.fixture(scope="module")
+def sft_checkpoint(tok, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("policy")
+    save(build_policy(CFG, tok), tok, folder)
+    return folder
+
+
+def _policy(tok):
+    return build_policy(CFG, tok)  # seeded by CFG.seed: the same weights every call
+
+
+def _same_params(a: torch.nn.Module, b: torch.nn.Module, atol: float) -> None:
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    assert pa.keys() == pb.keys()
+    moved = 0
+    for name, p in pa.items():
+        assert torch.allclose(p, pb[name], atol=atol, rtol=0), f"{name}: max diff {(p - pb[name]).abs().max():.2e}"
+        moved += 1
+    assert moved > 0
+
+
+def test_sft_two_micro_batches_equal_one_full_batch(tok):
+    cfg = SFTConfig(epochs=1, batch_size=8, lr=3e-3, warmup_ratio=0.0)
+    full, micro = _policy(tok), _policy(tok)
+    start = {k: v.clone() for k, v in full.state_dict().items()}
+    m_full = sft.train_sft(full, tok, PROMPTS[:N], RESPONSES[:N], cfg, 128)
+    m_micro = sft.train_sft(micro, tok, PROMPTS[:N], RESPONSES[:N], cfg.model_copy(update={"micro_batch_size": 4}), 128)
+    assert m_full["steps"] == m_micro["steps"] == 2
+    assert not torch.allclose(full.model.embed_tokens.weight, start["model.embed_tokens.weight"])  # it trained
+    _same_params(full, micro, atol=1e-5)
+    assert m_micro["train_loss_first"] == pytest.approx(m_full["train_loss_first"], rel=1e-5)
+    assert m_micro["train_tokens"] == m_full["train_tokens"]
+
+
+def test_sft_micro_batches_weight_by_response_tokens(tok):
+    """Micro-batches with very different numbers of response tokens still give the full batch's mean loss."""
+    cfg = SFTConfig(epochs=1, batch_size=8, lr=3e-3, warmup_ratio=0.0)
+    short, long = RESPONSES[:4], [" ".join([r] * 5) for r in RESPONSES[4:8]]
+    full, micro = _policy(tok), _policy(tok)
+    sft.train_sft(full, tok, PROMPTS[:8], short + long, cfg, 128)
+    sft.train_sft(micro, tok, PROMPTS[:8], short + long, cfg.model_copy(update={"micro_batch_size": 4}), 128)
+    _same_params(full, micro, atol=1e-5)
+
+
+def test_reward_two_micro_batches_equal_one_full_batch(tok, sft_checkpoint):
+    cfg = RewardConfig(epochs=1, batch_size=8, lr=1e-3, warmup_ratio=0.0)
+    prefs = [1.0, 2.0, 1.0, 1.7] * 4
+    full, micro = reward_from_policy(sft_checkpoint, seed=0), reward_from_policy(sft_checkpoint, seed=0)
+    head = full.score.weight.detach().clone()
+    args = (tok, PROMPTS[:N], RESPONSES[:N], OTHER, prefs)
+    m_full = reward.train_reward(full, *args, cfg, 128)
+    m_micro = reward.train_reward(micro, *args, cfg.model_copy(update={"micro_batch_size": 2}), 128)
+    assert not torch.allclose(full.score.weight, head)
+    _same_params(full, micro, atol=5e-5)  # 5% of one AdamW step (lr 1e-3): Adam magnifies rounding in tiny gradients
+    assert m_micro["train_loss_first"] == pytest.approx(m_full["train_loss_first"], rel=1e-5)
+
+
+def test_dpo_two_micro_batches_equal_one_full_batch(tok):
+    cfg = DPOConfig(epochs=1, batch_size=8, lr=1e-3, warmup_ratio=0.0)
+    prefs = [1.0, 2.0] * 8
+    ref_1, ref_2 = [-20.0 - i for i in range(N)], [-22.0 + i for i in range(N)]
+    full, micro = _policy(tok), _policy(tok)
+    args = (tok, PROMPTS[:N], RESPONSES[:N], OTHER, prefs, ref_1, ref_2)
+    m_full = dpo.train_dpo(full, *args, cfg, 128)
+    m_micro = dpo.train_dpo(micro, *args, cfg.model_copy(update={"micro_batch_size": 3}), 128)  # 3 + 3 + 2
+    _same_params(full, micro, atol=1e-5)
+    assert m_micro["implicit_reward_accuracy_last"] == pytest.approx(m_full["implicit_reward_accuracy_last"], abs=1e-6)
+
+
+def test_cpu_runtime_is_the_plain_loop_bit_for_bit_without_autocast(tok):
+    """On the CPU the runtime adds nothing: no autocast, float32 kept, the same numbers as a hand-written loop."""
+    cfg = SFTConfig(epochs=1, batch_size=8, lr=3e-3, warmup_ratio=0.25)
+    model = _policy(tok)
+    autocast_seen = []
+    model.register_forward_pre_hook(lambda *_: autocast_seen.append(torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled()))
+    sft.train_sft(model, tok, PROMPTS[:N], RESPONSES[:N], cfg, 128)
+    assert autocast_seen and not any(autocast_seen)
+    assert {p.dtype for p in model.parameters()} == {torch.float32} and {p.device.type for p in model.parameters()} == {"cpu"}
+
+    plain = _policy(tok)  # what the loop did before the runtime: zero_grad, backward, clip, step, schedule
+    opt, sched = optimizer_and_schedule(plain, cfg.lr, cfg.weight_decay, 2, cfg.warmup_ratio)
+    for idx in batch_order(N, cfg.batch_size, 2, cfg.seed):
+        ids, mask, labels = encode_examples(tok, [PROMPTS[i] for i in idx], [RESPONSES[i] for i in idx], 128)
+        loss = sft.sft_loss(plain(input_ids=ids, attention_mask=mask).logits, labels)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)
+        opt.step()
+        sched.step()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_runtime_on_cpu_splits_nothing_and_needs_no_gpu(tok):
+    rt = Runtime(_policy(tok), batch_size=10, micro_batch_size=4, name="t")
+    assert (rt.device.type, rt.precision, rt.processes, rt.accumulation) == ("cpu", "no", 1, 3)
+    assert rt.micro_batches() == [slice(0, 4), slice(4, 8), slice(8, 10)]
+    assert Runtime(_policy(tok), batch_size=10, name="t").micro_batches() == [slice(0, 10)]
+    assert Runtime(_policy(tok), batch_size=3, micro_batch_size=8, name="t").micro_batches() == [slice(0, 3)]
+
+
+def test_micro_batch_size_is_operational():
+    """Memory only: not part of any stage key (the sft, reward and dpo sections)."""
+    for section in (SFTConfig, RewardConfig, DPOConfig):
+        assert key_config(section(micro_batch_size=2)) == key_config(section())
+        assert "micro_batch_size" not in key_config(section())
+    assert key_config(SFTConfig(batch_size=64)) != key_config(SFTConfig())
+
