@@ -348,18 +348,18 @@ class RewardConfig(Section):
     warmup_ratio: float = Field(0.03, ge=0, lt=1, description="Fraction of steps with linear warmup; cosine decay after (AlpacaFarm: 0.03).")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay (AlpacaFarm: 0).")
     seed: int = Field(0, description="Seed for data order and the fresh scalar head.")
-
-
-class BestOfNConfig(Section):
-    n: int = Field(16, ge=1, description="Samples drawn per prompt and reranked by the reward model (paper: n=1024).")
-    temperature: float = Field(1.0, gt=0, description="Sampling temperature of the candidates (paper: 1.0).")
-    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold for candidates.")
     micro_batch_size: int | None = Field(
         None, ge=1, json_schema_extra={"stage_key": False},
         description="Pairs per forward pass (per process); gradients of the micro-batches accumulate into one optimizer step of "
         "batch_size, so results equal the unaccumulated run up to float rounding (memory only; None: the whole batch at once). "
         "Not part of the stage key.",
     )
+
+
+class BestOfNConfig(Section):
+    n: int = Field(16, ge=1, description="Samples drawn per prompt and reranked by the reward model (paper: n=1024).")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature of the candidates (paper: 1.0).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold for candidates.")
     seed: int = Field(0, description="Seed of the candidate sampler.")
 
 
@@ -386,18 +386,18 @@ class DPOConfig(Section):
     warmup_ratio: float = Field(0.03, ge=0, lt=1, description="Fraction of steps with linear warmup; cosine decay after (AlpacaFarm: 0.03).")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay (AlpacaFarm: 0).")
     seed: int = Field(0, description="Seed for data order.")
-
-
-class ExpertIterationConfig(Section):
-    rounds: int = Field(1, ge=1, description="Rounds of (best-of-n on the unlabeled split, then SFT); round r samples from round r-1's policy (paper: 1 round).")
-    n: int = Field(16, ge=1, description="Samples per unlabeled instruction, the reward model keeps the best (paper: best-of-16).")
-    temperature: float = Field(1.0, gt=0, description="Sampling temperature of the candidates (paper: 1.0).")
     micro_batch_size: int | None = Field(
         None, ge=1, json_schema_extra={"stage_key": False},
         description="Pairs per forward pass (per process); gradients of the micro-batches accumulate into one optimizer step of "
         "batch_size, so results equal the unaccumulated run up to float rounding (memory only; None: the whole batch at once). "
         "Not part of the stage key.",
     )
+
+
+class ExpertIterationConfig(Section):
+    rounds: int = Field(1, ge=1, description="Rounds of (best-of-n on the unlabeled split, then SFT); round r samples from round r-1's policy (paper: 1 round).")
+    n: int = Field(16, ge=1, description="Samples per unlabeled instruction, the reward model keeps the best (paper: best-of-16).")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature of the candidates (paper: 1.0).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold for candidates.")
     max_prompts: int | None = Field(None, ge=1, description="Use only this many unlabeled instructions (None: the whole split, as the paper).")
     train: SFTConfig = Field(
@@ -561,12 +561,6 @@ class ExecutionConfig(Section):
         "transient error; the stage resumes from its cached inputs (and the annotations row cache).",
     )
     retry_delay_s: float = Field(10.0, ge=0, description="Delay before the first retry; doubles on each further retry (exponential backoff).")
-
-
-class FarmConfig(Section):
-    name: str = Field("custom", description="Name of the preset this config came from (informational; not part of any stage key).")
-    data: DataConfig = Field(default_factory=DataConfig, description="Instruction data and splits.")
-    model: ModelConfig = Field(default_factory=ModelConfig, description="Tokenizer and base model.")
     launcher: Literal["inline", "process", "accelerate"] = Field(
         "inline",
         description="How a GPU stage (gpu_stages) runs where it runs: 'inline' in the calling process; 'process' in a child Python "
@@ -585,6 +579,12 @@ class FarmConfig(Section):
         description="launcher 'accelerate': processes (GPUs) per training stage, passed as --num_processes (None: from the config "
         "file). Each stage's batch_size must divide evenly between them.",
     )
+
+
+class FarmConfig(Section):
+    name: str = Field("custom", description="Name of the preset this config came from (informational; not part of any stage key).")
+    data: DataConfig = Field(default_factory=DataConfig, description="Instruction data and splits.")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="Tokenizer and base model.")
     sft: SFTConfig = Field(default_factory=SFTConfig, description="Supervised fine-tuning on demonstrations.")
     pairs: SampleConfig = Field(default_factory=SampleConfig, description="Sampling two outputs per PREF/val instruction (paper: temperature 1.0).")
     annotation: AnnotatorConfig = Field(
@@ -718,15 +718,15 @@ def _alpacafarm_7b() -> FarmConfig:
         name="alpacafarm-7b",
         data=DataConfig(source="hub"),
         model=ModelConfig(pretrained="huggyllama/llama-7b", dtype="bfloat16", gradient_checkpointing=True, max_seq_len=512 + 300),
+        execution=ExecutionConfig(launcher="accelerate", accelerate_config="configs/accelerate/fsdp.yaml"),
+        sft=SFTConfig(micro_batch_size=4), feedme=SFTConfig(micro_batch_size=4),  # 4 sequences per GPU per pass, 128 per step
+        reward=RewardConfig(micro_batch_size=2), dpo=DPOConfig(micro_batch_size=2),
         pairs=SampleConfig(temperature=1.0, max_new_tokens=300, batch_size=32),
         annotation=AnnotatorConfig(preset="p_sim_ann"),
         best_of_n=BestOfNConfig(n=1024),
         generation=SampleConfig(temperature=0.7, max_new_tokens=300, batch_size=32),
         evaluation=EvaluationConfig(annotator=AnnotatorConfig(preset="p_sim_eval")),
     )
-        execution=ExecutionConfig(launcher="accelerate", accelerate_config="configs/accelerate/fsdp.yaml"),
-        sft=SFTConfig(micro_batch_size=4), feedme=SFTConfig(micro_batch_size=4),  # 4 sequences per GPU per pass, 128 per step
-        reward=RewardConfig(micro_batch_size=2), dpo=DPOConfig(micro_batch_size=2),
 
 
 PRESETS: dict[str, Any] = {
