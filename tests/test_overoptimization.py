@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import matplotlib.image as mpimg
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
@@ -18,22 +19,29 @@ def _metrics(wr, gold):
 
 
 POINTS = [
-    {"label": f"best_of_{n}", "family": "best_of_n", "pressure": n, "outputs_key": f"o{n}", "proxy_reward": r,
+    {"label": f"best_of_{n}", "labeller": "p_sim^ann", "family": "best_of_n", "pressure": n, "outputs_key": f"o{n}", "proxy_reward": r,
      "evaluations": {"p_sim^ann": {"key": f"a{n}", "metrics": _metrics(wa, g)}, "greedy": {"key": f"g{n}", "metrics": _metrics(wg, g)}}}
     for n, r, wa, wg, g in [(4, 0.9, 52.0, 60.0, 0.62), (1, 0.2, 50.0, 50.0, 0.55), (16, 1.6, 51.0, 55.0, 0.58)]
-] + [{"label": "ppo step 100", "family": "ppo", "pressure": 100, "outputs_key": "p", "proxy_reward": 1.1,
-      "evaluations": {"p_sim^ann": {"key": "pa", "metrics": _metrics(53.0, 0.6)}}}]
+] + [{"label": "ppo step 100", "labeller": "p_sim^ann", "family": "ppo", "pressure": 100, "outputs_key": "p", "proxy_reward": 1.1,
+      "evaluations": {"p_sim^ann": {"key": "pa", "metrics": _metrics(53.0, 0.6)}}},
+      # a second curve: a reward model trained on the greedy annotator's labels, judged by it
+      {"label": "best_of_2", "labeller": "greedy", "family": "best_of_n", "pressure": 2, "outputs_key": "q2", "proxy_reward": 0.4,
+       "evaluations": {"greedy": {"key": "q2g", "metrics": _metrics(57.0, 0.61)}}}]
 
 
-def test_curve_rows_sorted_by_family_and_pressure():
+def test_curve_rows_sorted_by_labeller_family_and_pressure():
     rows = curve_rows(POINTS)
-    assert len(rows) == 7  # 3 best-of-n points × 2 annotators + 1 PPO point × 1
-    assert [(r["family"], r["pressure"]) for r in rows[::2][:3]] == [("best_of_n", 1.0), ("best_of_n", 4.0), ("best_of_n", 16.0)]
+    assert len(rows) == 8  # 3 best-of-n points × 2 annotators + 1 PPO point × 1, and the greedy labeller's point
+    assert [(r["labeller"], r["label"], r["annotator"]) for r in rows[:3]] == [
+        ("greedy", "best_of_2", "greedy"), ("p_sim^ann", "best_of_1", "greedy"), ("p_sim^ann", "best_of_1", "p_sim^ann")]
+    assert [(r["family"], r["pressure"]) for r in rows[1::2][:3]] == [("best_of_n", 1.0), ("best_of_n", 4.0), ("best_of_n", 16.0)]
     assert rows[-1]["label"] == "ppo step 100"
     assert set(rows[0]) == set(SCHEMAS["overoptimization"].names)
     md = curve_markdown(rows, "T")
-    assert "| best_of_4 | 4 | 0.900 | 0.620 | 30 | 60.0 ± 2.0 | 52.0 ± 2.0 |" in md
-    assert "| ppo step 100 | 100 | 1.100 | 0.600 | 30 | — | 53.0 ± 2.0 |" in md
+    assert "| labeller | point | pressure | proxy reward | mean gold | avg length | win rate (greedy) | win rate (p_sim^ann) |" in md
+    assert "| greedy | best_of_2 | 2 | 0.400 | 0.610 | 30 | 57.0 ± 2.0 | — |" in md
+    assert "| p_sim^ann | best_of_4 | 4 | 0.900 | 0.620 | 30 | 60.0 ± 2.0 | 52.0 ± 2.0 |" in md
+    assert "| p_sim^ann | ppo step 100 | 100 | 1.100 | 0.600 | 30 | — | 53.0 ± 2.0 |" in md
 
 
 def test_curve_plot_is_a_real_png(tmp_path):
@@ -42,6 +50,10 @@ def test_curve_plot_is_a_real_png(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     img = mpimg.imread(str(path))
     assert img.shape[0] > 300 and img.shape[1] > 800 and img[..., :3].std() > 0.05
+    # one colour per labeller: matplotlib's C0 (p_sim^ann, first) and C1 (greedy) lines are both drawn
+    rgb = img[..., :3]
+    for colour in ((0x1F, 0x77, 0xB4), (0xFF, 0x7F, 0x0E)):
+        assert (abs(rgb - np.array(colour) / 255).max(axis=-1) < 0.02).sum() > 50
     with pytest.raises(ValueError):
         plot_curves([], str(path))
 
@@ -66,26 +78,48 @@ def test_greedy_oracle_is_one_deterministic_annotator():
 @pytest.mark.slow
 @pytest.mark.usefixtures("prefect_harness")
 def test_overoptimization_flow_micro(micro_config):
+    """Both ways (paper Fig. 5): each labeller's preferences train its own reward model, its curve is judged by it."""
     from farmflow import tasks
     from farmflow.flows.overoptimization import overoptimization_flow
+    from farmflow.storage import open_store
 
     tasks.EXECUTED.clear()
     summary = overoptimization_flow(config=micro_config, ns=[1, 2, 4])
     rows = summary["curve"]
-    assert [(r["label"], r["annotator"]) for r in rows] == [
-        (f"best_of_{n}", a) for n in (1, 2, 4) for a in ("greedy", "p_sim^ann")]
+    assert [(r["labeller"], r["label"], r["annotator"]) for r in rows] == [
+        (lab, f"best_of_{n}", lab) for lab in ("greedy", "p_sim^ann") for n in (1, 2, 4)]
     for r in rows:
         assert 0 <= r["win_rate"] <= 100 and 0 <= r["mean_gold"] <= 1 and r["n"] == micro_config.data.eval_size
         assert math.isfinite(r["proxy_reward"])
-    # the proxy reward grows with n (the reward model picks its favourite of more samples)
-    proxy = [r["proxy_reward"] for r in rows[::2]]
-    assert proxy[0] <= proxy[1] <= proxy[2]
-    # gold reward does not depend on the annotator
-    assert rows[0]["mean_gold"] == rows[1]["mean_gold"]
-    assert tasks.EXECUTED["best_of_n"] == 3 and tasks.EXECUTED["proxy_reward"] == 3 and tasks.EXECUTED["evaluate"] == 6
+    # the proxy reward grows with n (each reward model picks its favourite of more samples)
+    for lab in ("greedy", "p_sim^ann"):
+        proxy = [r["proxy_reward"] for r in rows if r["labeller"] == lab]
+        assert proxy[0] <= proxy[1] <= proxy[2]
+    # best-of-1 is the same SFT sample whichever reward model ranks it: same gold, scored by two different models
+    assert rows[0]["mean_gold"] == rows[3]["mean_gold"] and rows[0]["proxy_reward"] != rows[3]["proxy_reward"]
+
+    # two reward models from the same pairs and SFT model, trained on different preference tables
+    models = summary["reward_models"]
+    assert set(models) == {"greedy", "p_sim^ann"}
+    assert models["greedy"]["reward_model"] != models["p_sim^ann"]["reward_model"]
+    assert models["greedy"]["preferences"] != models["p_sim^ann"]["preferences"]
+    store = open_store(micro_config.store.location)
+    prefs = {lab: store.read_table(store.get("annotate", m["preferences"])) for lab, m in models.items()}
+    assert prefs["greedy"].column("id").to_pylist() == prefs["p_sim^ann"].column("id").to_pylist()  # the same pairs
+    greedy, noisy = (prefs[lab].column("preference").to_pylist() for lab in ("greedy", "p_sim^ann"))
+    assert greedy != noisy
+    assert sum(prefs["greedy"].column("noised").to_pylist()) == 0 < sum(prefs["p_sim^ann"].column("noised").to_pylist())
+    # the greedy labeller prefers the higher-gold output whenever gold differs by more than its length bias can outweigh
+    clear = [r for r in prefs["greedy"].to_pylist() if abs(r["gold_2"] - r["gold_1"]) > 0.03]
+    assert clear and all((r["preference"] > 1.5) == (r["gold_2"] > r["gold_1"]) for r in clear)
+
+    assert tasks.EXECUTED["sft"] == 1 and tasks.EXECUTED["sample_pairs"] == 1
+    assert tasks.EXECUTED["annotate"] == 2 and tasks.EXECUTED["train_reward"] == 2
+    assert tasks.EXECUTED["best_of_n"] == 6 and tasks.EXECUTED["proxy_reward"] == 6 and tasks.EXECUTED["evaluate"] == 6
     folder = summary["artifact"]
     assert pq.read_table(f"{folder}/data.parquet").num_rows == 6
-    assert "| best_of_4 |" in open(f"{folder}/curve.md").read()
+    md = open(f"{folder}/curve.md").read()
+    assert "| greedy | best_of_4 |" in md and "| p_sim^ann | best_of_4 |" in md
     img = mpimg.imread(f"{folder}/curve.png")
     assert open(f"{folder}/curve.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n" and img[..., :3].std() > 0.05
 
@@ -94,15 +128,14 @@ def test_overoptimization_flow_micro(micro_config):
     again = overoptimization_flow(config=micro_config, ns=[1, 2, 4])
     assert dict(tasks.EXECUTED) == {} and again["curve"] == rows
 
-    # an extra point (how PPO checkpoints come in): outputs without scores are scored by the
+    # an extra point (how more checkpoints come in): outputs without scores are scored by the
     # reward model, and the scores agree with the ones best-of-n computed for the same outputs
     from farmflow.evaluation.overopt import CurvePoint
-    from farmflow.storage import open_store
     from farmflow.tasks.analysis import proxy_reward_task
 
-    store = open_store(micro_config.store.location)
-    bon4 = next(r for r in store.list() if r.stage == "best_of_n" and store.record(r)["config"]["best_of_n"]["n"] == 4)
-    reward = next(r for r in store.list() if r.stage == "train_reward")
+    reward = store.get("train_reward", models["p_sim^ann"]["reward_model"])
+    bon4 = next(r for r in store.list() if r.stage == "best_of_n" and store.record(r)["config"]["best_of_n"]["n"] == 4
+                and store.record(r)["inputs"]["reward"] == reward.key)
     unscored = store.read_table(bon4).to_pylist()
     import pyarrow as pa
 
@@ -112,26 +145,33 @@ def test_overoptimization_flow_micro(micro_config):
     again_scores = store.read_table(scored).column("score").to_pylist()
     assert again_scores == pytest.approx([r["score"] for r in unscored], abs=1e-4)
 
+    # the single-reward-model curve judged by two annotators: p_sim^ann's best-of-n points are cached,
+    # only their greedy evaluations and the extra point's are new
     tasks.EXECUTED.clear()
-    extra = overoptimization_flow(config=micro_config, ns=[1, 2, 4], extra_points=[CurvePoint(label="ppo step 0", family="ppo", pressure=0, outputs=ref)])
+    extra = overoptimization_flow(config=micro_config, ns=[1, 2, 4], labellers=["p_sim^ann"], annotators=["p_sim^ann", "greedy"],
+                                  extra_points=[CurvePoint(label="ppo step 0", family="ppo", pressure=0, outputs=ref)])
+    assert {r["labeller"] for r in extra["curve"]} == {"p_sim^ann"} and len(extra["curve"]) == 8
     assert [r["label"] for r in extra["curve"]][-2:] == ["ppo step 0", "ppo step 0"]
-    assert extra["curve"][-1]["proxy_reward"] == pytest.approx(rows[-1]["proxy_reward"], abs=1e-4)
-    assert tasks.EXECUTED["evaluate"] == 2 and tasks.EXECUTED["overoptimization"] == 1 and "best_of_n" not in tasks.EXECUTED
+    bon4_row = next(r for r in rows if r["labeller"] == "p_sim^ann" and r["label"] == "best_of_4")
+    assert extra["curve"][-1]["proxy_reward"] == pytest.approx(bon4_row["proxy_reward"], abs=1e-4)
+    assert dict(tasks.EXECUTED) == {"evaluate": 5, "proxy_reward": 1, "overoptimization": 1}
+
+    with pytest.raises(ValueError, match="unknown annotator"):
+        overoptimization_flow(config=micro_config, ns=[1], labellers=["gpt5"])
 
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("prefect_harness")
 def test_overoptimization_flow_with_ppo_snapshots(micro_config):
-    """PPO's curve: one point per committed snapshot (every 2 steps) plus step 0 = SFT."""
+    """PPO's curve against the greedy labeller's reward model: one point per committed snapshot (every 2 steps) plus step 0 = SFT."""
     from farmflow.flows.overoptimization import overoptimization_flow
 
-    summary = overoptimization_flow(config=micro_config, ns=[1], annotators=["greedy"], ppo_every=2)
+    summary = overoptimization_flow(config=micro_config, ns=[1], labellers=["greedy"], ppo_every=2)
     ppo = [r for r in summary["curve"] if r["family"] == "ppo"]
+    assert {(r["labeller"], r["annotator"]) for r in summary["curve"]} == {("greedy", "greedy")}
     steps = [r["pressure"] for r in ppo]
     cfg = micro_config.ppo
     total = math.floor(cfg.epochs * micro_config.data.unlabeled_size / cfg.rollout_batch_size)  # 240 / 48 = 5 steps
     assert steps == [0] + list(range(2, total + 1, 2))
     assert all(math.isfinite(r["proxy_reward"]) and 0 <= r["mean_gold"] <= 1 for r in ppo)
-    # step 0 is the SFT model's own generation
-    sft_gold = [r["mean_gold"] for r in ppo if r["pressure"] == 0][0]
-    assert "| ppo_step_2 |" in summary["markdown"] and 0 <= sft_gold <= 1
+    assert "| greedy | ppo_step_2 |" in summary["markdown"]

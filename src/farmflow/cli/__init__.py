@@ -189,13 +189,19 @@ def deploy(
 def overopt(
     preset: str = typer.Option("synthetic-tiny", help="Preset to start from."),
     n: list[int] = typer.Option([], "--n", help="Best-of-n sample counts (repeatable); default 1 2 4 8 16."),
-    annotator: list[str] = typer.Option([], "--annotator", help="Evaluating annotators: p_sim^ann, greedy, p_sim^eval (repeatable); default p_sim^ann and greedy."),
+    labeller: list[str] = typer.Option(
+        [], "--labeller", help="Who labels the PREF pairs, one reward model and one curve each: p_sim^ann, greedy, p_sim^eval "
+        "(repeatable or comma-separated); default p_sim^ann and greedy (paper Fig. 5)."),
+    annotator: list[str] = typer.Option(
+        [], "--annotator", help="Judge every curve with these annotators (repeatable or comma-separated) instead of its own labeller; "
+        "the single-reward-model curve: --labeller p_sim^ann --annotator p_sim^ann,greedy."),
     ppo_every: Optional[int] = typer.Option(None, "--ppo-every", help="Also PPO's curve: a policy snapshot every this many PPO steps, each a point."),
     set_: list[str] = typer.Option([], "--set", help="Override a field (section.field=value)."),
     store: Optional[str] = typer.Option(None, help="Artifact store (default ./.farmflow/store or $FARMFLOW_STORE)."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
 ) -> None:
-    """Over-optimization curve: best-of-n for growing n; proxy reward, win rate per annotator and gold reward (table + plot)."""
+    """Over-optimization curves, one per labeller: best-of-n for growing n (and PPO snapshots) against a reward model
+    trained on that labeller's preferences; proxy reward, win rate under the labeller and gold reward (table + plot)."""
     import time
 
     _prefect_env()
@@ -204,7 +210,8 @@ def overopt(
 
     start = time.perf_counter()
     try:
-        summary = overoptimization_flow(config=cfg, ns=list(n) or None, annotators=list(annotator) or None, ppo_every=ppo_every)
+        names = lambda opts: [x.strip() for o in opts for x in o.split(",") if x.strip()] or None  # noqa: E731
+        summary = overoptimization_flow(config=cfg, ns=list(n) or None, labellers=names(labeller), annotators=names(annotator), ppo_every=ppo_every)
     except ValueError as err:
         console.print(f"[red]{err}[/red]")
         raise typer.Exit(2)

@@ -9,8 +9,11 @@ a point is one optimization pressure with its evaluation-set outputs:
 
 For each point we record the proxy reward (the reward model's mean score of the outputs),
 the simulated win rate against the reference outputs under each evaluating annotator, and
-in the synthetic farm the gold reward. The paper contrasts p_sim^ann (the noisy pool) with
-a single greedy annotator (p_sim^GPT-4); `greedy_oracle` is the synthetic farm's analogue.
+in the synthetic farm the gold reward. A curve belongs to a *labeller*: the annotator whose
+labels of the PREF pairs trained the reward model being optimized. The paper (Fig. 5)
+contrasts p_sim^ann (the noisy pool) with a single greedy annotator (p_sim^GPT-4), each
+labelling, being optimized against and judging; `greedy_oracle` is the synthetic farm's
+analogue of the latter.
 
 Plain functions here; the stages are in `farmflow.tasks.analysis`, the flow in
 `farmflow.flows.overoptimization`.
@@ -51,9 +54,10 @@ class CurvePoint(BaseModel):
 
 
 def curve_rows(points: Sequence[dict]) -> list[dict]:
-    """Rows of the ``overoptimization`` table, one per (point, annotator), by family then pressure.
+    """Rows of the ``overoptimization`` table, one per (point, annotator), by labeller, family, pressure.
 
-    Each point: label, family, pressure, outputs_key, proxy_reward, and evaluations:
+    Each point: label, labeller (whose labels trained the reward model), family, pressure,
+    outputs_key, proxy_reward, and evaluations:
     {annotator label: {"key": evaluate key, "metrics": the evaluate stage's metrics}}.
     """
     rows = []
@@ -61,12 +65,12 @@ def curve_rows(points: Sequence[dict]) -> list[dict]:
         for annotator, ev in p["evaluations"].items():
             m = ev["metrics"]
             rows.append({
-                "label": p["label"], "family": p["family"], "pressure": float(p["pressure"]), "annotator": annotator,
+                "labeller": p["labeller"], "label": p["label"], "family": p["family"], "pressure": float(p["pressure"]), "annotator": annotator,
                 "proxy_reward": float(p["proxy_reward"]), "win_rate": m["win_rate"], "standard_error": m["standard_error"],
                 "lc_win_rate": m.get("lc_win_rate", math.nan), "mean_gold": m.get("mean_gold", math.nan),
                 "avg_length": int(m["avg_length"]), "n": int(m["n_total"]), "outputs_key": p["outputs_key"], "evaluation_key": ev["key"],
             })
-    rows.sort(key=lambda r: (r["family"], r["pressure"], r["annotator"]))
+    rows.sort(key=lambda r: (r["labeller"], r["family"], r["pressure"], r["annotator"]))
     return rows
 
 
@@ -75,23 +79,28 @@ def _f(x: float, fmt: str) -> str:
 
 
 def curve_markdown(rows: Sequence[dict], title: str = "Over-optimization") -> str:
-    """One line per point: pressure, proxy reward, gold reward, then win rate ± SE under each annotator."""
+    """One line per point: labeller, pressure, proxy reward, gold reward, then win rate ± SE under each annotator."""
     annotators = list(dict.fromkeys(r["annotator"] for r in rows))
     points: dict[tuple, dict[str, dict]] = {}
     for r in rows:
-        points.setdefault((r["family"], r["pressure"], r["label"]), {})[r["annotator"]] = r
-    head = "| point | pressure | proxy reward | mean gold | avg length | " + " | ".join(f"win rate ({a})" for a in annotators) + " |"
-    lines = [f"### {title}", "", head, "|---|---:|---:|---:|---:|" + "---:|" * len(annotators)]
-    for (family, pressure, label), per in points.items():
+        points.setdefault((r["labeller"], r["family"], r["pressure"], r["label"]), {})[r["annotator"]] = r
+    head = "| labeller | point | pressure | proxy reward | mean gold | avg length | " + " | ".join(f"win rate ({a})" for a in annotators) + " |"
+    lines = [f"### {title}", "", head, "|---|---|---:|---:|---:|---:|" + "---:|" * len(annotators)]
+    for (labeller, family, pressure, label), per in points.items():
         any_row = next(iter(per.values()))
         cells = [f"{_f(per[a]['win_rate'], '.1f')} ± {_f(per[a]['standard_error'], '.1f')}" if a in per else "—" for a in annotators]
-        lines.append(f"| {label} | {pressure:g} | {any_row['proxy_reward']:.3f} | {_f(any_row['mean_gold'], '.3f')} | "
+        lines.append(f"| {labeller} | {label} | {pressure:g} | {any_row['proxy_reward']:.3f} | {_f(any_row['mean_gold'], '.3f')} | "
                      f"{any_row['avg_length']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
 def plot_curves(rows: Sequence[dict], path: str, title: str = "Over-optimization") -> None:
-    """Two panels against the proxy reward: win rate (± SE) per annotator, and gold reward (PNG)."""
+    """Two panels against the proxy reward: win rate (± SE) per labeller and annotator, and gold reward per labeller (PNG).
+
+    Colour: the labeller (whose reward model), marker: the family (best-of-n, PPO...), dashed:
+    judged by an annotator other than the labeller. Each reward model has its own proxy-reward
+    scale, so compare a curve's shape, not x positions across labellers.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -99,37 +108,47 @@ def plot_curves(rows: Sequence[dict], path: str, title: str = "Over-optimization
 
     if not rows:
         raise ValueError("no curve points to plot")
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.2), dpi=120)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.4), dpi=120)
     markers = "osD^v<>"
+    labellers = list(dict.fromkeys(r["labeller"] for r in rows))
     families = list(dict.fromkeys(r["family"] for r in rows))
-    for ai, annotator in enumerate(dict.fromkeys(r["annotator"] for r in rows)):
+    annotators = list(dict.fromkeys(r["annotator"] for r in rows))
+
+    def line_of(labeller: str, family: str, annotator: str | None = None) -> list[dict]:
+        picked = [r for r in rows if r["labeller"] == labeller and r["family"] == family and annotator in (None, r["annotator"])]
+        if annotator is None:  # one row per point: gold and proxy do not depend on the annotator
+            picked = list({r["label"]: r for r in picked if not math.isnan(r["mean_gold"])}.values())
+        return sorted(picked, key=lambda r: r["pressure"])
+
+    def annotate(ax, line: list[dict], y: str) -> None:
+        for r in line:
+            ax.annotate(f"{r['pressure']:g}", (r["proxy_reward"], r[y]), textcoords="offset points", xytext=(3, 3), fontsize=6)
+
+    for li, labeller in enumerate(labellers):
         for fi, family in enumerate(families):
-            line = sorted((r for r in rows if r["annotator"] == annotator and r["family"] == family), key=lambda r: r["pressure"])
-            if not line:
-                continue
-            left.errorbar([r["proxy_reward"] for r in line], [r["win_rate"] for r in line],
-                          yerr=[0 if math.isnan(r["standard_error"]) else r["standard_error"] for r in line],
-                          marker=markers[fi % len(markers)], color=f"C{ai}", capsize=2, label=f"{annotator} · {family}")
-            for r in line:
-                left.annotate(f"{r['pressure']:g}", (r["proxy_reward"], r["win_rate"]), textcoords="offset points", xytext=(3, 3), fontsize=6)
-    left.set_xlabel("proxy reward (reward model, mean over eval outputs)")
+            for annotator in annotators:
+                line = line_of(labeller, family, annotator)
+                if not line:
+                    continue
+                left.errorbar([r["proxy_reward"] for r in line], [r["win_rate"] for r in line],
+                              yerr=[0 if math.isnan(r["standard_error"]) else r["standard_error"] for r in line],
+                              marker=markers[fi % len(markers)], color=f"C{li}", linestyle="-" if annotator == labeller else "--",
+                              capsize=2, label=f"RM on {labeller} · {family} · judged by {annotator}")
+                annotate(left, line, "win_rate")
+            line = line_of(labeller, family)
+            if line:
+                right.plot([r["proxy_reward"] for r in line], [r["mean_gold"] for r in line], marker=markers[fi % len(markers)],
+                           color=f"C{li}", label=f"RM on {labeller} · {family}")
+                annotate(right, line, "mean_gold")
+    left.set_xlabel("proxy reward (its reward model, mean over eval outputs)")
     left.set_ylabel("simulated win rate vs reference (%)")
-    left.legend(fontsize=7)
+    left.legend(fontsize=6)
     left.grid(alpha=0.3)
-    first = next(iter(dict.fromkeys(r["annotator"] for r in rows)))
-    for fi, family in enumerate(families):
-        line = sorted((r for r in rows if r["annotator"] == first and r["family"] == family and not math.isnan(r["mean_gold"])),
-                      key=lambda r: r["pressure"])
-        if line:
-            right.plot([r["proxy_reward"] for r in line], [r["mean_gold"] for r in line], marker=markers[fi % len(markers)],
-                       color="black", label=family)
-            for r in line:
-                right.annotate(f"{r['pressure']:g}", (r["proxy_reward"], r["mean_gold"]), textcoords="offset points", xytext=(3, 3), fontsize=6)
-    right.set_xlabel("proxy reward (reward model, mean over eval outputs)")
+    right.set_xlabel("proxy reward (its reward model, mean over eval outputs)")
     right.set_ylabel("gold reward (mean over eval outputs)")
     right.set_title("gold reward (synthetic farm)", fontsize=9)
     if right.lines:
-        right.legend(fontsize=7)
+        right.legend(fontsize=6)
     right.grid(alpha=0.3)
     fig.suptitle(title + " (labels: pressure)")
     fig.tight_layout()

@@ -1,17 +1,25 @@
 """The over-optimization flow (AlpacaFarm Fig. 5 and 12): curves of proxy reward, win rate and gold reward.
 
-It reuses the shared upstream stages of every flow (data → base → SFT → pairs →
-annotation → reward model, `Upstream`), runs best-of-n for each n in `ns` (best-of-n's own
-stage, so a point the best-of-n flow already computed comes from the cache), then per
-point: its proxy reward (`proxy_reward` stage) and its evaluation under each evaluating
-annotator (`evaluate`): p_sim^ann (the farm's annotation pool, label noise included) and
-the single greedy annotator (`evaluation.overopt.GREEDY_ORACLE`). One `overoptimization`
-artifact holds the table, ``curve.md`` and ``curve.png``.
+One curve per *labeller* (paper Fig. 5: p_sim^ann and the single greedy annotator). For
+each labeller the flow reuses the shared upstream stages (data → base → SFT → pairs), has
+the labeller annotate the PREF pairs (`annotate`), trains a reward model on those labels
+(`train_reward`) and optimizes against it: best-of-n for each n in `ns` (best-of-n's own
+stage, so a point the best-of-n flow already computed comes from the cache) and, with
+`ppo_every`, PPO's snapshots. Every point gets its proxy reward under that reward model
+(`proxy_reward`) and its evaluation (`evaluate`) under the labeller itself — or under the
+`annotators` given, for every curve. One `overoptimization` artifact holds the table,
+``curve.md`` and ``curve.png`` with all curves.
+
+Labellers and evaluating annotators by name: p_sim^ann (the farm's annotation pool, label
+noise included), greedy (`evaluation.overopt.GREEDY_ORACLE`, the synthetic farm's
+p_sim^GPT-4), p_sim^eval (the evaluation pool). The single-reward-model curve judged by
+two annotators is ``labellers=["p_sim^ann"], annotators=["p_sim^ann", "greedy"]``.
 
 PPO's curve over training steps (`ppo_every`): PPO runs with `snapshot_every` set, each
 committed snapshot is generated on the evaluation set and becomes a point (family
 "ppo", pressure = PPO step; step 0 is the SFT model). More points (Quark...) come in as
-`CurvePoint`s: pass them as `extra_points`, or call `evaluate_points(up, points)`.
+`CurvePoint`s: pass them as `extra_points` (they join the first labeller's curve), or call
+`evaluate_points` / `point_configs` with an `Upstream`.
 """
 
 from __future__ import annotations
@@ -28,6 +36,8 @@ from farmflow.tasks import evaluate_task
 from farmflow.tasks.analysis import overoptimization_task, proxy_reward_task
 
 DEFAULT_NS = (1, 2, 4, 8, 16)
+DEFAULT_LABELLERS = ("p_sim^ann", "greedy")
+"""Paper Fig. 5: the noisy pool and the single low-variance annotator, each labelling and judging its own curve."""
 
 
 def evaluating_annotators(cfg: FarmConfig, names: list[str] | tuple[str, ...] = ("p_sim^ann", "greedy")) -> dict[str, Any]:
@@ -35,70 +45,96 @@ def evaluating_annotators(cfg: FarmConfig, names: list[str] | tuple[str, ...] = 
     known = {"p_sim^ann": cfg.annotation, "greedy": GREEDY_ORACLE, "p_sim^eval": cfg.evaluation.annotator}
     unknown = [n for n in names if n not in known]
     if unknown:
-        raise ValueError(f"unknown evaluating annotator(s) {unknown}; known: {', '.join(known)}")
+        raise ValueError(f"unknown annotator(s) {unknown}; known: {', '.join(known)}")
     return {n: known[n] for n in names}
 
 
-def best_of_n_points(up: Upstream, ns: list[int] | tuple[int, ...] = DEFAULT_NS) -> list[CurvePoint]:
-    """Best-of-n of the SFT model for each n, ranked by the farm's reward model."""
+def labelled_upstream(run: StageRunner, cfg: FarmConfig, labeller: str) -> Upstream:
+    """The upstream stages with the PREF pairs labelled by `labeller`: data, SFT and pairs are shared
+    (same stage keys), the preferences and the reward model are the labeller's own."""
+    annotator = evaluating_annotators(cfg, [labeller])[labeller]
+    return Upstream(run, cfg.model_copy(update={"annotation": annotator}))
+
+
+def best_of_n_points(up: Upstream, ns: list[int] | tuple[int, ...] = DEFAULT_NS, tag: str = "") -> list[CurvePoint]:
+    """Best-of-n of the SFT model for each n, ranked by `up`'s reward model (`tag` marks the stage labels)."""
     if not ns or any(n < 1 for n in ns):
         raise ValueError(f"ns must be positive sample counts, got {list(ns)}")
     points = []
     for n in sorted(set(ns)):
         cfg = up.cfg.best_of_n.model_copy(update={"n": n})
         points.append(CurvePoint(label=f"best_of_{n}", family="best_of_n", pressure=n,
-                                 outputs=_best_of_n(up, up.sft, cfg, "eval", f"best_of_{n}")))
+                                 outputs=_best_of_n(up, up.sft, cfg, "eval", f"best_of_{n}{tag}")))
     return points
 
 
-def ppo_points(up: Upstream, every: int) -> list[CurvePoint]:
-    """PPO from SFT with a policy snapshot every `every` steps; one point per snapshot, step 0 = SFT."""
+def ppo_points(up: Upstream, every: int, tag: str = "") -> list[CurvePoint]:
+    """PPO from SFT against `up`'s reward model, a policy snapshot every `every` steps; one point per snapshot, step 0 = SFT."""
     from farmflow.tasks import rl
 
     if every < 1:
         raise ValueError(f"ppo_every must be a positive number of PPO steps, got {every}")
     config = up.cfg.ppo.model_copy(update={"snapshot_every": every})
-    final = up.run(rl.ppo_task, config, "ppo (snapshots)", data=up.data, sft=up.sft, reward=up.reward, checkpoints=up.cfg.checkpoints)
+    final = up.run(rl.ppo_task, config, f"ppo (snapshots){tag}", data=up.data, sft=up.sft, reward=up.reward, checkpoints=up.cfg.checkpoints)
     points = [CurvePoint(label="ppo_step_0", family="ppo", pressure=0, outputs=_generate(up, up.sft, "sft"))]
     for step, snapshot in rl.ppo_snapshots(up.run.store_uri, final).items():
-        points.append(CurvePoint(label=f"ppo_step_{step}", family="ppo", pressure=step, outputs=_generate(up, snapshot, f"ppo_step_{step}")))
+        points.append(CurvePoint(label=f"ppo_step_{step}", family="ppo", pressure=step, outputs=_generate(up, snapshot, f"ppo_step_{step}{tag}")))
     return points
 
 
-def evaluate_points(up: Upstream, points: list[CurvePoint], annotators: dict[str, Any], title: str) -> ArtifactRef:
-    """Proxy reward and evaluations of every point, then the curve artifact."""
-    run = up.run
-    config_points = []
+def point_configs(up: Upstream, points: list[CurvePoint], annotators: dict[str, Any], labeller: str = "p_sim^ann") -> list[dict]:
+    """Proxy reward (under `up`'s reward model) and evaluations of every point: the `overoptimization` stage's points.
+
+    `labeller` names whose labels trained `up`'s reward model (the farm's own cfg.annotation is p_sim^ann).
+    """
+    run, tag = up.run, f" [{labeller}]"
+    out = []
     for p in points:
-        proxy = run(proxy_reward_task, {"batch_size": up.cfg.generation.batch_size}, f"proxy_reward {p.label}", outputs=p.outputs, reward=up.reward)
-        evals = {a: run(evaluate_task, ann, f"evaluate {p.label} ({a})", outputs=p.outputs, data=up.data) for a, ann in annotators.items()}
-        config_points.append({"label": p.label, "family": p.family, "pressure": p.pressure, "outputs": p.outputs.key, "proxy": proxy.key,
-                              "evaluations": {a: ref.key for a, ref in evals.items()}})
-    return run(overoptimization_task, {"title": title, "points": config_points}, "overoptimization")
+        proxy = run(proxy_reward_task, {"batch_size": up.cfg.generation.batch_size}, f"proxy_reward {p.label}{tag}", outputs=p.outputs, reward=up.reward)
+        evals = {a: run(evaluate_task, ann, f"evaluate {p.label}{tag} ({a})", outputs=p.outputs, data=up.data) for a, ann in annotators.items()}
+        out.append({"label": p.label, "labeller": labeller, "family": p.family, "pressure": p.pressure, "outputs": p.outputs.key,
+                    "proxy": proxy.key, "evaluations": {a: ref.key for a, ref in evals.items()}})
+    return out
+
+
+def evaluate_points(up: Upstream, points: list[CurvePoint], annotators: dict[str, Any], title: str, labeller: str = "p_sim^ann") -> ArtifactRef:
+    """Proxy reward and evaluations of every point (one reward model), then the curve artifact."""
+    return up.run(overoptimization_task, {"title": title, "points": point_configs(up, points, annotators, labeller)}, "overoptimization")
 
 
 @flow(name="overoptimization", flow_run_name=_flow_run_name, log_prints=True)
 def overoptimization_flow(
     config: FarmConfig | None = None, preset: str = "synthetic-tiny", ns: list[int] | None = None,
-    annotators: list[str] | None = None, extra_points: list[CurvePoint] | None = None, ppo_every: int | None = None,
+    labellers: list[str] | None = None, annotators: list[str] | None = None, extra_points: list[CurvePoint] | None = None,
+    ppo_every: int | None = None,
 ) -> dict[str, Any]:
-    """Best-of-n for each n in `ns` (default 1, 2, 4, 8, 16), PPO snapshots every `ppo_every` steps (None: no PPO
-    curve) and `extra_points`, evaluated under each annotator.
+    """One curve per labeller (default p_sim^ann and greedy): the labeller's preferences train a reward model;
+    best-of-n for each n in `ns` (default 1, 2, 4, 8, 16) and PPO snapshots every `ppo_every` steps (None: no PPO
+    curve) optimize against it; each point is judged by the labeller (or by every annotator in `annotators`).
+    `extra_points` join the first labeller's curve.
 
-    Returns a JSON-able summary: the curve rows, the artifact, per-stage timing.
+    Returns a JSON-able summary: the curve rows, the artifact, each labeller's preferences and reward model, per-stage timing.
     """
     cfg = _cfg(config, preset)
+    chosen = list(evaluating_annotators(cfg, tuple(dict.fromkeys(labellers or DEFAULT_LABELLERS))))  # unknown names fail here, before any stage
+    evaluators = evaluating_annotators(cfg, tuple(annotators)) if annotators else None
     run = StageRunner(cfg.store.location)
-    up = Upstream(run, cfg)
-    points = best_of_n_points(up, tuple(ns or DEFAULT_NS)) + (ppo_points(up, ppo_every) if ppo_every else []) + list(extra_points or [])
-    chosen = evaluating_annotators(cfg, tuple(annotators or ("p_sim^ann", "greedy")))
-    curve = evaluate_points(up, points, chosen, f"Over-optimization ({cfg.name})")
+    configs, models = [], {}
+    for i, labeller in enumerate(chosen):
+        up = labelled_upstream(run, cfg, labeller)
+        tag = f" [{labeller}]"
+        points = best_of_n_points(up, tuple(ns or DEFAULT_NS), tag) + (ppo_points(up, ppo_every, tag) if ppo_every else [])
+        points += list(extra_points or []) if i == 0 else []
+        configs += point_configs(up, points, evaluators or evaluating_annotators(cfg, [labeller]), labeller)
+        models[labeller] = {"preferences": up.preferences.key, "reward_model": up.reward.key,
+                            **{k: v for k, v in up.reward.metrics.items() if k.startswith("heldout")}}
+    curve = run(overoptimization_task, {"title": f"Over-optimization ({cfg.name})", "points": configs}, "overoptimization")
     return {
         "preset": cfg.name,
         "store": str(run.store.root),
         "curve": run.store.read_table(curve).to_pylist(),
         "markdown": run.store.read_file(curve, "curve.md").decode(),
         "artifact": curve.uri,
-        "reward_model": {k: v for k, v in up.reward.metrics.items() if k.startswith("heldout")},
+        "reward_models": models,
         "stages": run.timings,
     }

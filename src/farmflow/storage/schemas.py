@@ -78,10 +78,11 @@ SCHEMAS: dict[str, pa.Schema] = {
         ]
     ),
     # over-optimization curves (evaluation.overopt): one row per (point, annotator); a point is
-    # one optimization pressure (best-of-n's n, a PPO step) with its evaluation-set outputs.
+    # one optimization pressure (best-of-n's n, a PPO step) with its evaluation-set outputs;
+    # labeller: the annotator whose labels trained the reward model the point was optimized against.
     "overoptimization": pa.schema(
         [
-            ("label", _STR), ("family", _STR), ("pressure", _F), ("annotator", _STR), ("proxy_reward", _F),
+            ("labeller", _STR), ("label", _STR), ("family", _STR), ("pressure", _F), ("annotator", _STR), ("proxy_reward", _F),
             ("win_rate", _F), ("standard_error", _F), ("lc_win_rate", _F), ("mean_gold", _F), ("avg_length", _I),
             ("n", _I), ("outputs_key", _STR), ("evaluation_key", _STR),
         ]

@@ -44,12 +44,13 @@ def proxy_reward_task(store_uri: str, config: dict, outputs: ArtifactRef, reward
                            metrics={"mean_reward": mean, "n": float(len(scores))})
 
 
-@stage_task("overoptimization", version="1")
+@stage_task("overoptimization", version="2")
 def overoptimization_task(store_uri: str, config: dict) -> ArtifactRef:
     """The over-optimization curve of the points in `config`.
 
-    config: {"title": str, "points": [{"label", "family", "pressure", "outputs": key,
-    "proxy": proxy_reward key, "evaluations": {annotator label: evaluate key}}]}.
+    config: {"title": str, "points": [{"label", "labeller", "family", "pressure", "outputs": key,
+    "proxy": proxy_reward key, "evaluations": {annotator label: evaluate key}}]}; `labeller` names the
+    annotator whose labels trained the reward model (several labellers make several curves).
     """
     store, key, hit = lookup("overoptimization", store_uri, config)
     if hit:
@@ -60,8 +61,8 @@ def overoptimization_task(store_uri: str, config: dict) -> ArtifactRef:
         evals = {a: store.get("evaluate", k) for a, k in p["evaluations"].items()}
         missing = [f"proxy_reward/{p['proxy']}"] * (proxy is None) + [f"evaluate/{k}" for a, k in p["evaluations"].items() if evals[a] is None]
         if missing:
-            raise ValueError(f"over-optimization point {p['label']!r}: artifact(s) {missing} not in the store")
-        points.append({**{k: p[k] for k in ("label", "family", "pressure")}, "outputs_key": p["outputs"],
+            raise ValueError(f"over-optimization point {p['label']!r} (reward model on {p['labeller']} labels): artifact(s) {missing} not in the store")
+        points.append({**{k: p[k] for k in ("label", "labeller", "family", "pressure")}, "outputs_key": p["outputs"],
                        "proxy_reward": proxy.metrics["mean_reward"],
                        "evaluations": {a: {"key": ref.key, "metrics": ref.metrics} for a, ref in evals.items()}})
     rows = curve_rows(points)
