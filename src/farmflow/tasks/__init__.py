@@ -18,6 +18,7 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Literal
 
 import pyarrow as pa
 
@@ -32,12 +33,13 @@ from farmflow.data import alpaca, build_synthetic_farm, prompts_of, split_rows, 
 from farmflow.evaluation import VERSION as EVAL_VERSION
 from farmflow.evaluation import evaluate_outputs, leaderboard_markdown, leaderboard_rows, plot_leaderboard, run_of_rows
 from farmflow.evaluation.leaderboard import annotator_label
+from farmflow.generation import best_of_n_vllm, sample_texts
 from farmflow.methods import best_of_n as bon
 from farmflow.methods import reward as rm
 from farmflow.methods import reward_conditioning as rc
 from farmflow.methods import sft
 from farmflow.models import (
-    build_policy, load_policy, load_pretrained, load_reward, load_tokenizer, reward_from_policy, sample, save, score, train_tokenizer,
+    build_policy, load_policy, load_pretrained, load_reward, load_tokenizer, reward_from_policy, save, score, train_tokenizer,
 )
 from farmflow.progress import progress
 from farmflow.storage import ArtifactRef, canonical_json, open_store, stage_key
@@ -108,10 +110,10 @@ def sample_pairs_task(store_uri: str, config: SampleConfig, data: ArtifactRef, p
         return hit
     table = store.read_table(data)
     rows = split_rows(table, "pref") + split_rows(table, "val")
-    model, tokenizer = load_policy(store.model_dir(policy))
     with progress("sample_pairs", len(rows), unit="prompt") as bar:
-        outs = sample(model, tokenizer, prompts_of(rows), n=2, temperature=config.temperature, top_p=config.top_p,
-                      max_new_tokens=config.max_new_tokens, batch_size=config.batch_size, seed=config.seed, progress=bar.update)
+        outs = sample_texts(config.backend, store.model_dir(policy), prompts_of(rows), n=2, temperature=config.temperature,
+                            top_p=config.top_p, max_new_tokens=config.max_new_tokens, batch_size=config.batch_size, seed=config.seed,
+                            field="pairs.backend", progress=bar.update)
     pairs = [{**{k: r[k] for k in ("id", "split", "instruction", "input", "task")}, "output_1": o[0], "output_2": o[1]} for r, o in zip(rows, outs)]
     identical = sum(p["output_1"] == p["output_2"] for p in pairs)
     return store.put_table("sample_pairs", key, pa.Table.from_pylist(pairs, schema=SCHEMAS["pairs"]), "pairs", config=config,
@@ -201,38 +203,46 @@ def generate_task(store_uri: str, config: dict, data: ArtifactRef, policy: Artif
 
     config: {"sample": SampleConfig, "generator": name, "control": ""}; a non-empty
     `control` is a control token appended to every prompt (reward conditioning's good token).
+    `sample.backend` picks the sampler (`farmflow.generation`); it is not part of the key.
     """
+    cfg = SampleConfig.model_validate(config["sample"])
+    config = {**config, "sample": cfg}  # typed even when it arrives as JSON, so the backend never enters the key
     store, key, hit = lookup("generate", store_uri, config, data=data, policy=policy)
     if hit:
         return hit
-    cfg = SampleConfig.model_validate(config["sample"])
     rows = split_rows(store.read_table(data), "eval")
-    model, tokenizer = load_policy(store.model_dir(policy))
     with progress(f"generate {config['generator']}", len(rows), unit="prompt") as bar:
-        outs = sample(model, tokenizer, rc.conditioned_prompts(prompts_of(rows), config.get("control", "")), n=1,
-                      temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size,
-                      seed=cfg.seed, progress=bar.update)
+        outs = sample_texts(cfg.backend, store.model_dir(policy), rc.conditioned_prompts(prompts_of(rows), config.get("control", "")),
+                            n=1, temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
+                            batch_size=cfg.batch_size, seed=cfg.seed, field="generation.backend", progress=bar.update)
     return store.put_table("generate", key, _outputs_table(rows, [o[0] for o in outs], config["generator"]), "outputs",
                            config=config, inputs={"data": data, "policy": policy})
 
 
 @stage_task("best_of_n", version=bon.VERSION)
-def best_of_n_task(store_uri: str, config: dict, data: ArtifactRef, policy: ArtifactRef, reward: ArtifactRef) -> ArtifactRef:
+def best_of_n_task(
+    store_uri: str, config: dict, data: ArtifactRef, policy: ArtifactRef, reward: ArtifactRef, backend: Literal["hf", "vllm"] = "hf",
+) -> ArtifactRef:
     """Best of n policy samples per instruction of a split, chosen by the reward model.
 
     config: {"best_of_n": BestOfNConfig, "max_new_tokens": int, "batch_size": int, "split": "eval",
     "max_prompts": None}. The eval split gives best-of-n's evaluated outputs; the unlabeled
     split gives expert iteration's selections (`max_prompts` keeps the first ones only).
+    `backend` (generation.backend, an option like `checkpoints`: not part of the key) picks the sampler.
     """
     store, key, hit = lookup("best_of_n", store_uri, config, data=data, policy=policy, reward=reward)
     if hit:
         return hit
     cfg = BestOfNConfig.model_validate(config["best_of_n"])
     rows = split_rows(store.read_table(data), config.get("split", "eval"))[: config.get("max_prompts")]
-    model, tokenizer = load_policy(store.model_dir(policy))
-    reward_model, reward_tokenizer = load_reward(store.model_dir(reward))
-    outs, scores = bon.best_of_n(model, tokenizer, reward_model, reward_tokenizer, prompts_of(rows), n=cfg.n, temperature=cfg.temperature,
-                                 top_p=cfg.top_p, max_new_tokens=config["max_new_tokens"], batch_size=config["batch_size"], seed=cfg.seed)
+    args = dict(n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=config["max_new_tokens"],
+                batch_size=config["batch_size"], seed=cfg.seed)
+    if backend == "vllm":
+        outs, scores = best_of_n_vllm(store.model_dir(policy), store.model_dir(reward), prompts_of(rows), **args)
+    else:
+        model, tokenizer = load_policy(store.model_dir(policy))
+        reward_model, reward_tokenizer = load_reward(store.model_dir(reward))
+        outs, scores = bon.best_of_n(model, tokenizer, reward_model, reward_tokenizer, prompts_of(rows), **args)
     return store.put_table("best_of_n", key, _outputs_table(rows, outs, f"best_of_{cfg.n}", scores), "outputs", config=config,
                            inputs={"data": data, "policy": policy, "reward": reward},
                            metrics={"mean_reward": sum(scores) / max(1, len(scores))})

@@ -1,0 +1,143 @@
+"""Sampling backends for the generation stages: farmflow's own sampler ("hf") or vLLM.
+
+`generation.backend` (and `pairs.backend`) choose how the generate, sample_pairs and
+best_of_n stages draw samples from a policy checkpoint:
+
+* ``hf`` (default): `farmflow.models.sample`, the batched KV-cache sampler on the model
+  loaded with transformers.
+* ``vllm``: `vllm.LLM(model=<checkpoint folder>)` with one `SamplingParams(n, temperature,
+  top_p, max_tokens, seed)` per prompt. vLLM is optional and not a farmflow dependency
+  (``pip install vllm`` on the GPU worker; it brings its own CUDA build of torch).
+
+Both give the same outputs schema: n decoded responses per prompt, up to the first EOS,
+special tokens dropped, stripped. The prompt is encoded the same way (``<s>`` + the prompt's
+tokens, cut from the left to leave room for max_new_tokens), and vLLM's token ids are
+decoded with farmflow's `decode_response`. The samples themselves differ from the hf
+backend's for the same seed (other random streams and kernels). The backend is
+operational: it is not part of any stage key, so an artifact sampled by one backend is
+reused when the other is selected.
+"""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from farmflow.config import ConfigError
+
+
+def require_vllm(field: str) -> Any:
+    """The `vllm` module, or one ConfigError naming the config field that asked for it."""
+    try:
+        import vllm
+    except ImportError:
+        raise ConfigError(
+            f"{field} is 'vllm' but vLLM is not installed in this environment: `pip install vllm` on the machine that runs "
+            f"generation (it brings its own CUDA torch), or set {field}=hf"
+        ) from None
+    return vllm
+
+
+def prompt_token_ids(tokenizer, prompts: Sequence[str], max_prompt_len: int) -> list[list[int]]:
+    """``<s>`` + each prompt's tokens, cut from the left to `max_prompt_len` (the hf sampler's encoding)."""
+    ids = tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
+    return [([tokenizer.bos_token_id] + x)[-max_prompt_len:] for x in ids]
+
+
+def texts_from_vllm(request_outputs: Sequence[Any], n: int, decode: Callable[[Sequence[int]], str]) -> list[list[str]]:
+    """vLLM's `RequestOutput`s (one per prompt, in prompt order) → n response texts per prompt.
+
+    Reads only ``request.outputs[j].index`` and ``.token_ids``, so plain objects with those
+    attributes work too. Completions are put in `index` order and decoded with `decode`
+    (farmflow's `decode_response`: up to the first EOS, special tokens dropped, stripped).
+    A request without exactly n completions is an error naming it.
+    """
+    texts = []
+    for i, request in enumerate(request_outputs):
+        completions = sorted(request.outputs, key=lambda c: c.index)
+        if [c.index for c in completions] != list(range(n)):
+            raise ValueError(f"vllm: prompt {i} came back with completions {[c.index for c in completions]}, expected 0..{n - 1}")
+        texts.append([decode(list(c.token_ids)) for c in completions])
+    return texts
+
+
+def vllm_sample(
+    model_dir: str | Path, prompts: Sequence[str], *, n: int, temperature: float, top_p: float, max_new_tokens: int, seed: int,
+    field: str = "generation.backend", dtype: str = "auto",
+) -> list[list[str]]:
+    """n sampled responses per prompt from the checkpoint folder, through vLLM (``result[prompt][sample]``).
+
+    Prompt i is sampled with seed ``seed * 1_000_003 + i``, so each prompt has its own
+    reproducible stream. The engine is released before returning (the GPU memory of its
+    KV cache goes back when its engine process ends).
+    """
+    vllm = require_vllm(field)
+    from transformers import AutoConfig
+
+    from farmflow.models import decode_response, load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
+    context = AutoConfig.from_pretrained(str(model_dir)).max_position_embeddings
+    if max_new_tokens >= context:
+        raise ConfigError(f"max_new_tokens ({max_new_tokens}) must be smaller than the model's context ({context} tokens)")
+    ids = prompt_token_ids(tokenizer, prompts, context - max_new_tokens)
+    llm = vllm.LLM(model=str(model_dir), dtype=dtype, seed=seed, max_model_len=context)
+    try:
+        params = [vllm.SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, seed=seed * 1_000_003 + i)
+                  for i in range(len(prompts))]
+        outputs = llm.generate([{"prompt_token_ids": x} for x in ids], params, use_tqdm=False)
+    finally:
+        del llm
+        gc.collect()
+    return texts_from_vllm(outputs, n, lambda t: decode_response(tokenizer, t))
+
+
+def sample_texts(
+    backend: str, model_dir: str | Path, prompts: Sequence[str], *, n: int, temperature: float, top_p: float, max_new_tokens: int,
+    batch_size: int, seed: int, field: str, progress: Callable[[int], None] | None = None,
+) -> list[list[str]]:
+    """n sampled responses per prompt from a policy checkpoint folder with the chosen backend."""
+    if backend == "vllm":
+        out = vllm_sample(model_dir, prompts, n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed,
+                          field=field)
+        if progress:
+            progress(len(prompts))
+        return out
+    if backend != "hf":
+        raise ConfigError(f"{field}: unknown backend {backend!r}; known: hf, vllm")
+    from farmflow.models import load_policy, sample
+
+    model, tokenizer = load_policy(model_dir)
+    return sample(model, tokenizer, prompts, n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
+                  batch_size=batch_size, seed=seed, progress=progress)
+
+
+def pick_best(candidates: Sequence[Sequence[str]], rewards: Sequence[float]) -> tuple[list[str], list[float]]:
+    """Per prompt, the candidate with the highest reward (the first on ties) and its reward; `rewards` is flat, prompt-major."""
+    total = sum(len(c) for c in candidates)
+    if total != len(rewards):
+        raise ValueError(f"pick_best: {len(rewards)} rewards for {total} candidates")
+    best, best_r, k = [], [], 0
+    for cands in candidates:
+        chunk = rewards[k: k + len(cands)]
+        j = max(range(len(cands)), key=chunk.__getitem__)
+        best.append(cands[j])
+        best_r.append(chunk[j])
+        k += len(cands)
+    return best, best_r
+
+
+def best_of_n_vllm(
+    model_dir: str | Path, reward_dir: str | Path, prompts: Sequence[str], *, n: int, temperature: float, top_p: float,
+    max_new_tokens: int, batch_size: int, seed: int, field: str = "generation.backend",
+) -> tuple[list[str], list[float]]:
+    """Best-of-n with vLLM sampling: n candidates per prompt, scored by the reward model (loaded after the engine is gone)."""
+    from farmflow.models import load_reward, score
+
+    candidates = vllm_sample(model_dir, prompts, n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
+                             seed=seed, field=field)
+    reward_model, reward_tokenizer = load_reward(reward_dir)
+    flat_prompts = [p for p, c in zip(prompts, candidates) for _ in c]
+    rewards = score(reward_model, reward_tokenizer, flat_prompts, [o for c in candidates for o in c], batch_size=batch_size).tolist()
+    return pick_best(candidates, rewards)

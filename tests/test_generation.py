@@ -1,0 +1,140 @@
+"""farmflow.generation: the sampling backend switch (hf | vllm), tested without vLLM installed.
+
+The vLLM path itself needs a GPU and vLLM; here: the import guard, the conversion of vLLM's
+outputs (plain objects with vLLM's attributes), the prompt encoding it shares with the hf
+sampler, hf as the default everywhere, and stage keys that ignore the backend.
+"""
+
+import importlib.util
+import inspect
+from types import SimpleNamespace
+
+import pytest
+
+from farmflow import tasks
+from farmflow.config import PRESETS, ConfigError, SampleConfig, load_config
+from farmflow.flows.distributed import stage_key_of
+from farmflow.generation import pick_best, prompt_token_ids, require_vllm, sample_texts, texts_from_vllm
+from farmflow.models import _left_pad, decode_response, load_policy, load_tokenizer, sample
+from farmflow.storage import open_store
+from farmflow.tasks.core import EXECUTED, key_config
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+needs_no_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+
+
+@pytest.fixture(scope="module")
+def micro(tmp_path_factory):
+    """synthetic-micro data and its untrained base model in a fresh store."""
+    cfg = load_config("synthetic-micro")
+    uri = str(tmp_path_factory.mktemp("store"))
+    data = tasks.data_task.fn(uri, cfg.data)
+    base = tasks.base_model_task.fn(uri, cfg.model, data)
+    return cfg, uri, data, base
+
+
+@pytest.fixture(scope="module")
+def tok(micro):
+    _, uri, _, base = micro
+    return load_tokenizer(open_store(uri).model_dir(base))
+
+
+def test_hf_is_the_default_everywhere():
+    assert SampleConfig().backend == "hf"
+    for name in PRESETS:
+        cfg = load_config(name)
+        assert (cfg.generation.backend, cfg.pairs.backend) == ("hf", "hf"), name
+    assert inspect.signature(tasks.best_of_n_task.fn).parameters["backend"].default == "hf"
+    assert load_config("synthetic-micro", ['generation.backend="vllm"']).generation.backend == "vllm"
+    with pytest.raises(ConfigError, match=r"generation\.backend"):
+        load_config("synthetic-micro", ['generation.backend="tgi"'])
+
+
+def test_stage_keys_ignore_the_backend():
+    cfg = load_config("synthetic-micro")
+    vllm = cfg.generation.model_copy(update={"backend": "vllm"})
+    assert key_config(vllm) == key_config(cfg.generation)
+    assert key_config(cfg.pairs.model_copy(update={"backend": "vllm"})) == key_config(cfg.pairs)
+    assert "backend" not in key_config(cfg.generation)
+    gen = lambda sample: {"sample": sample, "generator": "sft", "control": ""}  # noqa: E731
+    assert stage_key_of("generate", gen(vllm), {}) == stage_key_of("generate", gen(cfg.generation), {})
+    bon = {"best_of_n": cfg.best_of_n, "max_new_tokens": 12, "batch_size": 64, "split": "eval", "max_prompts": None}
+    assert stage_key_of("best_of_n", bon, {"backend": "vllm"}) == stage_key_of("best_of_n", bon, {})
+    # what the samples depend on still changes it
+    assert key_config(cfg.generation.model_copy(update={"seed": 1})) != key_config(cfg.generation)
+
+
+@needs_no_vllm
+def test_selecting_vllm_without_vllm_is_one_clear_error(micro):
+    cfg, uri, data, base = micro
+    with pytest.raises(ConfigError, match=r"^generation\.backend is 'vllm' but vLLM is not installed.*`pip install vllm`.*generation\.backend=hf"):
+        require_vllm("generation.backend")
+    store = open_store(uri)
+    sample_cfg = SampleConfig(backend="vllm", max_new_tokens=4, seed=123)  # a key nothing else made
+    with pytest.raises(ConfigError, match=r"^generation\.backend is 'vllm'.*pip install vllm"):
+        tasks.generate_task.fn(uri, {"sample": sample_cfg, "generator": "g", "control": ""}, data, base)
+    with pytest.raises(ConfigError, match=r"^pairs\.backend is 'vllm'.*pip install vllm"):
+        tasks.sample_pairs_task.fn(uri, sample_cfg, data, base)
+    bon = {"best_of_n": cfg.best_of_n.model_copy(update={"seed": 123}), "max_new_tokens": 4, "batch_size": 8, "split": "eval", "max_prompts": 2}
+    with pytest.raises(ConfigError, match=r"^generation\.backend is 'vllm'.*pip install vllm"):
+        tasks.best_of_n_task.fn(uri, bon, data, base, base, backend="vllm")
+    assert not [r for r in store.records() if r["ref"]["stage"] in ("generate", "sample_pairs", "best_of_n")]  # nothing committed
+
+
+def test_an_artifact_is_reused_whichever_backend_asks(micro):
+    cfg, uri, data, base = micro
+    before = EXECUTED["generate"]
+    ref = tasks.generate_task.fn(uri, {"sample": cfg.generation, "generator": "untrained", "control": ""}, data, base)
+    assert ref.rows == cfg.data.eval_size and EXECUTED["generate"] == before + 1
+    vllm = cfg.generation.model_copy(update={"backend": "vllm"})
+    again = tasks.generate_task.fn(uri, {"sample": vllm, "generator": "untrained", "control": ""}, data, base)
+    as_json = tasks.generate_task.fn(  # how a GPU worker receives it in distributed mode
+        uri, {"sample": vllm.model_dump(mode="json"), "generator": "untrained", "control": ""}, data, base)
+    assert again.key == as_json.key == ref.key and EXECUTED["generate"] == before + 1  # no vLLM needed: nothing sampled
+
+
+def test_hf_backend_is_farmflows_sampler(micro):
+    _, uri, _, base = micro
+    folder = open_store(uri).model_dir(base)
+    prompts = ["What is 2 + 3?", "Sort: 4 1 3", "Hi"]
+    got = sample_texts("hf", folder, prompts, n=2, temperature=1.0, top_p=0.9, max_new_tokens=6, batch_size=2, seed=7, field="x")
+    model, tok = load_policy(folder)
+    assert got == sample(model, tok, prompts, n=2, temperature=1.0, top_p=0.9, max_new_tokens=6, batch_size=2, seed=7)
+    assert [len(x) for x in got] == [2, 2, 2]
+
+
+def test_prompt_encoding_matches_the_hf_sampler(tok):
+    prompts = ["What is 2 + 3?", "Hi", "Sort these numbers: 9 4 7 1 3 8 2"]
+    for max_len in (64, 5):
+        ids, mask = _left_pad(tok, prompts, max_len)
+        hf = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
+        assert prompt_token_ids(tok, prompts, max_len) == hf
+    hi = tok("Hi", add_special_tokens=False)["input_ids"]
+    assert prompt_token_ids(tok, ["Hi"], 64) == [[tok.bos_token_id] + hi]
+    long = prompt_token_ids(tok, [prompts[2]], 5)[0]
+    assert len(long) == 5 and long == tok(prompts[2], add_special_tokens=False)["input_ids"][-5:]  # cut from the left, <s> too
+
+
+def _completion(index, token_ids, finish="stop"):
+    return SimpleNamespace(index=index, token_ids=token_ids, text="(vLLM's own detokenization, not used)", finish_reason=finish)
+
+
+def test_texts_from_vllm_outputs(tok):
+    eos, bos, pad = tok.eos_token_id, tok.bos_token_id, tok.pad_token_id
+    words = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    requests = [
+        SimpleNamespace(outputs=[_completion(1, words(" 42") + [eos]), _completion(0, words("12 + 3") + [eos])]),  # out of order
+        SimpleNamespace(outputs=[_completion(0, words("1 2 3"), "length"), _completion(1, [bos] + words("a") + [pad] + [eos])]),
+    ]
+    decode = lambda ids: decode_response(tok, ids)  # noqa: E731
+    assert texts_from_vllm(requests, 2, decode) == [["12 + 3", "42"], ["1 2 3", "a"]]
+    assert texts_from_vllm([], 2, decode) == []
+    with pytest.raises(ValueError, match=r"prompt 1 came back with completions \[0\], expected 0\.\.1"):
+        texts_from_vllm([requests[0], SimpleNamespace(outputs=[_completion(0, [eos])])], 2, decode)
+
+
+def test_pick_best_keeps_the_highest_reward_first_on_ties():
+    best, rewards = pick_best([["a", "b", "c"], ["d", "e"]], [0.1, 0.5, 0.5, -1.0, -2.0])
+    assert (best, rewards) == (["b", "d"], [0.5, -1.0])
+    with pytest.raises(ValueError, match="4 rewards for 5 candidates"):
+        pick_best([["a", "b", "c"], ["d", "e"]], [0.1, 0.5, 0.5, -1.0])
