@@ -162,6 +162,12 @@ class SampleConfig(Section):
     max_new_tokens: int = Field(48, ge=1, description="Longest generated response in tokens.")
     batch_size: int = Field(64, ge=1, description="Prompts per generation batch.")
     seed: int = Field(0, description="Seed of the sampling generator.")
+    backend: Literal["hf", "vllm"] = Field(
+        "hf", json_schema_extra={"stage_key": False},
+        description="Sampler: 'hf' (farmflow's batched KV-cache sampler on the transformers model) or 'vllm' (needs `pip install vllm` "
+        "where the stage runs; see farmflow.generation). Same outputs schema, but vLLM's samples differ from hf's for the same seed. "
+        "Operational: not part of the stage key, so an artifact sampled by either backend is reused.",
+    )
 
 
 class OracleAnnotatorConfig(Section):
