@@ -2,7 +2,8 @@
 
 `leaderboard_rows` turns evaluations (their metrics and judged rows) into leaderboard
 rows: win rate ± SE, discrete win rate, LC win rate ± SE, mean gold reward (synthetic
-farm), average length, n, annotator and reference. The LC win rate's instruction
+farm; NaN in the real farm, which has no gold reward), average length, n, annotator and
+reference (`reference_label`). The LC win rate's instruction
 difficulty is pooled over every run judged by the same annotator against the same
 references (the evaluations on the board plus any `peer_runs`, e.g. the other
 evaluations in the store), so it is comparable across the board's rows.
@@ -11,6 +12,7 @@ evaluations in the store), so it is comparable across the board's rows.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any, Sequence
 
 from farmflow.evaluation.lc import instruction_difficulty, length_controlled_winrate, run_of_rows
@@ -46,6 +48,18 @@ def annotator_label(config: dict[str, Any] | None) -> str:
     if len(pool) == 1:
         return f"oracle {pool[0].get('name', '?')}{suffix}"
     return f"oracle pool ({len(pool)}){suffix}"
+
+
+def reference_label(data_key: str, data_config: dict[str, Any] | None = None) -> str:
+    """What the evaluated outputs were judged against: the data artifact and, in the real farm, the
+    evaluation set its references came from (e.g. the AlpacaEval file of Davinci003 outputs)."""
+    label = f"reference outputs of data {data_key[:12]}"
+    cfg = data_config or {}
+    if cfg.get("source") == "local" and cfg.get("eval_path"):
+        return f"{label} ({Path(cfg['eval_path']).name})"
+    if cfg.get("source") == "hub":
+        return f"{label} ({cfg.get('hub_name')}: alpaca_farm_evaluation)"
+    return label
 
 
 def _nan(x: object) -> float:

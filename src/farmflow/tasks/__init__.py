@@ -32,7 +32,7 @@ from farmflow.config import AnnotatorConfig, BestOfNConfig, CheckpointConfig, Da
 from farmflow.data import alpaca, build_synthetic_farm, prompts_of, split_rows, synthetic
 from farmflow.evaluation import VERSION as EVAL_VERSION
 from farmflow.evaluation import evaluate_outputs, leaderboard_markdown, leaderboard_rows, plot_leaderboard, run_of_rows
-from farmflow.evaluation.leaderboard import annotator_label
+from farmflow.evaluation.leaderboard import annotator_label, reference_label
 from farmflow.generation import best_of_n_vllm, sample_texts
 from farmflow.methods import best_of_n as bon
 from farmflow.methods import reward as rm
@@ -279,8 +279,9 @@ def leaderboard_task(store_uri: str, evaluations: dict[str, ArtifactRef], title:
     for method, ref in evaluations.items():
         record = records.get(ref.key) or store.record(ref)
         data_key = record["inputs"].get("data") or "?"
+        data = store.get("data", data_key)  # its config names the evaluation file of the real farm
         entries.append({"method": method, "metrics": ref.metrics, "rows": store.read_table(ref).to_pylist(), "group": group(record),
-                        "annotator": annotator_label(record["config"]), "reference": f"reference outputs of data {data_key[:12]}",
+                        "annotator": annotator_label(record["config"]), "reference": reference_label(data_key, data and store.record(data)["config"]),
                         "evaluation_key": ref.key})
     groups = {e["group"] for e in entries}
     board_keys = {ref.key for ref in evaluations.values()}
@@ -289,7 +290,7 @@ def leaderboard_task(store_uri: str, evaluations: dict[str, ArtifactRef], title:
     for r in peers:
         peer_runs.setdefault(group(r), []).append(run_of_rows(store.read_table(ArtifactRef.model_validate(r["ref"])).to_pylist()))
     rows = leaderboard_rows(entries, peer_runs)
-    key = stage_key("leaderboard", "3", {"title": title, "peers": sorted(r["ref"]["key"] for r in peers)}, evaluations)
+    key = stage_key("leaderboard", "4", {"title": title, "peers": sorted(r["ref"]["key"] for r in peers)}, evaluations)
     markdown = leaderboard_markdown(rows, title)
     ref = store.get("leaderboard", key)
     if ref is None:
