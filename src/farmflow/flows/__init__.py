@@ -44,7 +44,7 @@ from farmflow.tasks import (
     sample_pairs_task, sft_task, train_reward_task,
 )
 from farmflow.tasks.analysis import proxy_reward_task
-from farmflow.tasks.core import log
+from farmflow.tasks.core import launching, log
 from farmflow.tasks.methods import dpo_task, expert_iteration_task, feedme_task, reference_logps_task, reward_conditioning_task
 
 
@@ -131,11 +131,12 @@ class StageRunner:
     def _run_task(self, task, config: Any, inputs: dict[str, Any], start: float) -> tuple[ArtifactRef, bool]:
         options = retry_options(task.name, config, self.store_uri, self.execution)
         bound = task.with_options(result_storage=self.result_storage, **options)
-        state = bound(self.store_uri, config, return_state=True, **inputs)
-        ref: ArtifactRef = state.result()
-        if not self.store.exists(ref):  # Prefect remembered a result the store no longer has
-            state = bound.with_options(refresh_cache=True)(self.store_uri, config, return_state=True, **inputs)
-            ref = state.result()
+        with launching(self.execution):  # GPU stages in a child process when execution.launcher says so
+            state = bound(self.store_uri, config, return_state=True, **inputs)
+            ref: ArtifactRef = state.result()
+            if not self.store.exists(ref):  # Prefect remembered a result the store no longer has
+                state = bound.with_options(refresh_cache=True)(self.store_uri, config, return_state=True, **inputs)
+                ref = state.result()
         started = time.time() - (time.perf_counter() - start)
         return ref, state.name == "Cached" or _created_before(ref, started)
 

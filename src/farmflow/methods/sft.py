@@ -83,5 +83,5 @@ def train_sft(
     tail = losses[-max(1, len(losses) // 10):]
     return {
         "steps": float(total), "resumed_from_step": float(start), "train_loss_first": losses[0],
-        "train_loss_last": sum(tail) / len(tail), "train_tokens": float(tokens),
+        "train_loss_last": sum(tail) / len(tail), "train_tokens": float(tokens), "processes": float(rt.processes),
     }

@@ -49,9 +49,10 @@ FULL_STATE = "farmflow_full_state"
 
 
 def _state():
+    """accelerate's process state; without a GPU, several processes (``accelerate launch``, torchrun) join over gloo."""
     from accelerate import PartialState
 
-    return PartialState()
+    return PartialState(cpu=not torch.cuda.is_available())
 
 
 def default_device() -> torch.device:

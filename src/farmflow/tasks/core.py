@@ -4,14 +4,23 @@ A stage module declares its tasks with ``@stage_task("name", version="1")`` and 
 each task body with ``store, key, hit = lookup("name", store_uri, config, **inputs)``:
 on a hit it returns the committed ref, otherwise it computes and commits one artifact
 under ``key``. Bump a stage's version whenever its code changes what it produces.
+
+Where a GPU stage runs is decided here too, in one place: inside `launching(execution)`
+(the flows' `StageRunner` enters it), a stage named in ``execution.gpu_stages`` with
+``execution.launcher`` 'process' or 'accelerate' runs in a child process
+(`farmflow.tasks.launch`) and its outputs are committed here; the stage key is the same.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import threading
 from collections import Counter
-from typing import Any
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any, Iterator
 
 from prefect import get_run_logger, task
 from pydantic import BaseModel
@@ -26,6 +35,33 @@ _EXECUTED_LOCK = threading.Lock()  # methods run in parallel threads (farmflow.f
 
 VERSIONS: dict[str, str] = {}
 """Stage name → code version, filled by `stage_task`; part of every stage key."""
+
+TASKS: dict[str, Any] = {}
+"""Stage name → its Prefect task, filled by `stage_task` (`load_stage_modules` imports them all)."""
+
+LAUNCH: ContextVar[Any] = ContextVar("farmflow_launch", default=None)
+"""The `ExecutionConfig` whose launcher applies to the stages run in this context (None: inline)."""
+
+OUTBOX: Any = None
+"""In a child process started by the launcher: the `farmflow.tasks.launch.OutboxStore` that stages write to."""
+
+
+@contextmanager
+def launching(execution: Any) -> Iterator[None]:
+    """Stages run inside this block follow ``execution.launcher`` (the flows' `StageRunner` wraps each stage in it)."""
+    token = LAUNCH.set(execution)
+    try:
+        yield
+    finally:
+        LAUNCH.reset(token)
+
+
+def load_stage_modules() -> None:
+    """Import every module that declares stage tasks, so `TASKS` knows them all."""
+    import farmflow.tasks  # noqa: F401
+    import farmflow.tasks.analysis  # noqa: F401
+    import farmflow.tasks.methods  # noqa: F401
+    import farmflow.tasks.rl  # noqa: F401
 
 
 def log(msg: str, *args: Any) -> None:
@@ -78,8 +114,10 @@ def _cache_key(stage: str):
 
 def lookup(stage: str, store_uri: str, config: Any, **inputs: ArtifactRef) -> tuple[LocalStore, str, ArtifactRef | None]:
     """The store, the stage key and the committed artifact for it (None: compute it now)."""
-    store = open_store(store_uri)
     key = stage_key(stage, VERSIONS[stage], key_config(config), inputs)
+    if OUTBOX is not None:  # a launched child: the parent found no artifact; write to the outbox
+        return OUTBOX, key, None
+    store = open_store(store_uri)
     hit = store.get(stage, key)
     if hit is not None:
         log("%s: reusing %s from the store", stage, key[:12])
@@ -98,10 +136,29 @@ def stage_task(stage: str, version: str, **options: Any):
     if VERSIONS.get(stage, version) != version:
         raise ValueError(f"stage {stage!r} declared twice with versions {VERSIONS[stage]!r} and {version!r}")
     VERSIONS[stage] = version
-    return task(
-        name=stage, cache_key_fn=_cache_key(stage), persist_result=True, result_serializer="json",
-        task_run_name=stage, **options,
-    )
+
+    def declare(fn):
+        signature = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            execution = LAUNCH.get()
+            if OUTBOX is not None or execution is None or execution.launcher == "inline" or stage not in execution.gpu_stages:
+                return fn(*args, **kwargs)
+            from farmflow.tasks.launch import run_in_child
+
+            params = signature.bind(*args, **kwargs).arguments
+            store_uri, config = params.pop("store_uri"), params.pop("config")
+            store, key, hit = lookup(stage, store_uri, config, **_inputs(params))
+            return hit or run_in_child(stage, store, key, store_uri, config, params, execution)
+
+        TASKS[stage] = task(
+            name=stage, cache_key_fn=_cache_key(stage), persist_result=True, result_serializer="json",
+            task_run_name=stage, **options,
+        )(run)
+        return TASKS[stage]
+
+    return declare
 
 
 def checkpointer(store: LocalStore, stage: str, key: str, checkpoints: Any = None) -> Checkpointer:

@@ -1,0 +1,232 @@
+"""Each GPU stage in its own process: `execution.launcher` 'process' or 'accelerate'.
+
+The parent (the stage task, through `farmflow.tasks.core.stage_task`) checks the store
+for the stage key as usual. On a miss it writes a spec (stage, store, config and input
+refs as JSON, an empty output folder) and starts a child:
+
+* ``process``: ``python -m farmflow.tasks.launch SPEC``;
+* ``accelerate``: training stages (`MULTI_PROCESS_STAGES`) through ``accelerate launch
+  --config_file <execution.accelerate_config> [--num_processes N] -m farmflow.tasks.launch SPEC``
+  (every process runs the stage; `farmflow.models.runtime.Runtime` splits each batch
+  between them); the other GPU stages (sampling, scoring, PPO, Quark) as with ``process``.
+
+The child runs the stage's own function against an `OutboxStore`: reads come from the real
+store, the artifacts it would commit are written (by the main process only) into the output
+folder instead. The parent then commits them, so the child never commits and the stage key,
+the artifact and its record are the same as inline. A child that fails is one
+`StageLaunchError` with the end of its log.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator, get_type_hints
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from pydantic import TypeAdapter
+from pydantic_core import to_jsonable_python
+
+from farmflow.storage import ArtifactRef, canonical_json
+from farmflow.storage.refs import utc_now
+from farmflow.storage.schemas import conform
+
+MULTI_PROCESS_STAGES = ("sft", "train_reward", "feedme", "reward_conditioning", "dpo", "expert_iteration")
+"""Stages that `accelerate launch` starts on several processes (their loops split each batch); PPO and Quark run in one."""
+
+RECORD = "artifact.json"
+LOG_TAIL = 40
+
+
+class StageLaunchError(RuntimeError):
+    """A stage's child process failed; the message names the stage and ends with the child's log."""
+
+
+# ----------------------------------------------------------------------- parent side
+def find_config(path: str) -> Path:
+    """An accelerate config by path: as given (relative: to the working directory), else inside the farmflow checkout."""
+    given = Path(path).expanduser()
+    checkout = Path(__file__).resolve().parents[3] / path
+    for candidate in (given, checkout):
+        if candidate.is_file():
+            return candidate.resolve()
+    raise StageLaunchError(f"execution.accelerate_config: no file {path!r} (looked in {Path.cwd()} and {checkout.parent})")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def command(stage: str, spec: Path, execution: Any) -> list[str]:
+    """The child's command line for this stage and launcher."""
+    child = ["-m", "farmflow.tasks.launch", str(spec)]
+    if execution.launcher != "accelerate" or stage not in MULTI_PROCESS_STAGES:
+        return [sys.executable, *child]
+    args = [sys.executable, "-m", "accelerate.commands.launch"]
+    if execution.accelerate_config:
+        args += ["--config_file", str(find_config(execution.accelerate_config))]
+    if execution.num_processes:
+        args += ["--num_processes", str(execution.num_processes)]
+    return [*args, "--main_process_port", str(_free_port()), *child]
+
+
+def _tail(log: Path) -> str:
+    lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+    return "\n".join(lines[-LOG_TAIL:]) or "(empty log)"
+
+
+def run_in_child(stage: str, store, key: str, store_uri: str, config: Any, params: dict[str, Any], execution: Any) -> ArtifactRef:
+    """Run `stage` in a child process (see the module docstring) and commit what it wrote; returns the stage's ref."""
+    from farmflow.tasks.core import log
+
+    inputs = {k: v.model_dump(mode="json") for k, v in params.items() if isinstance(v, ArtifactRef)}
+    options = {k: to_jsonable_python(v) for k, v in params.items() if not isinstance(v, ArtifactRef)}
+    scratch = getattr(store, "root", None)
+    scratch = scratch / ".staging" if isinstance(scratch, Path) else None  # local store: commit by rename, no copy
+    if scratch is not None:
+        scratch.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f"launch-{stage}-{key[:8]}-", dir=scratch) as tmp:
+        spec, out, log_path = Path(tmp) / "spec.json", Path(tmp) / "out", Path(tmp) / "child.log"
+        out.mkdir()
+        spec.write_text(json.dumps({"stage": stage, "store_uri": store_uri, "config": to_jsonable_python(config),
+                                    "inputs": inputs, "options": options, "out": str(out)}))
+        argv = command(stage, spec, execution)
+        how = "accelerate launch" if "accelerate.commands.launch" in argv else "a child process"
+        log("%s: running in %s", stage, how)
+        started = time.perf_counter()
+        with open(log_path, "wb") as f:
+            code = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL).returncode
+        if code != 0:
+            raise StageLaunchError(f"stage {stage}: {how} exited with code {code}; the last lines of its log:\n{_tail(log_path)}")
+        committed = commit_outbox(store, out)
+        log("%s: child finished in %.1fs, committed %d artifact(s)", stage, time.perf_counter() - started, len(committed))
+    store.clear_checkpoints(stage, key)
+    ref = store.get(stage, key)
+    if ref is None:
+        raise StageLaunchError(f"stage {stage}: the child exited cleanly but wrote no {stage}/{key[:12]} artifact")
+    return ref
+
+
+def commit_outbox(store, out: Path) -> list[ArtifactRef]:
+    """Commit every artifact a child wrote into `out`, in the order it wrote them."""
+    order = json.loads((out / "order.json").read_text()) if (out / "order.json").exists() else []
+    refs = []
+    for name in order:
+        folder = out / name
+        rec = json.loads((folder / RECORD).read_text())
+        stage, key = rec["stage"], rec["key"]
+        if store.get(stage, key) is not None:  # committed meanwhile (another run): first commit wins
+            refs.append(store.get(stage, key))
+            continue
+        if rec["kind"] == "model":
+            with store.put_model(stage, key, rec["format"], config=rec["config"], inputs=rec["inputs"]) as (model, metrics):
+                model.rmdir()
+                shutil.move(str(folder / "model"), str(model))
+                metrics.update(rec["metrics"])
+        else:
+            extra = {p.name: p.read_bytes() for p in folder.iterdir() if p.name not in (RECORD, "data.parquet")}
+            store.put_table(stage, key, pq.read_table(folder / "data.parquet"), rec["format"], config=rec["config"],
+                            inputs=rec["inputs"], metrics=rec["metrics"], extra_files=extra)
+        refs.append(store.get(stage, key))
+    return refs
+
+
+# ------------------------------------------------------------------------ child side
+class OutboxStore:
+    """The store a child stage sees: reads from `real`, writes artifacts into `out` (main process only), never commits."""
+
+    def __init__(self, real, out: Path, writer: bool):
+        self.real, self.out, self.writer = real, Path(out), writer
+        self.written: dict[tuple[str, str], ArtifactRef] = {}
+
+    def __getattr__(self, name: str) -> Any:  # read_table, model_dir, record, save_checkpoint, ...
+        return getattr(self.real, name)
+
+    def _folder(self, stage: str, key: str) -> Path:
+        name = f"{stage}-{key}"
+        folder = self.out / name
+        folder.mkdir(parents=True, exist_ok=True)
+        order = self.out / "order.json"
+        names = json.loads(order.read_text()) if order.exists() else []
+        order.write_text(json.dumps([*names, name]))
+        return folder
+
+    def _record(self, folder: Path, ref: ArtifactRef, config: Any, inputs: dict | None) -> None:
+        record = {"stage": ref.stage, "key": ref.key, "kind": ref.kind, "format": ref.format, "metrics": ref.metrics,
+                  "config": json.loads(canonical_json(config)) if config is not None else None,
+                  "inputs": {k: (v.key if isinstance(v, ArtifactRef) else v) for k, v in (inputs or {}).items()}}
+        (folder / RECORD).write_text(json.dumps(record))
+        self.written[(ref.stage, ref.key)] = ref.model_copy(update={"uri": str(folder)})
+
+    def get(self, stage: str, key: str) -> ArtifactRef | None:
+        return self.written.get((stage, key)) or self.real.get(stage, key)
+
+    def put_table(self, stage: str, key: str, table: pa.Table, format: str, *, config: Any = None, inputs: dict | None = None,
+                  metrics: dict[str, float] | None = None, extra_files: dict[str, bytes] | None = None) -> ArtifactRef:
+        table = conform(table, format, where=f"stage {stage!r}")
+        ref = ArtifactRef(uri="", stage=stage, key=key, kind="table", format=format, rows=table.num_rows, created=utc_now(),
+                          metrics=dict(metrics or {}))
+        if self.writer:
+            folder = self._folder(stage, key)
+            pq.write_table(table, folder / "data.parquet")
+            for name, data in (extra_files or {}).items():
+                (folder / name).write_bytes(data)
+            self._record(folder, ref, config, inputs)
+        return ref
+
+    @contextmanager
+    def put_model(self, stage: str, key: str, format: str, *, config: Any = None, inputs: dict | None = None) -> Iterator[tuple[Path, dict]]:
+        metrics: dict[str, float] = {}
+        if not self.writer:  # other processes take part in gathering the weights, then discard
+            with tempfile.TemporaryDirectory() as tmp:
+                yield Path(tmp), metrics
+            return
+        folder = self._folder(stage, key)
+        (folder / "model").mkdir()
+        yield folder / "model", metrics
+        if not any((folder / "model").glob("*.safetensors")):
+            raise ValueError(f"stage {stage!r} saved no safetensors weights into its model artifact")
+        ref = ArtifactRef(uri="", stage=stage, key=key, kind="model", format=format, rows=None, created=utc_now(), metrics=metrics)
+        self._record(folder, ref, config, inputs)
+
+    def clear_checkpoints(self, stage: str, key: str) -> None:
+        """The parent drops them once it has committed the artifact."""
+
+    def save_checkpoint(self, stage: str, key: str, step: int, folder: Path, keep: int = 2) -> None:
+        if self.writer:
+            self.real.save_checkpoint(stage, key, step, folder, keep)
+
+
+def child_main(spec_path: str) -> None:
+    """Run one stage as described by the spec file (what the parent's command line starts)."""
+    from farmflow.tasks import core
+
+    spec = json.loads(Path(spec_path).read_text())
+    from farmflow.models.runtime import _state, is_main_process
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        _state()  # join the process group before anything else
+    from farmflow.storage import open_store
+    core.load_stage_modules()
+    fn = core.TASKS[spec["stage"]].fn.__wrapped__  # the stage's own function, not the launcher hook
+    hints = get_type_hints(fn)
+    config = TypeAdapter(hints["config"]).validate_python(spec["config"])
+    inputs = {k: ArtifactRef.model_validate(v) for k, v in spec["inputs"].items()}
+    options = {k: TypeAdapter(hints[k]).validate_python(v) for k, v in spec["options"].items()}
+    core.OUTBOX = OutboxStore(open_store(spec["store_uri"]), Path(spec["out"]), writer=is_main_process())
+    fn(spec["store_uri"], config, **inputs, **options)
+
+
+if __name__ == "__main__":
+    child_main(sys.argv[1])

@@ -1,0 +1,187 @@
+"""execution.launcher: GPU stages in a child process (python or accelerate launch), committed by the parent."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from farmflow import tasks
+from farmflow.config import ExecutionConfig, load_config
+from farmflow.models import load_policy
+from farmflow.storage import open_store
+from farmflow.tasks.core import EXECUTED, launching
+from farmflow.tasks.launch import MULTI_PROCESS_STAGES, StageLaunchError, command, find_config
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "accelerate"
+
+
+@pytest.fixture
+def cfg(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # children compute with one thread, like this process
+    return load_config("synthetic-micro")
+
+
+def _upstream(uri: str, cfg):
+    data = tasks.data_task.fn(uri, cfg.data)
+    return data, tasks.base_model_task.fn(uri, cfg.model, data=data)
+
+
+def _weights(uri: str, ref) -> dict[str, torch.Tensor]:
+    return dict(load_policy(open_store(uri).model_dir(ref))[0].named_parameters())
+
+
+def test_process_launcher_commits_the_inline_artifact(tmp_path, cfg):
+    inline_uri, child_uri = str(tmp_path / "inline"), str(tmp_path / "child")
+    data_a, base_a = _upstream(inline_uri, cfg)
+    data_b, base_b = _upstream(child_uri, cfg)
+    inline = tasks.sft_task.fn(inline_uri, cfg.sft, data=data_a, base=base_a)
+    runs = EXECUTED["sft"]
+    with launching(ExecutionConfig(launcher="process")):
+        child = tasks.sft_task.fn(child_uri, cfg.sft, data=data_b, base=base_b)
+        again = tasks.sft_task.fn(child_uri, cfg.sft, data=data_b, base=base_b)  # a cache hit starts no child
+        pairs_child = tasks.sample_pairs_task.fn(child_uri, cfg.pairs, data=data_b, policy=child)
+    assert EXECUTED["sft"] == runs + 1
+    assert child.key == inline.key == again.key and child.kind == "model"
+    a, b = _weights(inline_uri, inline), _weights(child_uri, child)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    rec_a, rec_b = open_store(inline_uri).record(inline), open_store(child_uri).record(child)
+    assert rec_a["config"] == rec_b["config"] and rec_a["inputs"] == rec_b["inputs"]
+    assert child.metrics["steps"] == inline.metrics["steps"] == 8 and child.metrics["train_loss_last"] == inline.metrics["train_loss_last"]
+    # a table stage: same rows as inline
+    pairs_inline = tasks.sample_pairs_task.fn(inline_uri, cfg.pairs, data=data_a, policy=inline)
+    assert pairs_child.key == pairs_inline.key and pairs_child.rows == pairs_inline.rows == 144
+    assert open_store(child_uri).read_table(pairs_child).equals(open_store(inline_uri).read_table(pairs_inline))
+    assert not list((Path(child_uri) / ".staging").iterdir())  # the child's scratch folder is gone
+
+
+def test_a_crashing_child_is_one_clear_error(tmp_path, cfg):
+    uri = str(tmp_path / "store")
+    data, base = _upstream(uri, cfg)
+    for f in open_store(uri).model_dir(base).glob("*.safetensors"):
+        f.unlink()  # the child cannot load the base model
+    with launching(ExecutionConfig(launcher="process")), pytest.raises(StageLaunchError) as err:
+        tasks.sft_task.fn(uri, cfg.sft, data=data, base=base)
+    message = str(err.value)
+    assert message.startswith("stage sft: a child process exited with code 1; the last lines of its log:")
+    assert "Traceback" in message and "Error" in message.splitlines()[-1]
+    assert err.value.__cause__ is None and err.value.__context__ is None
+    assert [r.stage for r in open_store(uri).list()] == ["data", "base_model"]  # nothing committed
+    assert not list((Path(uri) / ".staging").iterdir())
+
+
+def test_inline_and_non_gpu_stages_never_start_a_child(tmp_path, cfg):
+    uri = str(tmp_path / "store")
+    with launching(ExecutionConfig(launcher="process", accelerate_config="/nonexistent.yaml")):
+        data = tasks.data_task.fn(uri, cfg.data)  # not a GPU stage: runs here
+    with launching(ExecutionConfig(launcher="inline")):
+        base = tasks.base_model_task.fn(uri, cfg.model, data=data)
+    assert base.kind == "model"
+
+
+def test_command_lines(tmp_path):
+    spec = tmp_path / "spec.json"
+    child = ["-m", "farmflow.tasks.launch", str(spec)]
+    assert command("sft", spec, ExecutionConfig(launcher="process")) == [sys.executable, *child]
+    ex = ExecutionConfig(launcher="accelerate", accelerate_config="configs/accelerate/fsdp.yaml", num_processes=4)
+    argv = command("sft", spec, ex)
+    assert argv[:3] == [sys.executable, "-m", "accelerate.commands.launch"] and argv[-3:] == child
+    assert argv[argv.index("--config_file") + 1] == str(CONFIGS / "fsdp.yaml") and argv[argv.index("--num_processes") + 1] == "4"
+    assert int(argv[argv.index("--main_process_port") + 1]) > 0
+    assert command("sample_pairs", spec, ex) == [sys.executable, *child]  # sampling, PPO, Quark: one process
+    assert command("ppo", spec, ex) == [sys.executable, *child] and "ppo" not in MULTI_PROCESS_STAGES
+    with pytest.raises(StageLaunchError, match="execution.accelerate_config: no file 'missing.yaml'"):
+        command("dpo", spec, ExecutionConfig(launcher="accelerate", accelerate_config="missing.yaml"))
+
+
+def test_launcher_settings_are_not_part_of_stage_keys():
+    from farmflow.flows import config_key
+    from farmflow.flows.distributed import stage_key_of
+
+    plain = load_config("synthetic-micro")
+    launched = load_config("synthetic-micro", ["execution.launcher=accelerate", "execution.num_processes=2"])
+    assert config_key(plain) == config_key(launched)
+    assert stage_key_of("sft", plain.sft, {}) == stage_key_of("sft", launched.sft, {})
+    seven = load_config("alpacafarm-7b")
+    assert seven.execution.launcher == "accelerate" and find_config(seven.execution.accelerate_config) == CONFIGS / "fsdp.yaml"
+    assert load_config("synthetic-tiny").execution.launcher == "inline"
+
+
+# ----------------------------------------------------------------------------- accelerate configs
+def _launch_options() -> set[str]:
+    from accelerate.commands.launch import launch_command_parser
+
+    return {a.dest for a in launch_command_parser()._actions}
+
+
+@pytest.mark.parametrize("name", ["single_gpu.yaml", "multi_gpu.yaml", "fsdp.yaml", "deepspeed_zero3.yaml"])
+def test_accelerate_configs_parse_and_name_existing_options(name):
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    path = CONFIGS / name
+    raw = yaml.safe_load(path.read_text())
+    parsed = ClusterConfig.from_yaml_file(str(path))  # accelerate's own loader: unknown top-level keys are an error
+    assert parsed.distributed_type.value == raw["distributed_type"] and parsed.mixed_precision == "bf16"
+    options = _launch_options()
+    for section in ("fsdp_config", "deepspeed_config"):
+        unknown = sorted(set(raw.get(section) or {}) - options)
+        assert not unknown, f"{name}: {section} names no accelerate launch option {unknown}"
+
+
+def test_fsdp_config_is_the_7b_recipe():
+    from transformers.models.llama import modeling_llama
+
+    fsdp = yaml.safe_load((CONFIGS / "fsdp.yaml").read_text())
+    c = fsdp["fsdp_config"]
+    assert fsdp["distributed_type"] == "FSDP" and fsdp["mixed_precision"] == "bf16"
+    assert c["fsdp_reshard_after_forward"] is True  # FULL_SHARD under FSDP2
+    assert c["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP" and hasattr(modeling_llama, c["fsdp_transformer_layer_cls_to_wrap"])
+    assert c["fsdp_state_dict_type"] == "FULL_STATE_DICT"
+    ds = yaml.safe_load((CONFIGS / "deepspeed_zero3.yaml").read_text())["deepspeed_config"]
+    assert ds["zero_stage"] == 3 and ds["zero3_save_16bit_model"] is True
+
+
+# ----------------------------------------------------------------------------- several processes
+@pytest.mark.slow
+def test_two_process_ddp_on_cpu_matches_one_process(tmp_path, cfg):
+    """accelerate launch, 2 CPU processes (gloo): each takes half of every batch; the result is the one-process run's."""
+    ddp = tmp_path / "cpu_ddp.yaml"
+    ddp.write_text(yaml.safe_dump({"compute_environment": "LOCAL_MACHINE", "distributed_type": "MULTI_GPU", "num_machines": 1,
+                                   "num_processes": 2, "machine_rank": 0, "mixed_precision": "no", "use_cpu": False}))
+    inline_uri, ddp_uri = str(tmp_path / "inline"), str(tmp_path / "ddp")
+    data_a, base_a = _upstream(inline_uri, cfg)
+    data_b, base_b = _upstream(ddp_uri, cfg)
+    inline = tasks.sft_task.fn(inline_uri, cfg.sft, data=data_a, base=base_a)
+    with launching(ExecutionConfig(launcher="accelerate", accelerate_config=str(ddp))):
+        two = tasks.sft_task.fn(ddp_uri, cfg.sft, data=data_b, base=base_b)
+    assert two.key == inline.key and two.metrics["processes"] == 2 and inline.metrics["processes"] == 1
+    a, b = _weights(inline_uri, inline), _weights(ddp_uri, two)
+    start = dict(load_policy(open_store(inline_uri).model_dir(base_a))[0].named_parameters())
+    for k in a:
+        assert not torch.equal(a[k], start[k]) or "norm" in k  # trained
+        assert torch.allclose(a[k], b[k], atol=1e-4, rtol=1e-3), f"{k}: max diff {(a[k] - b[k]).abs().max():.2e}"
+    assert two.metrics["train_loss_first"] == pytest.approx(inline.metrics["train_loss_first"], rel=1e-4)
+    assert two.metrics["train_tokens"] == inline.metrics["train_tokens"]
+
+
+@pytest.mark.slow
+def test_the_flows_stage_runner_applies_the_launcher(tmp_path, cfg, prefect_harness, monkeypatch):
+    """StageRunner (what every flow uses) runs a GPU stage through the launcher inside a Prefect task run."""
+    from farmflow.flows import StageRunner
+    from farmflow.tasks import launch
+
+    started = []
+    real = launch.run_in_child
+    monkeypatch.setattr(launch, "run_in_child", lambda stage, *a: started.append(stage) or real(stage, *a))
+    uri = str(tmp_path / "store")
+    run = StageRunner(uri, ExecutionConfig(launcher="process"))
+    data = run(tasks.data_task, cfg.data)
+    base = run(tasks.base_model_task, cfg.model, data=data)
+    pairs = run(tasks.sample_pairs_task, cfg.pairs, data=data, policy=base)
+    assert started == ["sample_pairs"] and pairs.rows == 144
+    assert run(tasks.sample_pairs_task, cfg.pairs, data=data, policy=base).key == pairs.key and started == ["sample_pairs"]
