@@ -36,6 +36,7 @@ def _weights(uri: str, ref) -> dict[str, torch.Tensor]:
     return dict(load_policy(open_store(uri).model_dir(ref))[0].named_parameters())
 
 
+@pytest.mark.slow  # two child processes that import torch, transformers and prefect (~30 s)
 def test_process_launcher_commits_the_inline_artifact(tmp_path, cfg):
     inline_uri, child_uri = str(tmp_path / "inline"), str(tmp_path / "child")
     data_a, base_a = _upstream(inline_uri, cfg)
