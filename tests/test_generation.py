@@ -138,3 +138,17 @@ def test_pick_best_keeps_the_highest_reward_first_on_ties():
     assert (best, rewards) == (["b", "d"], [0.5, -1.0])
     with pytest.raises(ValueError, match="4 rewards for 5 candidates"):
         pick_best([["a", "b", "c"], ["d", "e"]], [0.1, 0.5, 0.5, -1.0])
+
+
+@needs_no_vllm
+def test_flows_pass_generation_backend_to_best_of_n(micro, prefect_harness):
+    """Regression: the flows' best-of-n (and expert iteration's candidates) ignored generation.backend."""
+    from farmflow.flows import StageRunner, Upstream, _best_of_n
+
+    cfg, uri, data, base = micro
+    cfg = cfg.model_copy(update={"generation": cfg.generation.model_copy(update={"backend": "vllm"})})
+    up = Upstream(StageRunner(uri, cfg.execution, cfg.name), cfg)
+    up._refs.update(data=data, reward=base)  # upstream artifacts already in the store
+    bon = cfg.best_of_n.model_copy(update={"seed": 321})  # a key nothing else made
+    with pytest.raises(ConfigError, match=r"^generation\.backend is 'vllm'.*pip install vllm"):
+        _best_of_n(up, base, bon, "eval", "best_of_n", max_prompts=2)

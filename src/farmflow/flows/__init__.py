@@ -226,7 +226,7 @@ def _generate(up: Upstream, policy: ArtifactRef, generator: str, control: str = 
 def _best_of_n(up: Upstream, policy: ArtifactRef, cfg: BestOfNConfig, split: str, label: str, max_prompts: int | None = None) -> ArtifactRef:
     config = {"best_of_n": cfg, "max_new_tokens": up.cfg.generation.max_new_tokens, "batch_size": up.cfg.generation.batch_size,
               "split": split, "max_prompts": max_prompts}
-    return up.run(best_of_n_task, config, label, data=up.data, policy=policy, reward=up.reward)
+    return up.run(best_of_n_task, config, label, data=up.data, policy=policy, reward=up.reward, backend=up.cfg.generation.backend)
 
 
 def method_outputs(up: Upstream, method: str) -> ArtifactRef:
