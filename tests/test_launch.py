@@ -18,7 +18,7 @@ from farmflow.tasks.launch import MULTI_PROCESS_STAGES, StageLaunchError, comman
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "accelerate"
+CONFIGS = Path(__file__).resolve().parents[1] / "src" / "farmflow" / "configs" / "accelerate"
 
 
 @pytest.fixture
@@ -96,8 +96,21 @@ def test_command_lines(tmp_path):
     assert int(argv[argv.index("--main_process_port") + 1]) > 0
     assert command("sample_pairs", spec, ex) == [sys.executable, *child]  # sampling, PPO, Quark: one process
     assert command("ppo", spec, ex) == [sys.executable, *child] and "ppo" not in MULTI_PROCESS_STAGES
-    with pytest.raises(StageLaunchError, match="execution.accelerate_config: no file 'missing.yaml'"):
+    with pytest.raises(StageLaunchError, match="execution.accelerate_config: no file 'missing.yaml'.*deepspeed_zero3, fsdp, multi_gpu, single_gpu"):
         command("dpo", spec, ExecutionConfig(launcher="accelerate", accelerate_config="missing.yaml"))
+
+
+def test_accelerate_config_by_path_or_shipped_name(tmp_path, monkeypatch):
+    """Shipped configs are package data, so an installed farmflow (no checkout, e.g. the Docker images) finds them by name."""
+    for name in ("fsdp", "fsdp.yaml", "configs/accelerate/fsdp.yaml"):
+        assert find_config(name) == CONFIGS / "fsdp.yaml"
+    own = tmp_path / "fsdp.yaml"
+    own.write_text("distributed_type: FSDP\n")
+    monkeypatch.chdir(tmp_path)
+    assert find_config("fsdp.yaml") == own  # a file in the working directory wins over the shipped one
+    assert find_config(str(own)) == own
+    with pytest.raises(StageLaunchError, match="no file 'sub/fsdp.yaml'"):
+        find_config("sub/fsdp.yaml")  # only bare names fall back to the shipped configs
 
 
 def test_launcher_settings_are_not_part_of_stage_keys():

@@ -576,9 +576,9 @@ class ExecutionConfig(Section):
     )
     accelerate_config: str | None = Field(
         None,
-        description="launcher 'accelerate': an `accelerate launch` config file (relative paths: from the working directory, else "
-        "from the farmflow checkout; configs/accelerate/ has single_gpu, multi_gpu (DDP), fsdp and deepspeed_zero3). None: "
-        "accelerate's defaults (`accelerate config`).",
+        description="launcher 'accelerate': an `accelerate launch` config file (relative paths: from the working directory), or "
+        "the name of one shipped with farmflow (farmflow/configs/accelerate/): single_gpu, multi_gpu (DDP), fsdp, deepspeed_zero3. "
+        "None: accelerate's defaults (`accelerate config`).",
     )
     num_processes: int | None = Field(
         None, ge=1,
@@ -724,7 +724,7 @@ def _alpacafarm_7b() -> FarmConfig:
         name="alpacafarm-7b",
         data=DataConfig(source="hub"),
         model=ModelConfig(pretrained="huggyllama/llama-7b", dtype="bfloat16", gradient_checkpointing=True, max_seq_len=512 + 300),
-        execution=ExecutionConfig(launcher="accelerate", accelerate_config="configs/accelerate/fsdp.yaml"),
+        execution=ExecutionConfig(launcher="accelerate", accelerate_config="fsdp"),
         sft=SFTConfig(micro_batch_size=4), feedme=SFTConfig(micro_batch_size=4),  # 4 sequences per GPU per pass, 128 per step
         reward=RewardConfig(micro_batch_size=2), dpo=DPOConfig(micro_batch_size=2),
         pairs=SampleConfig(temperature=1.0, max_new_tokens=300, batch_size=32),

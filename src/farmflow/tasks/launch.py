@@ -52,14 +52,23 @@ class StageLaunchError(RuntimeError):
 
 
 # ----------------------------------------------------------------------- parent side
+SHIPPED = Path(__file__).resolve().parents[1] / "configs" / "accelerate"
+"""The accelerate configs installed with farmflow (package data): single_gpu, multi_gpu, fsdp, deepspeed_zero3."""
+
+
 def find_config(path: str) -> Path:
-    """An accelerate config by path: as given (relative: to the working directory), else inside the farmflow checkout."""
+    """An accelerate config: a file path (relative: to the working directory), else a shipped config by name.
+
+    Shipped names: ``fsdp``, ``fsdp.yaml`` or ``configs/accelerate/fsdp.yaml`` (the repository-style path).
+    """
     given = Path(path).expanduser()
-    checkout = Path(__file__).resolve().parents[3] / path
-    for candidate in (given, checkout):
+    name = given.name if given.parent.as_posix() in (".", "configs/accelerate") else None
+    candidates = [given] + ([SHIPPED / name, SHIPPED / f"{name}.yaml"] if name else [])
+    for candidate in candidates:
         if candidate.is_file():
             return candidate.resolve()
-    raise StageLaunchError(f"execution.accelerate_config: no file {path!r} (looked in {Path.cwd()} and {checkout.parent})")
+    shipped = ", ".join(sorted(p.stem for p in SHIPPED.glob("*.yaml")))
+    raise StageLaunchError(f"execution.accelerate_config: no file {path!r} in {Path.cwd()} and no shipped config of that name ({shipped})")
 
 
 def _free_port() -> int:
