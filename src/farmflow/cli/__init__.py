@@ -17,6 +17,22 @@ config_app = typer.Typer(help="Inspect presets and configurations.", no_args_is_
 app.add_typer(config_app, name="config")
 eval_app = typer.Typer(help="Evaluation statistics (AlpacaEval definitions).", no_args_is_help=True)
 app.add_typer(eval_app, name="eval")
+def print_json(obj) -> None:
+    """Strict JSON on stdout: NaN and infinities (e.g. mean gold on real data, which has none) become null."""
+    import math
+
+    def clean(x):
+        if isinstance(x, float) and not math.isfinite(x):
+            return None
+        if isinstance(x, dict):
+            return {k: clean(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [clean(v) for v in x]
+        return x
+
+    print(json.dumps(clean(obj), indent=2, allow_nan=False))
+
+
 console = Console()
 err_console = Console(stderr=True)
 
@@ -91,7 +107,7 @@ def _run(preset: str, overrides: list[str], store: Optional[str], as_json: bool,
     summary = FLOWS[flow](config=cfg, methods=methods) if flow == "compare" else FLOWS[flow](config=cfg)
     wall = time.perf_counter() - start
     if as_json:
-        print(json.dumps(summary | {"wall_seconds": wall}, indent=2))
+        print_json(summary | {"wall_seconds": wall})
     else:
         _print_summary(summary, wall)
 
@@ -216,7 +232,7 @@ def overopt(
         console.print(f"[red]{err}[/red]")
         raise typer.Exit(2)
     if as_json:
-        print(json.dumps(summary | {"wall_seconds": time.perf_counter() - start}, indent=2))
+        print_json(summary | {"wall_seconds": time.perf_counter() - start})
         return
     console.print(summary["markdown"])
     console.print(f"wall time {time.perf_counter() - start:.1f}s; table, curve.md and curve.png in {summary['artifact']}")
@@ -339,7 +355,7 @@ def winrate(
     out |= {k: lc[k] for k in ("lc_win_rate", "lc_standard_error", "lc_length_coef", "lc_difficulty_coef") if k in lc}
     if lc:
         out["lc_difficulty_runs"] = int(lc["lc_difficulty_runs"])
-    print(json.dumps(out, indent=2))
+    print_json(out)
 
 
 from farmflow.cli.store import register as _register_store_commands  # noqa: E402 - `sql`, `artifacts`
@@ -360,8 +376,6 @@ def annotators(
     as_json: bool = typer.Option(False, "--json", help="Print the table as JSON."),
 ) -> None:
     """Agreement, bias, variance, length/list preference, price and time per 1000 of each annotator on shared pairs."""
-    import math
-
     from farmflow.evaluation import analysis
 
     if bool(files) == oracle:
@@ -382,7 +396,7 @@ def annotators(
     if plot:
         analysis.plot_agreement(table, str(plot))
     if as_json:
-        print(json.dumps({"reference": used, "annotators": [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()} for r in table]}, indent=2))
+        print_json({"reference": used, "annotators": table})
         return
     out = Table(title=f"Annotators ({len(rows)} labels; reference: {'gold reward' if used == 'gold' else 'majority of the other annotators'})")
     for col in ("annotator", "labels", "agreement %", "bias %", "variance %", "prefers longer %", "prefers list %", "$ / 1000", "s / 1000"):
@@ -434,7 +448,7 @@ def rankings(
             console.print(f"[red]{path}:[/red] expected a JSON object of method -> number")
             raise typer.Exit(2)
         scores.append(obj)
-    print(json.dumps(ranking_correlation(*scores), indent=2))
+    print_json(ranking_correlation(*scores))
 
 
 from farmflow.cli.annotators import register as _register_annotators  # noqa: E402
