@@ -199,3 +199,20 @@ def test_the_flows_stage_runner_applies_the_launcher(tmp_path, cfg, prefect_harn
     pairs = run(tasks.sample_pairs_task, cfg.pairs, data=data, policy=base)
     assert started == ["sample_pairs"] and pairs.rows == 144
     assert run(tasks.sample_pairs_task, cfg.pairs, data=data, policy=base).key == pairs.key and started == ["sample_pairs"]
+
+
+def test_distributed_stage_flow_applies_the_callers_launcher(tmp_path, cfg, prefect_harness, monkeypatch):
+    """In distributed mode the GPU worker's stage flow runs the stage with the calling flow's launcher (it ran inline)."""
+    from farmflow.flows.distributed import stage_flow
+    from farmflow.tasks import launch
+
+    started = []
+    real = launch.run_in_child
+    monkeypatch.setattr(launch, "run_in_child", lambda stage, *a: started.append(stage) or real(stage, *a))
+    uri = str(tmp_path / "store")
+    data = tasks.data_task.fn(uri, cfg.data)
+    base = tasks.base_model_task.fn(uri, cfg.model, data)
+    params = dict(stage="sample_pairs", store_uri=uri, config=cfg.pairs.model_dump(mode="json"), inputs={"data": data, "policy": base})
+    ref = stage_flow(**params, launcher={"launcher": "process", "accelerate_config": None, "num_processes": None})
+    assert started == ["sample_pairs"] and ref["rows"] == 144
+    assert stage_flow(**params)["key"] == ref["key"] and started == ["sample_pairs"]  # cached; no launcher = inline

@@ -15,7 +15,8 @@ in ``execution.gpu_stages`` to `run_remote`:
    ``execution.retries`` times with backoff; a stage that failed is an error naming it.
 
 `stage_flow` is the other side: it rebuilds the typed config from the task's signature
-and runs the stage task in-process, cached by its key like any local stage.
+and runs the stage task, cached by its key like any local stage, through the calling flow's
+launcher (inline, a child process, or `accelerate launch` over the worker's GPUs).
 """
 
 from __future__ import annotations
@@ -68,8 +69,9 @@ def run_remote(runner, task: Task, config: Any, label: str, inputs: dict[str, An
         return hit, True
     refs = {k: v.model_dump(mode="json") for k, v in inputs.items() if isinstance(v, ArtifactRef)}
     options = {k: to_jsonable_python(v) for k, v in inputs.items() if not isinstance(v, ArtifactRef)}
+    launcher = {"launcher": ex.launcher, "accelerate_config": ex.accelerate_config, "num_processes": ex.num_processes}
     parameters = {"stage": stage, "store_uri": runner.store_uri, "config": to_jsonable_python(config), "inputs": refs,
-                  "options": options, "label": label}
+                  "options": options, "label": label, "launcher": launcher}
     name = f"{label.replace(' ', ':')}/{runner.preset or 'custom'}/{key[:8]}"
     for attempt in range(ex.retries + 1):
         log("%s: sent to pool %s as flow run %s", label, ex.gpu_pool, name)
@@ -98,7 +100,7 @@ def run_remote(runner, task: Task, config: Any, label: str, inputs: dict[str, An
 @flow(name="stage", log_prints=True)  # run name: given by run_remote (label/preset/key)
 def stage_flow(
     stage: str, store_uri: str, config: Any = None, inputs: dict[str, ArtifactRef] | None = None,
-    options: dict[str, Any] | None = None, label: str | None = None,
+    options: dict[str, Any] | None = None, label: str | None = None, launcher: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One stage in its own process (what the GPU pool runs in distributed mode); returns its artifact ref.
 
@@ -109,7 +111,10 @@ def stage_flow(
         inputs: The stage's input artifacts (refs).
         options: Other keyword arguments of the stage task (e.g. checkpoints).
         label: Name of the stage in the calling flow (e.g. 'generate dpo').
+        launcher: How the worker runs the stage: execution.launcher / accelerate_config / num_processes of the calling
+            flow (e.g. {"launcher": "accelerate", "accelerate_config": "fsdp", "num_processes": 8}); None: inline.
     """
+    from farmflow.config import ExecutionConfig
     from farmflow.flows import StageRunner
 
     tasks = stage_tasks()
@@ -122,5 +127,6 @@ def stage_flow(
         raise ValueError(f"stage {stage!r} takes no option(s) {unknown}")
     typed = TypeAdapter(hints["config"]).validate_python(config)
     opts = {k: TypeAdapter(hints[k]).validate_python(v) for k, v in (options or {}).items()}
-    ref = StageRunner(store_uri)(task, typed, label or stage, **(inputs or {}), **opts)
+    execution = ExecutionConfig.model_validate(launcher or {})  # mode local: the worker runs the stage itself
+    ref = StageRunner(store_uri, execution)(task, typed, label or stage, **(inputs or {}), **opts)
     return ref.model_dump(mode="json")
