@@ -50,7 +50,7 @@ def test_curve_plot_is_a_real_png(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     img = mpimg.imread(str(path))
     assert img.shape[0] > 300 and img.shape[1] > 800 and img[..., :3].std() > 0.05
-    # one colour per labeller: matplotlib's C0 (p_sim^ann, first) and C1 (greedy) lines are both drawn
+    # one colour per labeller: matplotlib's C0 (greedy, first in the sorted rows) and C1 (p_sim^ann) lines are both drawn
     rgb = img[..., :3]
     for colour in ((0x1F, 0x77, 0xB4), (0xFF, 0x7F, 0x0E)):
         assert (abs(rgb - np.array(colour) / 255).max(axis=-1) < 0.02).sum() > 50
