@@ -11,7 +11,7 @@ from farmflow.data.prompts import format_prompt
 from farmflow.data.synthetic import correct_output, sample_task
 from farmflow.models import (
     BOS, EOS, IGNORE, PAD, build_policy, encode_examples, load_policy, optimizer_and_schedule, reward_from_policy,
-    sample, save, score, train_tokenizer,
+    sample, sample_ids, save, score, train_tokenizer,
 )
 
 FAMILIES = ("arithmetic", "sort", "reverse", "list_items", "max_number")
@@ -189,6 +189,45 @@ def test_kv_cache_sampling_matches_full_forward_greedy(policy, tok, batch_size):
     assert [o[0] for o in batched] == expected
     alone = [sample(policy, tok, [p], temperature=1e-4, max_new_tokens=MAX_NEW, seed=5)[0][0] for p in SAMPLE_PROMPTS]
     assert alone == expected
+
+
+def _sample_without_dropping_rows(model, tok, prompts, n, temperature, max_new_tokens, seed):
+    """The sampler before finished rows left the batch: every row runs to the batch's longest response."""
+    from farmflow.models import _left_pad, _sample_next
+
+    gen = torch.Generator().manual_seed(seed)
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    ids, mask = _left_pad(tok, [prompts[i] for i in order], 10_000)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+    cache, logits = out.past_key_values, out.logits[:, -1]
+    cache.batch_repeat_interleave(n)
+    mask, logits, nxt_pos = mask.repeat_interleave(n, 0), logits.repeat_interleave(n, 0), pos[:, -1].repeat_interleave(n, 0) + 1
+    done, tokens = torch.zeros(len(mask), dtype=torch.bool), []
+    for _ in range(max_new_tokens):
+        nxt = torch.where(done, torch.full((len(mask),), tok.pad_token_id), _sample_next(logits, temperature, 1.0, gen))
+        tokens.append(nxt)
+        done |= nxt == tok.eos_token_id
+        if bool(done.all()):
+            break
+        mask = torch.cat([mask, torch.ones(len(mask), 1, dtype=mask.dtype)], dim=1)
+        out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=nxt_pos[:, None], past_key_values=cache, use_cache=True)
+        cache, logits, nxt_pos = out.past_key_values, out.logits[:, -1], nxt_pos + 1
+    rows = torch.stack(tokens, 1).tolist()
+    result = [[] for _ in prompts]
+    for r, row in enumerate(rows):
+        row = row[: row.index(tok.eos_token_id) + 1] if tok.eos_token_id in row else row
+        result[order[r // n]].append([t for t in row if t != tok.pad_token_id])
+    return result
+
+
+@torch.no_grad()
+def test_dropping_finished_rows_keeps_every_sample(policy, tok):
+    """Finished rows leave the batch (speed); the samples are the ones the full batch draws, token for token."""
+    expected = _sample_without_dropping_rows(policy, tok, SAMPLE_PROMPTS, 4, 1.0, MAX_NEW, seed=7)
+    lengths = [len(s) for per in expected for s in per]
+    assert min(lengths) < MAX_NEW // 2 and max(lengths) == MAX_NEW  # rows do finish early, others run to the end
+    assert sample_ids(policy, tok, SAMPLE_PROMPTS, n=4, temperature=1.0, max_new_tokens=MAX_NEW, batch_size=64, seed=7) == expected
 
 
 def test_kv_cache_repeat_for_n_samples(policy, tok):

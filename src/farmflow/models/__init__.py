@@ -236,7 +236,8 @@ def sample_ids(
     Each response ends with the EOS id when the model emitted it within `max_new_tokens`
     (RL methods need to know which responses never ended); padding is not included.
     Prompts are batched by length (less padding), prefilled once, and their KV cache is
-    repeated n times. Deterministic for a given seed, prompts and batch size.
+    repeated n times; rows that emitted EOS leave the batch, so a batch costs its responses'
+    lengths, not n x its longest. Deterministic for a given seed, prompts and batch size.
     `progress(k)` is called after each batch with the number of prompts done.
     """
     model.eval()
@@ -258,18 +259,26 @@ def sample_ids(
             position = position.repeat_interleave(n, 0)
         next_pos = position[:, -1] + 1
         rows = logits.shape[0]
+        logits = logits.float().clone()  # every row's next-token logits; finished rows keep stale ones (never used)
         done = torch.zeros(rows, dtype=torch.bool, device=device)
+        active = torch.arange(rows, device=device)  # rows whose state the model still advances
         tokens = []
         for _ in range(max_new_tokens):
-            nxt = _sample_next(logits, temperature, top_p, gen)
+            nxt = _sample_next(logits, temperature, top_p, gen)  # all rows: the random stream does not depend on who finished
             nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
             tokens.append(nxt)
             done |= nxt == eos
             if bool(done.all()) or len(tokens) == max_new_tokens:
                 break
-            mask = torch.cat([mask, torch.ones(rows, 1, dtype=mask.dtype, device=device)], dim=1)
-            out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=next_pos[:, None], past_key_values=cache, use_cache=True)
-            cache, logits = out.past_key_values, out.logits[:, -1]
+            going = ~done[active]
+            if not bool(going.all()):  # drop finished rows from the batch: most responses end long before the longest
+                keep = going.nonzero().squeeze(1)
+                cache.batch_select_indices(keep)
+                active, mask, next_pos = active[keep], mask[keep], next_pos[keep]
+            mask = torch.cat([mask, torch.ones(len(active), 1, dtype=mask.dtype, device=device)], dim=1)
+            out = model(input_ids=nxt[active, None], attention_mask=mask, position_ids=next_pos[:, None], past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            logits[active] = out.logits[:, -1].float()
             next_pos = next_pos + 1
         generated = torch.stack(tokens, dim=1).tolist()
         for row, ids in enumerate(generated):
