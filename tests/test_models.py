@@ -323,3 +323,56 @@ def test_encode_examples_keeps_response_tokens_when_the_prompt_is_too_long(tok):
     assert ids.shape[1] <= 32
     assert ids[0, 0].item() == tok.bos_token_id
     assert (labels[0] != -100).sum().item() >= 1  # something to learn from, never an all-ignored row
+
+
+def test_response_window_by_hand():
+    from farmflow.models import response_window
+
+    P = 0
+    ids = torch.tensor([[1, 5, 6, 7, 2, P], [1, 8, 9, 2, P, P]])
+    mask = (ids != P).long()
+    labels = torch.tensor([[IGNORE, IGNORE, IGNORE, 7, 2, IGNORE], [IGNORE, IGNORE, 9, 2, IGNORE, IGNORE]])
+    l_ids, l_mask, l_labels, pos, keep = response_window(ids, mask, labels)
+    assert l_ids.tolist() == [[P, 1, 5, 6, 7, 2], [P, P, 1, 8, 9, 2]]
+    assert l_mask.tolist() == [[0, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1]]
+    assert l_labels.tolist() == [[IGNORE, IGNORE, IGNORE, IGNORE, 7, 2], [IGNORE, IGNORE, IGNORE, IGNORE, 9, 2]]
+    assert pos.tolist() == [[0, 0, 1, 2, 3, 4], [0, 0, 0, 1, 2, 3]]
+    assert keep == 3  # labels from column 4 on; the logits of column 3 predict them
+
+
+@torch.no_grad()
+def test_sft_loss_on_the_response_window_equals_the_full_loss(policy, tok):
+    """What the SFT loop computes (left-aligned, logits for the last `keep` columns) is the full-logits loss."""
+    from farmflow.methods.sft import sft_loss
+    from farmflow.models import response_window
+
+    ids, mask, labels = encode_examples(tok, SAMPLE_PROMPTS, ["four", "a much longer answer than the others", "ok", "7", "4", "x y"], 64)
+    full = sft_loss(policy(input_ids=ids, attention_mask=mask).logits, labels)
+    l_ids, l_mask, l_labels, pos, keep = response_window(ids, mask, labels)
+    assert keep < ids.shape[1] // 2 + 2  # most prompt positions need no logits
+    window = sft_loss(policy(input_ids=l_ids, attention_mask=l_mask, position_ids=pos, logits_to_keep=keep).logits, l_labels[:, -keep:])
+    assert window.item() == pytest.approx(full.item(), rel=1e-5)
+
+
+@torch.no_grad()
+def test_dpo_and_ppo_log_probs_on_the_response_window_equal_full_logits(policy, tok):
+    """DPO's sequence log-probs and PPO's response logits skip the prompt columns' vocabulary projection: same numbers."""
+    import torch.nn.functional as F
+
+    from farmflow.methods.dpo import sequence_logps
+    from farmflow.methods.ppo import response_logits
+
+    responses = ["four", "a much longer answer than the others", "ok", "7", "4", "x y"]
+    ids, mask, labels = encode_examples(tok, SAMPLE_PROMPTS, responses, 64)
+    logps = F.log_softmax(policy(input_ids=ids, attention_mask=mask).logits[:, :-1].float(), -1)
+    targets = labels[:, 1:]
+    full = (logps.gather(2, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1) * (targets != IGNORE)).sum(-1)
+    assert torch.allclose(sequence_logps(policy, tok, SAMPLE_PROMPTS, responses, 64), full, atol=1e-4)
+
+    prompt = torch.tensor([[0, 0, 1, 5, 6], [1, 7, 8, 9, 10]])
+    tokens = torch.tensor([[11, 12, 2], [13, 2, 0]])
+    attention = torch.cat([(prompt != 0).long(), torch.tensor([[1, 1, 1], [1, 1, 0]])], 1)
+    batch = {"input_ids": torch.cat([prompt, tokens], 1), "attention_mask": attention,
+             "position_ids": (attention.cumsum(-1) - 1).clamp(min=0), "tokens": tokens}
+    everything = policy(input_ids=batch["input_ids"], attention_mask=attention, position_ids=batch["position_ids"]).logits
+    assert torch.allclose(response_logits(policy, batch, 0.7), everything[:, 4:7].float() / 0.7, atol=1e-5)

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from farmflow.config import DPOConfig
-from farmflow.models import IGNORE, batch_order, encode_examples, optimizer_and_schedule
+from farmflow.models import IGNORE, batch_order, encode_examples, optimizer_and_schedule, response_window
 from farmflow.models.checkpoint import Checkpointer
 from farmflow.models.runtime import Runtime, device_of
 from farmflow.progress import progress
@@ -47,9 +47,10 @@ def dpo_loss(
 
 def sequence_logps(model, tokenizer, prompts: Sequence[str], responses: Sequence[str], max_len: int) -> torch.Tensor:
     """Sum of log π(response token | prefix) over the response tokens (and </s>) of each example."""
-    ids, mask, labels = (t.to(device_of(model)) for t in encode_examples(tokenizer, prompts, responses, max_len))
-    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
-    targets = labels[:, 1:]
+    *batch, keep = response_window(*encode_examples(tokenizer, prompts, responses, max_len))  # logits for responses only
+    ids, mask, labels, positions = (t.to(device_of(model)) for t in batch)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=keep).logits[:, :-1].float()
+    targets = labels[:, -keep + 1:]
     token_logps = torch.gather(logits.log_softmax(-1), 2, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     return (token_logps * (targets != IGNORE)).sum(-1)
 

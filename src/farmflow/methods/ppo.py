@@ -159,10 +159,10 @@ def take(batch: dict[str, torch.Tensor], idx: torch.Tensor | slice) -> dict[str,
 
 def response_logits(model, batch: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
     """Logits (batch, R, vocab) that predict each response token, divided by the temperature."""
-    width = batch["tokens"].shape[1]
-    start = batch["input_ids"].shape[1] - width - 1
-    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"])
-    return out.logits[:, start: start + width].float() / temperature
+    width = batch["tokens"].shape[1]  # responses fill the last `width` columns; the column before each token predicts it
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"],
+                logits_to_keep=width + 1)  # no vocabulary projection for the prompt columns
+    return out.logits[:, :width].float() / temperature
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
