@@ -316,7 +316,7 @@ def _publish_curve(run: StageRunner, curve: ArtifactRef, title: str) -> list[dic
     rows = run.store.read_table(curve).to_pylist()
     markdown = run.store.read_file(curve, "curve.md").decode()
     create_markdown_artifact(markdown + f"\nParquet, Markdown and plot (curve.png): `{curve.uri}`\n", key="overoptimization", description=title)
-    cols = ("label", "family", "pressure", "annotator", "proxy_reward", "win_rate", "standard_error", "mean_gold", "avg_length")
+    cols = ("label", "family", "pressure", "labeller", "annotator", "proxy_reward", "win_rate", "standard_error", "mean_gold", "avg_length")
     create_table_artifact([{k: (None if r[k] != r[k] else r[k]) for k in cols} for r in rows], key="overoptimization-table", description=title)
     return rows
 
