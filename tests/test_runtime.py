@@ -7,7 +7,7 @@ import torch
 
 from farmflow.config import DPOConfig, RewardConfig, SFTConfig
 from farmflow.methods import dpo, reward, sft
-from farmflow.models import batch_order, build_policy, encode_examples, optimizer_and_schedule, response_window, reward_from_policy, save, train_tokenizer
+from farmflow.models import batch_order, build_policy, encode_examples, optimizer_and_schedule, reward_from_policy, save, train_tokenizer
 from farmflow.models.runtime import Runtime
 from farmflow.tasks.core import key_config
 
@@ -106,8 +106,8 @@ def test_cpu_runtime_is_the_plain_loop_bit_for_bit_without_autocast(tok):
     plain = _policy(tok)  # what the loop did before the runtime: zero_grad, backward, clip, step, schedule
     opt, sched = optimizer_and_schedule(plain, cfg.lr, cfg.weight_decay, 2, cfg.warmup_ratio)
     for idx in batch_order(N, cfg.batch_size, 2, cfg.seed):
-        ids, mask, labels, pos, keep = response_window(*encode_examples(tok, [PROMPTS[i] for i in idx], [RESPONSES[i] for i in idx], 128))
-        loss = sft.sft_loss(plain(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=keep).logits, labels[:, -keep:])
+        ids, mask, labels = encode_examples(tok, [PROMPTS[i] for i in idx], [RESPONSES[i] for i in idx], 128)
+        loss = sft.sft_loss(plain(input_ids=ids, attention_mask=mask).logits, labels)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)

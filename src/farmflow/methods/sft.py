@@ -1,10 +1,7 @@
 """Supervised fine-tuning on demonstrations (the SFT step every AlpacaFarm method starts from).
 
 Loss: next-token cross-entropy on the response tokens only (prompt and padding are
-masked with -100), averaged over response tokens in the batch. The batch is moved to the
-left padding so every response ends in the last column, and the model projects onto the
-vocabulary only the last columns that hold response tokens (`models.response_window`;
-~30% of the positions on the synthetic farm, about 15% less time per step).
+masked with -100), averaged over response tokens in the batch.
 
 Defaults (`farmflow.config.SFTConfig`) follow the Alpaca/AlpacaFarm recipe for LLaMA-7B:
 3 epochs, AdamW, peak lr 2e-5, 3% linear warmup then cosine decay, no weight decay,
@@ -27,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from farmflow.config import SFTConfig
-from farmflow.models import IGNORE, batch_order, encode_examples, optimizer_and_schedule, response_window
+from farmflow.models import IGNORE, batch_order, encode_examples, optimizer_and_schedule
 from farmflow.models.checkpoint import Checkpointer
 from farmflow.models.runtime import Runtime
 from farmflow.progress import progress
@@ -70,11 +67,9 @@ def train_sft(
             step_loss = 0.0
             for rows in rt.micro_batches():
                 width = int(mask[rows].sum(1).max())  # right-padded: drop the columns only padding fills
-                *batch, keep = response_window(ids[rows, :width], mask[rows, :width], labels[rows, :width])
-                b_ids, b_mask, b_labels, b_pos = (t.to(rt.device) for t in batch)
+                b_ids, b_mask, b_labels = (t[rows, :width].to(rt.device) for t in (ids, mask, labels))
                 with rt.accumulate(trained):
-                    logits = trained(input_ids=b_ids, attention_mask=b_mask, position_ids=b_pos, logits_to_keep=keep).logits
-                    loss = sft_loss(logits, b_labels[:, -keep:])
+                    loss = sft_loss(trained(input_ids=b_ids, attention_mask=b_mask).logits, b_labels)
                     share = (labels[rows, 1:] != IGNORE).sum() / targets
                     rt.backward(loss, share)
                     rt.step(trained, opt, sched, 1.0)
