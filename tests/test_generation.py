@@ -152,3 +152,21 @@ def test_flows_pass_generation_backend_to_best_of_n(micro, prefect_harness):
     bon = cfg.best_of_n.model_copy(update={"seed": 321})  # a key nothing else made
     with pytest.raises(ConfigError, match=r"^generation\.backend is 'vllm'.*pip install vllm"):
         _best_of_n(up, base, bon, "eval", "best_of_n", max_prompts=2)
+
+
+def test_a_json_generate_config_keys_like_the_typed_one_under_a_launcher(micro):
+    """Regression: on a GPU worker (distributed mode) generate's config arrives as JSON; with a child-process
+    launcher the hook keyed it with `backend` inside and committed under a key the calling flow never reads."""
+    from farmflow.config import ExecutionConfig
+    from farmflow.tasks.core import launching
+
+    cfg, uri, data, base = micro
+    sample = SampleConfig(max_new_tokens=3, seed=77)  # a key nothing else made
+    typed = {"sample": sample, "generator": "g77", "control": ""}
+    as_json = {"sample": sample.model_dump(mode="json"), "generator": "g77", "control": ""}
+    assert "backend" in as_json["sample"]
+    assert stage_key_of("generate", as_json, {"data": data, "policy": base}) == stage_key_of("generate", typed, {"data": data, "policy": base})
+    with launching(ExecutionConfig(launcher="process")):
+        ref = tasks.generate_task.fn(uri, as_json, data, base)  # runs in a child process, committed here
+    assert ref.key == stage_key_of("generate", typed, {"data": data, "policy": base})
+    assert open_store(uri).get("generate", ref.key) is not None

@@ -197,7 +197,12 @@ def _outputs_table(rows: list[dict], outputs: list[str], generator: str, scores:
     )
 
 
-@stage_task("generate", version="1")
+def generate_config(config: dict) -> dict:
+    """generate's config with its sampling section typed (it arrives as JSON on a GPU worker)."""
+    return {**config, "sample": SampleConfig.model_validate(config["sample"])}
+
+
+@stage_task("generate", version="1", typed=generate_config)
 def generate_task(store_uri: str, config: dict, data: ArtifactRef, policy: ArtifactRef) -> ArtifactRef:
     """One sample per evaluation instruction.
 
@@ -205,8 +210,8 @@ def generate_task(store_uri: str, config: dict, data: ArtifactRef, policy: Artif
     `control` is a control token appended to every prompt (reward conditioning's good token).
     `sample.backend` picks the sampler (`farmflow.generation`); it is not part of the key.
     """
-    cfg = SampleConfig.model_validate(config["sample"])
-    config = {**config, "sample": cfg}  # typed even when it arrives as JSON, so the backend never enters the key
+    config = generate_config(config)  # typed even when it arrives as JSON, so the backend never enters the key
+    cfg = config["sample"]
     store, key, hit = lookup("generate", store_uri, config, data=data, policy=policy)
     if hit:
         return hit

@@ -20,7 +20,7 @@ import threading
 from collections import Counter
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from prefect import get_run_logger, task
 from pydantic import BaseModel
@@ -105,9 +105,19 @@ def _inputs(params: dict[str, Any]) -> dict[str, ArtifactRef]:
     return {k: v for k, v in params.items() if isinstance(v, ArtifactRef)}
 
 
+TYPED: dict[str, Callable[[Any], Any]] = {}
+"""Stage → the function that types its config when it can arrive as plain JSON (a dict config with sections inside)."""
+
+
+def typed_config(stage: str, config: Any) -> Any:
+    """`config` as the stage's own function sees it, so every key computed for it is the same."""
+    return TYPED[stage](config) if stage in TYPED else config
+
+
 def _cache_key(stage: str):
     def key_fn(_ctx: Any, params: dict[str, Any]) -> str:
-        return f"{stage}-{stage_key(stage, VERSIONS[stage], key_config(params['config']), _inputs(params))}"
+        config = key_config(typed_config(stage, params["config"]))
+        return f"{stage}-{stage_key(stage, VERSIONS[stage], config, _inputs(params))}"
 
     return key_fn
 
@@ -127,12 +137,16 @@ def lookup(stage: str, store_uri: str, config: Any, **inputs: ArtifactRef) -> tu
     return store, key, hit
 
 
-def stage_task(stage: str, version: str, **options: Any):
+def stage_task(stage: str, version: str, typed: Callable[[Any], Any] | None = None, **options: Any):
     """A Prefect task for `stage`: cached by its stage key, result persisted as JSON.
 
     The task's first two parameters must be ``store_uri`` and ``config``; every
-    `ArtifactRef` parameter is an input whose key enters the stage key.
+    `ArtifactRef` parameter is an input whose key enters the stage key. `typed` turns a
+    config that arrived as JSON (a GPU worker's stage flow) into the typed one the stage
+    uses, so operational fields inside it stay out of every key (`typed_config`).
     """
+    if typed is not None:
+        TYPED[stage] = typed
     if VERSIONS.get(stage, version) != version:
         raise ValueError(f"stage {stage!r} declared twice with versions {VERSIONS[stage]!r} and {version!r}")
     VERSIONS[stage] = version
@@ -148,7 +162,7 @@ def stage_task(stage: str, version: str, **options: Any):
             from farmflow.tasks.launch import run_in_child
 
             params = signature.bind(*args, **kwargs).arguments
-            store_uri, config = params.pop("store_uri"), params.pop("config")
+            store_uri, config = params.pop("store_uri"), typed_config(stage, params.pop("config"))
             store, key, hit = lookup(stage, store_uri, config, **_inputs(params))
             return hit or run_in_child(stage, store, key, store_uri, config, params, execution)
 
