@@ -300,12 +300,26 @@ def test_missing_key_is_named_and_cached_rows_need_no_key(server, tmp_path, monk
         annotate_pairs(make_rows(9, seed=5), cfg, str(tmp_path))
 
 
-def test_local_rate_limit(server, tmp_path):
+def test_local_rate_limit(server, tmp_path, monkeypatch):
+    """Without a Prefect API the process-wide limiter spaces requests evenly.
+
+    Regression (test order): once the session's Prefect harness had started, PREFECT_API_URL was
+    set and the run used Prefect's global limit instead (a burst of one second's worth of slots),
+    so this test passed or failed depending on which tests ran before it.
+    """
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from farmflow.annotators import api
+
     cfg = pool(judge(base_url=server.url), requests_per_minute=1200, rate_limit_name="test-local")  # one request per 50 ms
-    start = time.perf_counter()
-    annotate_pairs(make_rows(21), cfg, str(tmp_path))
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    with temporary_settings(restore_defaults={PREFECT_API_URL}):
+        start = time.perf_counter()
+        annotate_pairs(make_rows(21), cfg, str(tmp_path))
+        seconds = time.perf_counter() - start
+    assert ("test-local", 1200) in api._LIMITERS  # the local limiter did the spacing
     # 21 requests at one per 50 ms cannot finish sooner than ~1 s; the upper bound only catches a hang
-    assert 0.95 <= time.perf_counter() - start < 60
+    assert 0.95 <= seconds < 60
 
 
 def test_in_flight_bound(monkeypatch, tmp_path):
