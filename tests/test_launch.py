@@ -94,8 +94,9 @@ def test_command_lines(tmp_path):
     assert argv[:3] == [sys.executable, "-m", "accelerate.commands.launch"] and argv[-3:] == child
     assert argv[argv.index("--config_file") + 1] == str(CONFIGS / "fsdp.yaml") and argv[argv.index("--num_processes") + 1] == "4"
     assert int(argv[argv.index("--main_process_port") + 1]) > 0
-    assert command("sample_pairs", spec, ex) == [sys.executable, *child]  # sampling, PPO, Quark: one process
-    assert command("ppo", spec, ex) == [sys.executable, *child] and "ppo" not in MULTI_PROCESS_STAGES
+    assert command("sample_pairs", spec, ex) == [sys.executable, *child]  # sampling, scoring: one process
+    for rl_stage in ("ppo", "quark"):  # PPO and Quark split each rollout between the processes
+        assert rl_stage in MULTI_PROCESS_STAGES and command(rl_stage, spec, ex)[:3] == argv[:3]
     with pytest.raises(StageLaunchError, match="execution.accelerate_config: no file 'missing.yaml'.*deepspeed_zero3, fsdp, multi_gpu, single_gpu"):
         command("dpo", spec, ExecutionConfig(launcher="accelerate", accelerate_config="missing.yaml"))
 

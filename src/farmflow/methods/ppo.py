@@ -24,7 +24,18 @@ weight 0.1, clip ranges 0.2, whitened rewards, AdamW ε 1e-5.
 Rollouts and updates run on the policy's device; the update goes through
 `farmflow.models.runtime.Runtime` (mixed precision on a GPU, micro-batches of
 `micro_batch_size` accumulated into each minibatch, LoRA on the policy when the model asks
-for it). PPO runs in one process (the `execution.launcher` never starts it on several).
+for it).
+
+**Several processes** (``accelerate launch``, DDP): each process takes an equal, contiguous
+share of every rollout batch (`rollout_batch_size` and `step_batch_size` must divide by the
+number of processes), samples it with its own unwrapped policy and its own sampling seed,
+scores it with its own reward, reference and value models, and keeps it: each minibatch is
+the union of every process's share of `step_batch_size / processes` rows, and gradients are
+averaged by DDP. The statistics that span the rollout are computed over all processes
+(`global_mean`: reward whitening, advantage whitening, the logged reward, KL and entropy),
+so they equal a one-process computation over the union of the shares. One process runs
+exactly as before; N processes draw other (equally distributed) samples, since each share
+has its own random stream. FSDP and DeepSpeed are refused (`refuse_sharded`).
 
 The `synthetic-tiny` preset scales the batches and steps down and raises the learning rate
 for a 0.6M-parameter model: rollout 128, step batch 64, 31 steps, lr 1e-4, KL coefficient
@@ -37,6 +48,7 @@ model (58% held-out accuracy) is over-optimized.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from typing import Callable, Sequence
 
@@ -46,7 +58,7 @@ import torch.nn.functional as F
 from farmflow.config import PPOConfig
 from farmflow.models import _left_pad, batch_order, decode_response, sample_ids, score
 from farmflow.models.checkpoint import Checkpointer
-from farmflow.models.runtime import Runtime, device_of, to_device
+from farmflow.models.runtime import Runtime, all_sum, device_of, num_processes, to_device, world_size
 from farmflow.progress import progress
 
 VERSION = "1"
@@ -75,10 +87,23 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1)
 
 
+def global_mean(x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean of `x` (over the entries where `mask` is 1) across every process's share of a rollout.
+
+    In one process it is ``x.mean()`` (``masked_mean(x, mask)``), bit for bit; with several it
+    sums (value, count) over the processes in float64 (a collective: every process calls it).
+    """
+    if world_size() == 1:
+        return x.mean() if mask is None else masked_mean(x, mask)
+    mask = torch.ones_like(x) if mask is None else mask.to(x.dtype)
+    total = all_sum(torch.stack([(x * mask).sum(), mask.sum()]).double())
+    return (total[0] / total[1].clamp(min=1)).to(x.dtype)
+
+
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
-    """Whiten `x` over the masked entries: unit variance, and zero mean if `shift_mean` (else the mean is kept)."""
-    mean = masked_mean(x, mask)
-    var = masked_mean((x - mean) ** 2, mask)
+    """Whiten `x` over the masked entries of every process: unit variance, and zero mean if `shift_mean` (else the mean is kept)."""
+    mean = global_mean(x, mask)
+    var = global_mean((x - mean) ** 2, mask)
     out = (x - mean) * torch.rsqrt(var + 1e-8)
     return (out if shift_mean else out + mean) * mask
 
@@ -219,6 +244,29 @@ def total_steps(num_prompts: int, epochs: float, rollout_batch_size: int) -> int
     return max(1, math.floor(epochs * num_prompts / rollout_batch_size))
 
 
+def check_shares(section: str, processes: int, **sizes: int) -> None:
+    """One clear error when a batch (config field -> its size) does not split evenly between the processes."""
+    for field, size in sizes.items():
+        if size % processes:
+            raise ValueError(f"{section}.{field} ({size}) does not divide evenly between the {processes} processes "
+                             "(execution.num_processes): every process takes an equal share of each batch")
+
+
+def refuse_sharded(rt: Runtime, section: str) -> None:
+    """PPO and Quark sample from the policy they train: not from a policy sharded by FSDP or DeepSpeed."""
+    if rt.sharded:
+        raise ValueError(
+            f"{section} does not run under FSDP or DeepSpeed (execution.accelerate_config): it samples from the policy it "
+            "trains, and a sharded policy cannot generate per process. Use a DDP config (execution.accelerate_config=multi_gpu: "
+            "every GPU holds the policy, value, reference and reward models) or one process (model.lora for a large policy)")
+
+
+def share_seed(seed: int, rank: int) -> int:
+    """Sampling/shuffling seed of process `rank`'s share: `seed` itself for rank 0 (and a one-process run), else a
+    32-bit hash of (seed, rank) (torch's CPU generator keeps only the low 32 bits of a seed)."""
+    return seed if rank == 0 else int.from_bytes(hashlib.sha256(f"{seed}/{rank}".encode()).digest()[:4], "little")
+
+
 def check_lengths(policy, max_new_tokens: int, section: str) -> None:
     """Refuse responses that would leave no room for the prompt in the model's context."""
     context = policy.config.max_position_embeddings
@@ -230,7 +278,10 @@ def check_lengths(policy, max_new_tokens: int, section: str) -> None:
 @torch.no_grad()
 def rollout(policy, ref_policy, value_model, reward_fn: RewardFn, tokenizer, prompts: Sequence[str], cfg: PPOConfig,
             seed: int) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-    """Sample, score and evaluate one rollout batch; returns its tensors and statistics."""
+    """Sample, score and evaluate one rollout batch (this process's share); returns its tensors and statistics.
+
+    Pass plain (unwrapped) models. Whitening and statistics span every process's share.
+    """
     policy.eval()
     max_prompt = max(1, policy.config.max_position_embeddings - cfg.max_new_tokens)
     responses, scores, ended = sample_and_score(
@@ -257,11 +308,11 @@ def rollout(policy, ref_policy, value_model, reward_fn: RewardFn, tokenizer, pro
     advantages = masked_whiten(advantages, mask)  # over the whole rollout batch
     batch.update(logprobs=logprobs, values=values, advantages=advantages, returns=returns)
     lengths = mask.sum(1)
-    stats = {
-        "reward": scores.mean().item(), "ended": ended.float().mean().item(),
-        "kl": ((logprobs - ref_logprobs) * mask).sum(1).mean().item(),  # per-sequence KL estimate (unclipped)
-        "kl_penalty": kl.sum(1).mean().item() * cfg.kl_coef,
-        "entropy": (entropy.sum() / mask.sum()).item(), "response_tokens": lengths.mean().item(),
+    stats = {  # over every process's share (global_mean)
+        "reward": global_mean(scores).item(), "ended": global_mean(ended.float()).item(),
+        "kl": global_mean(((logprobs - ref_logprobs) * mask).sum(1)).item(),  # per-sequence KL estimate (unclipped)
+        "kl_penalty": global_mean(kl.sum(1)).item() * cfg.kl_coef,
+        "entropy": global_mean(entropy, mask).item(), "response_tokens": global_mean(lengths).item(),
     }
     return batch, stats
 
@@ -284,9 +335,9 @@ def train_ppo(
     ref_policy.eval().requires_grad_(False)
     steps = total_steps(len(prompts), cfg.epochs, cfg.rollout_batch_size)
     prompt_batches = batch_order(len(prompts), cfg.rollout_batch_size, steps, cfg.seed)
+    check_shares("ppo", num_processes(), rollout_batch_size=len(prompt_batches[0]), step_batch_size=cfg.step_batch_size)
     rt = Runtime(policy, cfg.step_batch_size, cfg.micro_batch_size, "ppo")
-    if rt.processes > 1:
-        raise ValueError("ppo runs in one process; start it without `accelerate launch` (execution.launcher does)")
+    refuse_sharded(rt, "ppo")
     trained = rt.adapt(policy)
     params = [p for m in (trained, value_model) for p in m.parameters() if p.requires_grad]
     params = list({id(p): p for p in params}.values())
@@ -300,9 +351,11 @@ def train_ppo(
     history: list[dict[str, float]] = list(extra.get("history", []))
     with progress("ppo", steps, unit="step", initial=start) as bar:
         for step in range(start, steps):
-            batch_prompts = [prompts[i] for i in prompt_batches[step]]
-            batch, stats = rollout(trained, ref_policy, value_model, reward_fn, tokenizer, batch_prompts, cfg, seed=cfg.seed * 1_000_003 + step)
-            stats.update(_optimize(rt, trained, value_model, opt, params, batch, cfg, seed=cfg.seed * 1_000_003 + step))
+            share = len(prompt_batches[step]) // rt.processes  # this process's contiguous share of the rollout batch
+            batch_prompts = [prompts[i] for i in prompt_batches[step][rt.rank * share: (rt.rank + 1) * share]]
+            seed = share_seed(cfg.seed * 1_000_003 + step, rt.rank)
+            batch, stats = rollout(rt.unwrap(trained), ref_policy, rt.unwrap(value_model), reward_fn, tokenizer, batch_prompts, cfg, seed=seed)
+            stats.update(_optimize(rt, trained, value_model, opt, params, batch, cfg, seed=seed))
             stats["lr"] = sched.get_last_lr()[0]
             sched.step()
             history.append({"step": float(step + 1), **stats})
@@ -312,11 +365,15 @@ def train_ppo(
                 on_step(step + 1, rt.plain(trained))
             ckpt.save(step + 1, **state, extra={"history": history})
     rt.finish(trained)
-    return _summary(history, steps, start), history
+    return {**_summary(history, steps, start), "processes": float(rt.processes)}, history
 
 
 def _optimize(rt: Runtime, policy, value_model, opt, params, batch, cfg: PPOConfig, seed: int) -> dict[str, float]:
-    """`ppo_epochs` passes over the rollout in shuffled minibatches of `step_batch_size`."""
+    """`ppo_epochs` passes over the rollout in shuffled minibatches of `step_batch_size`.
+
+    `batch` is this process's share of the rollout; each process shuffles its own share and
+    contributes `step_batch_size / processes` rows to every minibatch.
+    """
     policy.train()
     value_model.train()
     gen = torch.Generator().manual_seed(seed)
@@ -325,9 +382,9 @@ def _optimize(rt: Runtime, policy, value_model, opt, params, batch, cfg: PPOConf
     updates = 0
     for _ in range(cfg.ppo_epochs):
         order = torch.randperm(n, generator=gen)
-        for start in range(0, n - cfg.step_batch_size + 1, cfg.step_batch_size):
-            idx = order[start: start + cfg.step_batch_size]
-            for rows in rt.micro_batches():
+        for start in range(0, n - rt.share + 1, rt.share):
+            idx = order[start: start + rt.share]
+            for rows in rt.local_micro_batches():
                 chunk_idx = idx[rows]
                 mb = take(batch, chunk_idx)
                 with rt.accumulate(policy, value_model):
@@ -335,13 +392,13 @@ def _optimize(rt: Runtime, policy, value_model, opt, params, batch, cfg: PPOConf
                     values = response_values(value_model, mb)
                     loss, st = ppo_loss(logprobs, mb["logprobs"], mb["advantages"], values, mb["values"], mb["returns"],
                                         mb["response_mask"], cfg.clip_range, cfg.clip_range_value, cfg.vf_coef)
-                    rt.backward(loss, len(chunk_idx) / len(idx))
+                    rt.backward(loss, len(chunk_idx) / cfg.step_batch_size)
                     rt.step(params, opt, None, cfg.max_grad_norm)
                 for k, v in st.items():
-                    totals[k] = totals.get(k, 0.0) + v.item() * len(chunk_idx) / len(idx)
+                    totals[k] = totals.get(k, 0.0) + v.item() * len(chunk_idx) / cfg.step_batch_size
             updates += 1
     opt.zero_grad(set_to_none=True)
-    return {k: v / max(1, updates) for k, v in totals.items()}
+    return {k: rt.sum(v) / max(1, updates) for k, v in totals.items()}
 
 
 def _summary(history: list[dict[str, float]], steps: int, start: int) -> dict[str, float]:

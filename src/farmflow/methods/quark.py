@@ -16,8 +16,18 @@ Defaults (`farmflow.config.QuarkConfig`) follow AlpacaFarm's released Quark scri
 rollout batch 512, step batch 256, KL coefficient 0.05, lr 3e-6, temperature 1.0,
 300-token responses, AdamW ε 1e-5; 5 quantiles as in Quark (Lu et al., 2022).
 Rollout sampling, scoring and sequence packing are shared with `farmflow.methods.ppo`; so is
-the device handling (`farmflow.models.runtime.Runtime`, one process, LoRA on the policy when
-the model asks for it).
+the device handling (`farmflow.models.runtime.Runtime`, LoRA on the policy when the model
+asks for it).
+
+**Several processes** (``accelerate launch``, DDP): each process samples and scores an equal,
+contiguous share of every rollout batch (`rollout_batch_size` must divide by the number of
+processes) with its own unwrapped policy and sampling seed; the shares are then gathered
+(`gather_rollout`), so every process ranks the whole rollout and holds the same pool: the
+quantile threshold and the logged reward are those of a one-process run over the union of
+the shares. Each optimizer minibatch is split between the processes (DDP averages the
+gradients); when it does not divide evenly (the paper's 512 // 5 = 102 samples on 8 GPUs)
+the last processes pad their share with masked rows that carry no weight. One process runs
+exactly as before; N processes draw other (equally distributed) samples.
 
 The `synthetic-tiny` preset uses rollout 128, step batch 32 (the best 25 of 128 samples),
 62 steps, lr 1e-4, KL coefficient 0.1, 48-token responses. Measured on 2 shared CPU cores
@@ -34,10 +44,13 @@ from typing import Sequence
 import torch
 
 from farmflow.config import QuarkConfig
-from farmflow.methods.ppo import RewardFn, check_lengths, linear_schedule, masked_mean, pack, response_logits, sample_and_score, take, total_steps
+from farmflow.methods.ppo import (
+    RewardFn, check_lengths, check_shares, linear_schedule, masked_mean, pack, refuse_sharded, response_logits, sample_and_score,
+    share_seed, take, total_steps,
+)
 from farmflow.models import batch_order
 from farmflow.models.checkpoint import Checkpointer
-from farmflow.models.runtime import Runtime, device_of, to_device
+from farmflow.models.runtime import Runtime, all_gather_objects, device_of, num_processes, to_device
 from farmflow.progress import progress
 
 VERSION = "1"
@@ -70,6 +83,17 @@ def top_quantile(scores: torch.Tensor, num_quantiles: int) -> torch.Tensor:
     return torch.argsort(scores, descending=True, stable=True)[:keep]
 
 
+def gather_rollout(responses: list[list[int]], scores: torch.Tensor, ended: torch.Tensor) -> tuple[list[list[int]], torch.Tensor, torch.Tensor]:
+    """Every process's share of a rollout (responses, scores, ended) joined in rank order: the whole batch, on every process.
+
+    A collective; in one process it returns its arguments.
+    """
+    parts = all_gather_objects((responses, scores.cpu(), ended.cpu()))
+    if len(parts) == 1:
+        return responses, scores, ended
+    return [r for p in parts for r in p[0]], torch.cat([p[1] for p in parts]), torch.cat([p[2] for p in parts])
+
+
 # ---------------------------------------------------------------------------- loop
 def train_quark(
     policy, ref_policy, reward_fn: RewardFn, tokenizer, prompts: Sequence[str], cfg: QuarkConfig,
@@ -85,10 +109,12 @@ def train_quark(
     ref_policy.eval().requires_grad_(False)
     steps = total_steps(len(prompts), cfg.epochs, cfg.rollout_batch_size)
     prompt_batches = batch_order(len(prompts), cfg.rollout_batch_size, steps, cfg.seed)
+    processes = num_processes()
+    check_shares("quark", processes, rollout_batch_size=len(prompt_batches[0]))
     pool_size = max(1, min(cfg.rollout_batch_size, len(prompts)) // cfg.num_quantiles)  # what `top_quantile` keeps
-    rt = Runtime(policy, min(cfg.step_batch_size, pool_size), cfg.micro_batch_size, "quark")
-    if rt.processes > 1:
-        raise ValueError("quark runs in one process; start it without `accelerate launch` (execution.launcher does)")
+    rows = min(cfg.step_batch_size, pool_size)  # per optimizer step; padded to a multiple of the processes (`_optimize`)
+    rt = Runtime(policy, -(-rows // processes) * processes, cfg.micro_batch_size, "quark")
+    refuse_sharded(rt, "quark")
     trained = rt.adapt(policy)
     opt = torch.optim.AdamW([p for p in trained.parameters() if p.requires_grad], lr=cfg.lr, eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
     sched = linear_schedule(opt, cfg.warmup_steps, steps)
@@ -103,12 +129,14 @@ def train_quark(
         for step in range(start, steps):
             seed = cfg.seed * 1_000_003 + step
             batch_prompts = [prompts[i] for i in prompt_batches[step]]
+            share = len(batch_prompts) // rt.processes  # each process samples and scores its contiguous share
             trained.eval()
             with torch.no_grad():
                 responses, scores, ended = sample_and_score(
-                    trained, tokenizer, reward_fn, batch_prompts, temperature=cfg.temperature,
-                    max_new_tokens=cfg.max_new_tokens, penalty_reward_value=cfg.penalty_reward_value,
-                    batch_size=cfg.micro_batch_size, seed=seed)
+                    rt.unwrap(trained), tokenizer, reward_fn, batch_prompts[rt.rank * share: (rt.rank + 1) * share],
+                    temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, penalty_reward_value=cfg.penalty_reward_value,
+                    batch_size=cfg.micro_batch_size, seed=share_seed(seed, rt.rank))
+            responses, scores, ended = gather_rollout(responses, scores, ended)  # the whole rollout, on every process
             keep = top_quantile(scores, cfg.num_quantiles).tolist()  # the pool: this rollout's best quantile only
             pool = to_device(pack(tokenizer, [batch_prompts[i] for i in keep], [responses[i] for i in keep], max_prompt), device_of(trained))
             stats = {"reward": scores.mean().item(), "ended": ended.float().mean().item(),
@@ -123,7 +151,7 @@ def train_quark(
             ckpt.save(step + 1, **state, extra={"history": history})
     rt.finish(trained)
     tail = history[-max(1, len(history) // 10):]
-    summary = {"steps": float(steps), "resumed_from_step": float(start)}
+    summary = {"steps": float(steps), "resumed_from_step": float(start), "processes": float(rt.processes)}
     for k in ("reward", "pool_reward", "kl", "nll", "ended", "response_tokens"):
         summary[f"{k}_first"] = history[0][k]
         summary[f"{k}_last"] = sum(h[k] for h in tail) / len(tail)
@@ -131,21 +159,33 @@ def train_quark(
 
 
 def _optimize(rt: Runtime, policy, ref_policy, opt, pool: dict[str, torch.Tensor], cfg: QuarkConfig, seed: int) -> dict[str, float]:
-    """`grad_steps_per_rollout` optimizer steps on minibatches of the pool (cycled when it is small)."""
+    """`grad_steps_per_rollout` optimizer steps on minibatches of the pool (cycled when it is small).
+
+    Every process holds the whole pool and takes its share of each minibatch. A minibatch is
+    padded to `rt.batch_size` (a multiple of the processes) with repeated rows whose response
+    mask is zero: they add no loss and no weight.
+    """
     policy.train()
     n = pool["tokens"].shape[0]
     totals: dict[str, float] = {}
     for idx in batch_order(n, cfg.step_batch_size, cfg.grad_steps_per_rollout, seed):
+        real = len(idx)
+        idx = [idx[i % real] for i in range(rt.batch_size)]  # = idx in one process
         for rows in rt.micro_batches():
             chunk = torch.tensor(idx[rows])
             mb = take(pool, chunk)
+            counted = len(range(real)[rows])  # the chunk's real rows (all of them unless padded)
+            if counted < len(chunk):
+                mb["response_mask"] = mb["response_mask"] * (torch.arange(rows.start, rows.stop) < real).unsqueeze(1).to(mb["response_mask"])
             with torch.no_grad():
                 ref_logits = response_logits(ref_policy, mb, cfg.temperature)
             with rt.accumulate(policy):
                 loss, st = quark_loss(response_logits(policy, mb, cfg.temperature), ref_logits, mb["tokens"], mb["response_mask"], cfg.kl_coef)
-                rt.backward(loss, len(chunk) / len(idx))
+                rt.backward(loss, counted / real)
                 rt.step(policy, opt, None, cfg.max_grad_norm)
+            if 0 < counted < len(chunk):
+                st["kl"] = st["kl"] * len(chunk) / counted  # per real sequence, not per padded row
             for k, v in {"loss": loss.detach(), **st}.items():
-                totals[k] = totals.get(k, 0.0) + v.item() * len(chunk) / len(idx)
+                totals[k] = totals.get(k, 0.0) + v.item() * counted / real
     opt.zero_grad(set_to_none=True)
-    return {k: v / cfg.grad_steps_per_rollout for k, v in totals.items()}
+    return {k: rt.sum(v) / cfg.grad_steps_per_rollout for k, v in totals.items()}

@@ -76,6 +76,41 @@ def is_main_process() -> bool:
     return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
 
 
+def num_processes() -> int:
+    """Processes of this run: the world size under ``accelerate launch`` (or torchrun), else 1."""
+    return _state().num_processes
+
+
+def world_size() -> int:
+    """Processes in torch.distributed's group (1 when none is started): the collectives below are no-ops at 1."""
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+
+def all_sum(t: torch.Tensor) -> torch.Tensor:
+    """Elementwise sum of `t` over all processes, on `t`'s device; `t` itself when there is one process.
+
+    A collective: every process calls it with a tensor of the same shape and dtype.
+    """
+    if world_size() == 1:
+        return t
+    on = torch.device("cuda", torch.cuda.current_device()) if torch.distributed.get_backend() == "nccl" else torch.device("cpu")
+    out = t.detach().to(on, copy=True)
+    torch.distributed.all_reduce(out)
+    return out.to(t.device)
+
+
+def all_gather_objects(obj: Any) -> list[Any]:
+    """Every process's `obj` (picklable: lists, numbers, CPU tensors) in rank order; ``[obj]`` when there is one process.
+
+    A collective: every process calls it.
+    """
+    if world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * world_size()
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
 class Runtime:
     """One training loop's accelerator: device, precision, micro-batches of this process's share.
 
@@ -175,6 +210,10 @@ class Runtime:
         """This process's micro-batches of a global batch: slices of its contiguous share."""
         start = self.rank * self.share
         return [slice(s, min(s + self.micro, start + self.share)) for s in range(start, start + self.share, self.micro)]
+
+    def local_micro_batches(self) -> list[slice]:
+        """This process's micro-batches as slices of its own share (0 .. share): for loops where each process holds only its share."""
+        return [slice(s, min(s + self.micro, self.share)) for s in range(0, self.share, self.micro)]
 
     def accumulate(self, *models: torch.nn.Module):
         """Context for one micro-batch: gradients are synced (and the optimizer steps) on the last one only."""

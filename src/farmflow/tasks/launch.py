@@ -8,7 +8,8 @@ refs as JSON, an empty output folder) and starts a child:
 * ``accelerate``: training stages (`MULTI_PROCESS_STAGES`) through ``accelerate launch
   --config_file <execution.accelerate_config> [--num_processes N] -m farmflow.tasks.launch SPEC``
   (every process runs the stage; `farmflow.models.runtime.Runtime` splits each batch
-  between them); the other GPU stages (sampling, scoring, PPO, Quark) as with ``process``.
+  between them; PPO and Quark also split each rollout batch, under DDP only); the other GPU
+  stages (sampling, scoring) as with ``process``.
 
 The child runs the stage's own function against an `OutboxStore`: reads come from the real
 store, the artifacts it would commit are written (by the main process only) into the output
@@ -40,8 +41,8 @@ from farmflow.storage import ArtifactRef, canonical_json
 from farmflow.storage.refs import utc_now
 from farmflow.storage.schemas import conform
 
-MULTI_PROCESS_STAGES = ("sft", "train_reward", "feedme", "reward_conditioning", "dpo", "expert_iteration")
-"""Stages that `accelerate launch` starts on several processes (their loops split each batch); PPO and Quark run in one."""
+MULTI_PROCESS_STAGES = ("sft", "train_reward", "feedme", "reward_conditioning", "dpo", "expert_iteration", "ppo", "quark")
+"""Stages that `accelerate launch` starts on several processes (their loops split each batch; PPO and Quark: DDP only)."""
 
 RECORD = "artifact.json"
 LOG_TAIL = 40
@@ -117,7 +118,11 @@ def run_in_child(stage: str, store, key: str, store_uri: str, config: Any, param
         with open(log_path, "wb") as f:
             code = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL).returncode
         if code != 0:
-            raise StageLaunchError(f"stage {stage}: {how} exited with code {code}; the last lines of its log:\n{_tail(log_path)}")
+            tail, errors = _tail(log_path), sorted(out.glob("error-*.txt"))  # error-<rank>.txt: what the stage raised
+            cause = errors[0].read_text() if errors else ""
+            if cause and cause not in tail:  # several processes: the launcher's own report ends the log
+                tail += f"\n{cause}"
+            raise StageLaunchError(f"stage {stage}: {how} exited with code {code}; the last lines of its log:\n{tail}")
         committed = commit_outbox(store, out)
         log("%s: child finished in %.1fs, committed %d artifact(s)", stage, time.perf_counter() - started, len(committed))
     store.clear_checkpoints(stage, key)
@@ -234,7 +239,11 @@ def child_main(spec_path: str) -> None:
     inputs = {k: ArtifactRef.model_validate(v) for k, v in spec["inputs"].items()}
     options = {k: TypeAdapter(hints[k]).validate_python(v) for k, v in spec["options"].items()}
     core.OUTBOX = OutboxStore(open_store(spec["store_uri"]), Path(spec["out"]), writer=is_main_process())
-    fn(spec["store_uri"], config, **inputs, **options)
+    try:
+        fn(spec["store_uri"], config, **inputs, **options)
+    except Exception as e:  # for the parent's message: under accelerate launch the log ends with the launcher's report
+        (Path(spec["out"]) / f"error-{os.environ.get('RANK', '0')}.txt").write_text(f"{type(e).__name__}: {e}")
+        raise
 
 
 if __name__ == "__main__":
