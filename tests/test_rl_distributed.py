@@ -326,7 +326,8 @@ def micro(tmp_path_factory):
 def _stage(method: str, micro: dict):
     from farmflow.tasks import rl
 
-    task, config = (rl.ppo_task, micro["cfg"].ppo) if method == "ppo" else (rl.quark_task, micro["cfg"].quark)
+    task, config = (rl.ppo_task, micro["cfg"].ppo.model_copy(update={"snapshot_every": 2})) if method == "ppo" else \
+        (rl.quark_task, micro["cfg"].quark)
     return task, config, dict(data=micro["data"], sft=micro["sft"], reward=micro["reward"])
 
 
@@ -357,6 +358,8 @@ def test_stage_on_two_processes_commits_the_inline_key_and_record(micro, method,
     trained = dict(load_policy(open_store(uri).model_dir(two))[0].named_parameters())
     assert trained.keys() == sft.keys() and any(not torch.equal(trained[k], sft[k]) for k in sft)  # it trained
     assert not list((Path(uri) / ".staging").iterdir())
+    if method == "ppo":  # snapshots for over-optimization curves: written by rank 0, committed by the parent
+        assert sorted(rl.ppo_snapshots(uri, two)) == sorted(rl.ppo_snapshots(micro["uri"], inline)) == [2, 4]
 
 
 @pytest.mark.slow

@@ -470,8 +470,14 @@ class PPOConfig(Section):
     """PPO from the SFT policy against the reward model (AlpacaFarm Appendix B; alpaca_farm rl/ppo_utils.py)."""
 
     epochs: float = Field(10.0, gt=0, description="Passes over the unlabeled prompts; steps = epochs x prompts / rollout_batch_size (alpaca_farm rlhf_ppo.sh: total_epochs 10).")
-    rollout_batch_size: int = Field(512, ge=1, description="Prompts sampled per PPO step, one response each (paper Appendix B: 512).")
-    step_batch_size: int = Field(256, ge=1, description="Rollouts per optimizer step; each PPO step makes ppo_epochs x rollout/step optimizer steps (paper: 256).")
+    rollout_batch_size: int = Field(
+        512, ge=1, description="Prompts sampled per PPO step, one response each (paper Appendix B: 512). On several processes each samples "
+        "an equal share: it must divide by their number.",
+    )
+    step_batch_size: int = Field(
+        256, ge=1, description="Rollouts per optimizer step; each PPO step makes ppo_epochs x rollout/step optimizer steps (paper: 256). "
+        "On several processes each contributes an equal share: it must divide by their number.",
+    )
     ppo_epochs: int = Field(2, ge=1, description="Passes over each rollout batch (paper: 2 epochs per step; alpaca_farm noptepochs).")
     micro_batch_size: int = Field(32, ge=1, description="Sequences per forward pass when scoring rollouts and per gradient-accumulation chunk (memory only).")
     lr: float = Field(1e-5, gt=0, description="Peak AdamW learning rate for policy and value model (paper Appendix B: 1e-5; the released rlhf_ppo.sh uses 3e-6).")
@@ -501,7 +507,10 @@ class QuarkConfig(Section):
     """Quark, top-quantile variant (AlpacaFarm §3.4 and Appendix B; alpaca_farm rl/quark_trainer.py)."""
 
     epochs: float = Field(10.0, gt=0, description="Passes over the unlabeled prompts; steps = epochs x prompts / rollout_batch_size (alpaca_farm rlhf_quark.sh: total_epochs 10).")
-    rollout_batch_size: int = Field(512, ge=1, description="Prompts sampled and scored per Quark step; the pool is reset to these every step (paper: 512).")
+    rollout_batch_size: int = Field(
+        512, ge=1, description="Prompts sampled and scored per Quark step; the pool is reset to these every step (paper: 512). On several "
+        "processes each samples an equal share: it must divide by their number.",
+    )
     step_batch_size: int = Field(256, ge=1, description="Top-quantile samples per optimizer step, cycled when the quantile is smaller (paper: 256).")
     grad_steps_per_rollout: int = Field(1, ge=1, description="Optimizer steps per rollout (alpaca_farm num_gradient_steps_per_step: 1).")
     micro_batch_size: int = Field(32, ge=1, description="Sequences per forward pass / gradient-accumulation chunk (memory only).")
