@@ -6,7 +6,9 @@
 * ``quark``: data (unlabeled prompts) + SFT model + reward model → policy.
 
 Each policy artifact also holds the per-step training curves as ``history.json`` in its
-model folder (`read_history`). `checkpoints` (`CheckpointConfig`) is not part of the
+model folder (`read_history`). With ``execution.launcher=accelerate`` both run on every
+process of ``accelerate launch`` (DDP; each samples a share of every rollout, see
+`farmflow.methods.ppo`); rank 0 writes the artifacts, snapshots included. `checkpoints` (`CheckpointConfig`) is not part of the
 stage key: it only says how often the loop saves a resumable state.
 """
 
