@@ -132,3 +132,31 @@ def test_micro_batch_size_is_operational():
         assert "micro_batch_size" not in key_config(section())
     assert key_config(SFTConfig(batch_size=64)) != key_config(SFTConfig())
 
+
+
+def test_unwrap_keeps_autocast_on_the_model_being_trained(tok):
+    """Regression: the training loops unwrap right after `prepare` (checkpoint state, rollouts).
+
+    With one process the prepared model IS the module, and unwrapping with
+    keep_fp32_wrapper=False stripped accelerate's autocast forward in place, so mixed-precision
+    training silently went on in float32. CPU bf16 autocast stands in for the GPU here.
+    """
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    model = _policy(tok)
+    rt = Runtime(model, batch_size=8)
+    AcceleratorState._reset_state()
+    try:
+        rt.precision, rt.accelerator = "bf16", Accelerator(mixed_precision="bf16", cpu=True)
+        (prepared,) = rt.prepare(model)
+        seen = []
+        hook = prepared.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+        ids, mask, _ = encode_examples(tok, PROMPTS[:2], RESPONSES[:2], 128)
+        rt.unwrap(prepared)
+        prepared(input_ids=ids, attention_mask=mask)
+        assert seen == [torch.bfloat16]  # float32 with the old unwrap
+        assert next(prepared.parameters()).dtype == torch.float32  # float32 master weights
+        hook.remove()
+    finally:
+        AcceleratorState._reset_state()

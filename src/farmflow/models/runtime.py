@@ -194,8 +194,12 @@ class Runtime:
         return prepared if rest else (prepared,)
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The plain module behind a prepared one (no DDP/FSDP wrapper, no autocast wrapper)."""
-        return self.accelerator.unwrap_model(model, keep_fp32_wrapper=False)
+        """The module behind a prepared one: no DDP/FSDP wrapper, but its autocast forward kept.
+
+        Without DDP the prepared model IS the module, and accelerate strips the autocast
+        wrapper in place (``keep_fp32_wrapper=False``): training would go on in float32.
+        """
+        return self.accelerator.unwrap_model(model, keep_fp32_wrapper=True)
 
     def checkpointer(self, ckpt):
         """`ckpt` as is, or switched off under FSDP/DeepSpeed (their sharded optimizer state is not ours to save)."""
