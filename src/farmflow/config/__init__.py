@@ -580,7 +580,7 @@ class ExecutionConfig(Section):
         "inline",
         description="How a GPU stage (gpu_stages) runs where it runs: 'inline' in the calling process; 'process' in a child Python "
         "process (its GPU memory is released when it ends); 'accelerate': training stages through `accelerate launch` with "
-        "accelerate_config (several GPUs: DDP, FSDP or DeepSpeed), the other GPU stages (sampling, PPO, Quark) in one child process. "
+        "accelerate_config (several GPUs: DDP, FSDP or DeepSpeed; PPO and Quark: DDP only), sampling and scoring in one child process. "
         "A child writes its output folder and the calling process commits it, so the artifacts and stage keys are the same either way.",
     )
     accelerate_config: str | None = Field(
