@@ -11,7 +11,7 @@ from farmflow.data.prompts import format_prompt
 from farmflow.data.synthetic import correct_output, sample_task
 from farmflow.models import (
     BOS, EOS, IGNORE, PAD, build_policy, encode_examples, load_policy, optimizer_and_schedule, reward_from_policy,
-    sample, sample_ids, save, score, train_tokenizer,
+    pack_examples, sample, sample_ids, save, score, tokenize_examples, train_tokenizer,
 )
 
 FAMILIES = ("arithmetic", "sort", "reverse", "list_items", "max_number")
@@ -123,6 +123,15 @@ def test_encode_examples_masks_prompt_and_padding(tok):
         # -100 on <s> + prompt and on padding; the response and the closing </s> are labels
         assert labels[i].tolist() == [IGNORE] * n_prompt + enc(r) + [eos] + [IGNORE] * n_pad
     assert (mask == 0).sum() > 0  # one row is padded
+
+
+def test_a_dataset_tokenized_once_packs_every_batch_as_encoding_it_would(tok):
+    """SFT and the reward model tokenize their data once and pack batches from the ids."""
+    p_ids, r_ids = tokenize_examples(tok, PROMPTS, RESPONSES)
+    for rows in ([0, 1, 2], [17, 5, 250, 3], list(range(40, 72))):
+        packed = pack_examples(tok, [p_ids[i] for i in rows], [r_ids[i] for i in rows], 128)
+        encoded = encode_examples(tok, [PROMPTS[i] for i in rows], [RESPONSES[i] for i in rows], 128)
+        assert all(torch.equal(a, b) for a, b in zip(packed, encoded))
 
 
 def test_encode_examples_exact_small_example(tok):

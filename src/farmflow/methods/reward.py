@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from farmflow.config import RewardConfig
-from farmflow.models import batch_order, encode_examples, optimizer_and_schedule
+from farmflow.models import batch_order, optimizer_and_schedule, pack_examples, tokenize_examples
 from farmflow.models.runtime import Runtime
 from farmflow.progress import progress
 
@@ -35,8 +35,8 @@ def bradley_terry_loss(reward_1: torch.Tensor, reward_2: torch.Tensor, preferenc
 
 
 def _rewards(model, tokenizer, prompts, out_1, out_2, max_len) -> tuple[torch.Tensor, torch.Tensor]:
-    """Score both outputs of each pair in one forward pass."""
-    ids, mask, _ = encode_examples(tokenizer, list(prompts) * 2, list(out_1) + list(out_2), max_len)
+    """Score both outputs of each pair in one forward pass (all three given as token ids)."""
+    ids, mask, _ = pack_examples(tokenizer, list(prompts) * 2, list(out_1) + list(out_2), max_len)
     device = next(model.parameters()).device
     r = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits[:, 0].float()
     return r[: len(prompts)], r[len(prompts):]
@@ -54,13 +54,14 @@ def train_reward(
     model, opt = rt.prepare(model, opt)
     model.train()
     losses = []
+    (p_ids, o1_ids), o2_ids = tokenize_examples(tokenizer, prompts, out_1), tokenize_examples(tokenizer, out_2, out_2)[1]  # once
     with progress("reward", total, unit="step") as bar:
         for idx in batches:
             step_loss = 0.0
             for rows in rt.micro_batches():
                 part = idx[rows]
                 with rt.accumulate(model):
-                    r1, r2 = _rewards(model, tokenizer, [prompts[i] for i in part], [out_1[i] for i in part], [out_2[i] for i in part], max_len)
+                    r1, r2 = _rewards(model, tokenizer, [p_ids[i] for i in part], [o1_ids[i] for i in part], [o2_ids[i] for i in part], max_len)
                     loss = bradley_terry_loss(r1, r2, torch.tensor([preferences[i] for i in part], device=r1.device))
                     rt.backward(loss, len(part) / len(idx))
                     rt.step(model, opt, sched, 1.0)

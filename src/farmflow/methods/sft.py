@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from farmflow.config import SFTConfig
-from farmflow.models import IGNORE, batch_order, encode_examples, optimizer_and_schedule
+from farmflow.models import IGNORE, batch_order, optimizer_and_schedule, pack_examples, tokenize_examples
 from farmflow.models.checkpoint import Checkpointer
 from farmflow.models.runtime import Runtime
 from farmflow.progress import progress
@@ -58,11 +58,12 @@ def train_sft(
     state = {"modules": {"model": rt.unwrap(trained)}, "optimizers": {"opt": opt}, "schedulers": {"sched": sched}}
     start, extra = ckpt.restore(**state)
     losses, tokens = list(extra.get("losses", [])), int(extra.get("tokens", 0))
+    p_ids, r_ids = tokenize_examples(tokenizer, prompts, responses)  # once, not every step
     trained.train()
     with progress(name, total, unit="step", initial=start) as bar:
         for step in range(start, total):
             idx = batches[step]
-            ids, mask, labels = encode_examples(tokenizer, [prompts[i] for i in idx], [responses[i] for i in idx], max_len)
+            ids, mask, labels = pack_examples(tokenizer, [p_ids[i] for i in idx], [r_ids[i] for i in idx], max_len)
             targets = (labels[:, 1:] != IGNORE).sum()
             step_loss = 0.0
             for rows in rt.micro_batches():

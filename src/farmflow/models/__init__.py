@@ -180,8 +180,19 @@ def encode_examples(
     `max_len` of response is cut from the left (after <s>), so every example keeps
     response tokens to learn from.
     """
-    p_ids = tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
-    r_ids = tokenizer(list(responses), add_special_tokens=False)["input_ids"]
+    return pack_examples(tokenizer, *tokenize_examples(tokenizer, prompts, responses), max_len)
+
+
+def tokenize_examples(tokenizer: PreTrainedTokenizerFast, prompts: Sequence[str], responses: Sequence[str]) -> tuple[list[list[int]], list[list[int]]]:
+    """Token ids of prompts and responses (no special tokens): tokenize a dataset once, `pack_examples` per batch."""
+    return (tokenizer(list(prompts), add_special_tokens=False)["input_ids"],
+            tokenizer(list(responses), add_special_tokens=False)["input_ids"])
+
+
+def pack_examples(
+    tokenizer: PreTrainedTokenizerFast, p_ids: Sequence[list[int]], r_ids: Sequence[list[int]], max_len: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`encode_examples` from token ids (`tokenize_examples`)."""
     rows, labels = [], []
     for p, r in zip(p_ids, r_ids):
         r = r + [tokenizer.eos_token_id]
