@@ -54,7 +54,8 @@ def train_reward(
     model, opt = rt.prepare(model, opt)
     model.train()
     losses = []
-    (p_ids, o1_ids), o2_ids = tokenize_examples(tokenizer, prompts, out_1), tokenize_examples(tokenizer, out_2, out_2)[1]  # once
+    p_ids, o_ids = tokenize_examples(tokenizer, prompts, list(out_1) + list(out_2))  # once, not every step
+    o1_ids, o2_ids = o_ids[: len(prompts)], o_ids[len(prompts):]
     with progress("reward", total, unit="step") as bar:
         for idx in batches:
             step_loss = 0.0
