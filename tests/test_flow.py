@@ -87,3 +87,60 @@ def test_demo_cli_runs_micro_and_prints_leaderboard(micro_config):
     latest = CliRunner().invoke(app, ["leaderboard", "--store", micro_config.store.uri])
     assert latest.exit_code == 0, latest.output
     assert "best_of_4" in latest.output and "leaderboard.png" in latest.output
+
+
+def test_cli_in_a_fresh_process_starts_one_temporary_api_and_reuses_it(micro_config, tmp_path):
+    """Without PREFECT_API_URL the CLI starts Prefect's temporary API in the background while
+    torch and the flows import; the flow run must use that server, not start a second one."""
+    import json
+    import subprocess
+    import sys
+
+    from procs import python_env
+
+    env = python_env(PREFECT_HOME=str(tmp_path / "prefect"), PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="180", PREFECT_LOGGING_LEVEL="INFO")
+    env.pop("PREFECT_API_URL", None)
+    cli = "from farmflow.cli import app; app()"
+    argv = [sys.executable, "-c", cli, "run", "best-of-n", "--preset", "synthetic-micro", "--store", micro_config.store.uri, "--json"]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout)
+    assert sorted(r["method"] for r in summary["leaderboard"]) == ["best_of_4", "sft", "untrained"]
+    assert done.stderr.count("Starting temporary server") == 1, done.stderr[-3000:]
+    assert done.stderr.index("Starting temporary server") < done.stderr.index("Beginning flow run")
+
+
+def test_no_temporary_api_when_an_api_url_is_set(monkeypatch):
+    import threading
+
+    from farmflow.cli import _start_temporary_api
+
+    before = threading.active_count()
+    wait = _start_temporary_api()  # the session's harness has set PREFECT_API_URL
+    assert threading.active_count() == before and wait() is None
+
+
+API_EARLY = """
+import sys, httpx
+from farmflow.cli import _start_temporary_api
+wait = _start_temporary_api()
+assert "torch" not in sys.modules and "farmflow.flows" not in sys.modules  # nothing heavy imported yet
+import farmflow.flows  # the imports the server start overlaps
+wait()
+from prefect.server.api.server import SubprocessASGIServer
+server = SubprocessASGIServer()
+print(httpx.get(server.api_url + "/health").status_code)
+"""
+
+
+def test_temporary_api_is_up_once_the_waiter_returns(tmp_path):
+    import subprocess
+    import sys
+
+    from procs import python_env
+
+    env = python_env(PREFECT_HOME=str(tmp_path / "prefect"), PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="180")
+    env.pop("PREFECT_API_URL", None)
+    done = subprocess.run([sys.executable, "-c", API_EARLY], env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["200"]

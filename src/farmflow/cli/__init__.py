@@ -97,12 +97,41 @@ def _print_summary(summary: dict, wall: float) -> None:
         console.print(f"  {name}: {uri}")
 
 
-def _run(preset: str, overrides: list[str], store: Optional[str], as_json: bool, flow: str = "compare", methods: Optional[list[str]] = None) -> None:
+def _start_temporary_api():
+    """Start the temporary Prefect API that a flow run without PREFECT_API_URL starts, in a
+    background thread, so its start (a server process, ~8 s) overlaps the imports of torch,
+    transformers and the flows (~6 s). Returns a function that waits until it is up; it does
+    nothing when an API URL is set or temporary servers are off. If the start fails here,
+    the flow run starts the server itself and reports the error."""
+    import threading
+
+    import prefect.settings
+
+    settings = prefect.settings.get_current_settings()
+    if settings.api.url or not settings.server.ephemeral.enabled:
+        return lambda: None
+
+    def start() -> None:
+        from prefect.server.api.server import SubprocessASGIServer
+
+        try:
+            SubprocessASGIServer().start()
+        except Exception:  # noqa: BLE001 - the flow run retries the start and reports it
+            pass
+
+    thread = threading.Thread(target=start, name="prefect-temporary-api", daemon=True)
+    thread.start()
+    return thread.join
+
+
+def _run(preset: str, overrides: list[str], store: Optional[str], as_json: bool, flow: str = "compare", methods: Optional[list[str]] = None,
+         api_ready=lambda: None) -> None:
     import time
 
     cfg = _config(preset, overrides, store)
     from farmflow.flows import FLOWS
 
+    api_ready()
     start = time.perf_counter()
     summary = FLOWS[flow](config=cfg, methods=methods) if flow == "compare" else FLOWS[flow](config=cfg)
     wall = time.perf_counter() - start
@@ -133,16 +162,17 @@ def demo(
 ) -> None:
     """Run the offline synthetic farm end to end: SFT, pairs, annotation, reward model, every method, one leaderboard."""
     _prefect_env()
+    api_ready = _start_temporary_api()
     chosen = _methods(methods)
     if annotator == "api-local":
         from farmflow.cli.annotators import local_judge
 
         with local_judge(store) as overrides:
-            return _run(preset, overrides, store, as_json, methods=chosen)
+            return _run(preset, overrides, store, as_json, methods=chosen, api_ready=api_ready)
     if annotator != "oracle":
         console.print(f"[red]unknown annotator {annotator!r}[/red]; use oracle or api-local")
         raise typer.Exit(2)
-    _run(preset, [], store, as_json, methods=chosen)
+    _run(preset, [], store, as_json, methods=chosen, api_ready=api_ready)
 
 
 @app.command()
@@ -156,6 +186,7 @@ def run(
 ) -> None:
     """Run a flow on a preset with overrides; unchanged stages come from the cache."""
     _prefect_env()
+    api_ready = _start_temporary_api()
     from farmflow.flows import FLOWS
 
     if flow not in FLOWS:
@@ -165,7 +196,7 @@ def run(
     if chosen and flow != "compare":
         console.print("[red]--method only applies to the compare flow[/red]")
         raise typer.Exit(2)
-    _run(preset, set_, store, as_json, flow=flow, methods=chosen)
+    _run(preset, set_, store, as_json, flow=flow, methods=chosen, api_ready=api_ready)
 
 
 @app.command()
