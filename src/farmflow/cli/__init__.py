@@ -252,9 +252,11 @@ def overopt(
     import time
 
     _prefect_env()
+    api_ready = _start_temporary_api()
     cfg = _config(preset, set_, store)
     from farmflow.flows.overoptimization import overoptimization_flow
 
+    api_ready()
     start = time.perf_counter()
     try:
         names = lambda opts: [x.strip() for o in opts for x in o.split(",") if x.strip()] or None  # noqa: E731
