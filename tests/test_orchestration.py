@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 from farmflow import tasks
 from farmflow.annotators import AnnotationIncomplete
 from farmflow.annotators.api import AnnotationError
-from farmflow.config import AnnotatorConfig, ApiAnnotatorConfig, CheckpointConfig, ExecutionConfig, SFTConfig
+from farmflow.config import AnnotatorConfig, ApiAnnotatorConfig, CheckpointConfig, ExecutionConfig, SFTConfig, load_config
 from farmflow.flows import StageRunner, compare_flow, history_rows, retry_options, transient
 from farmflow.flows.distributed import stage_flow, stage_key_of, stage_tasks
 from farmflow.storage import ArtifactRef, LocalStore, StoreError
@@ -235,3 +235,36 @@ def run_log():
         for lg, level in zip(loggers, levels):
             lg.removeHandler(handler)
             lg.setLevel(level)
+
+
+@pytest.mark.usefixtures("prefect_harness")
+def test_stage_timings_separate_waiting_for_another_model_stage(tmp_path):
+    """Stages that load a model take turns (MODEL_LOCK); the time one spends queued is recorded
+    apart from its run time, so the stage table does not pass queueing off as work."""
+    from prefect import flow
+
+    from farmflow.flows import MODEL_LOCK
+    from farmflow.tasks import base_model_task, data_task
+
+    cfg = load_config("synthetic-micro", [f"store.uri={tmp_path / 'store'}"])
+    runner = StageRunner(cfg.store.uri, ExecutionConfig(gpu_stages=["base_model"]))  # a model stage that builds in a blink
+    held = threading.Event()
+
+    def other_model_stage() -> None:  # another method's model stage, busy for 1 s
+        with MODEL_LOCK:
+            held.set()
+            time.sleep(1.0)
+
+    @flow(name="queued-stages")
+    def queued() -> None:
+        data = runner(data_task, cfg.data)  # no model: never waits
+        busy = threading.Thread(target=other_model_stage)
+        busy.start()
+        held.wait(5)
+        runner(base_model_task, cfg.model, data=data)  # queued behind the busy stage
+        busy.join()
+
+    queued()
+    timing = {t["stage"]: t for t in runner.timings}
+    assert timing["data"]["waited_seconds"] == 0.0
+    assert 0.8 <= timing["base_model"]["waited_seconds"] <= timing["base_model"]["seconds"]

@@ -86,11 +86,12 @@ def _print_summary(summary: dict, wall: float) -> None:
             "reward model, held-out val pairs: accuracy "
             + ", ".join(f"{k.removeprefix('heldout_').replace('accuracy', 'vs labels').replace('vs labels_unnoised', 'vs un-noised labels').replace('gold_vs labels', 'vs gold')} {v:.3f}" for k, v in rm.items())
         )
-    stages = Table(title="Stages")
-    for col in ("stage", "seconds", "cached", "key"):
-        stages.add_column(col, justify="right" if col == "seconds" else "left")
+    stages = Table(title="Stages", caption="seconds include waiting: stages that load a model take turns (one device)")
+    for col in ("stage", "seconds", "waiting", "cached", "key"):
+        stages.add_column(col, justify="right" if col in ("seconds", "waiting") else "left")
     for s in summary["stages"]:
-        stages.add_row(s["stage"], f"{s['seconds']:.1f}", "cached" if s["cached"] else "", s["key"][:12])
+        waited = s.get("waited_seconds", 0.0)
+        stages.add_row(s["stage"], f"{s['seconds']:.1f}", f"{waited:.1f}" if waited >= 0.05 else "", "cached" if s["cached"] else "", s["key"][:12])
     console.print(stages)
     console.print(f"wall time {wall:.1f}s; artifacts in {summary['store']}")
     for name, uri in summary["artifacts"].items():

@@ -112,21 +112,27 @@ class StageRunner:
                 from farmflow.flows.distributed import run_remote
 
                 ref, cached = run_remote(self, task, config, label, inputs)
+                waited = 0.0
             else:
-                ref, cached = self._local(task, config, inputs, start)
+                ref, cached, waited = self._local(task, config, inputs, start)
         except BaseException as err:
             log("%s: failed after %.1fs (%s); its inputs stay cached, a rerun resumes here", label, time.perf_counter() - start, type(err).__name__)
             raise
         seconds = time.perf_counter() - start
         where = f"pool {self.execution.gpu_pool}" if remote else "local"
-        self.timings.append({"stage": label, "key": ref.key, "seconds": seconds, "cached": cached, "rows": ref.rows, "where": where})
+        self.timings.append({"stage": label, "key": ref.key, "seconds": seconds, "waited_seconds": waited, "cached": cached,
+                             "rows": ref.rows, "where": where})
         size = f"{ref.rows} rows" if ref.rows is not None else f"{ref.format} model"
-        log("%s: %s, %s, %.1fs, key %s (%s)", label, "cache hit" if cached else "ran", size, seconds, ref.key[:12], where)
+        queued = f" ({waited:.1f}s of it waiting for another model stage)" if waited >= 0.05 else ""
+        log("%s: %s, %s, %.1fs%s, key %s (%s)", label, "cache hit" if cached else "ran", size, seconds, queued, ref.key[:12], where)
         return ref
 
-    def _local(self, task, config: Any, inputs: dict[str, Any], start: float) -> tuple[ArtifactRef, bool]:
-        with MODEL_LOCK if task.name in self.execution.gpu_stages else nullcontext():
-            return self._run_task(task, config, inputs, start)
+    def _local(self, task, config: Any, inputs: dict[str, Any], start: float) -> tuple[ArtifactRef, bool, float]:
+        """(ref, cached, seconds spent waiting for MODEL_LOCK before running)."""
+        model = task.name in self.execution.gpu_stages
+        with MODEL_LOCK if model else nullcontext():
+            waited = time.perf_counter() - start if model else 0.0
+            return *self._run_task(task, config, inputs, start), waited
 
     def _run_task(self, task, config: Any, inputs: dict[str, Any], start: float) -> tuple[ArtifactRef, bool]:
         options = retry_options(task.name, config, self.store_uri, self.execution)
