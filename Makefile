@@ -9,6 +9,11 @@ STAMP := $(VENV)/.farmflow-installed
 # Where pip finds local wheels (the CPU torch wheel): $PIP_FIND_LINKS or pip's config; may be empty.
 FIND_LINKS = $(or $(PIP_FIND_LINKS),$(shell python3 -m pip config get global.find-links 2>/dev/null))
 
+# Let Python cache compiled modules (.pyc, in .venv and src/, git-ignored) even where the
+# environment turns that off: otherwise every process (the demo, Prefect's server, each test
+# subprocess) compiles torch, transformers and Prefect from source again, ~10 s each.
+unexport PYTHONDONTWRITEBYTECODE
+
 export PREFECT_HOME ?= $(CURDIR)/.farmflow/prefect
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 180
