@@ -1,7 +1,7 @@
 # farmflow developer entry points. Each target creates .venv when missing and installs
 # what it needs first, with uv: torch==2.13.0 (the local CPU wheel in the folder pip's config
 # names; uv does not read pip's config, so it is passed on), then everything else, pinned by
-# constraints.txt (~10 s in all, where pip took ~60 s).
+# constraints.txt (~12 s in all from an empty venv, where pip took ~60 s).
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
