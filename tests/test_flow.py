@@ -89,6 +89,15 @@ def test_demo_cli_runs_micro_and_prints_leaderboard(micro_config):
     assert "best_of_4" in latest.output and "leaderboard.png" in latest.output
 
 
+def _fresh_prefect_env(tmp_path, **extra: str) -> dict:
+    """A child process's environment with its own Prefect home and no API URL: it starts a temporary API."""
+    from procs import python_env
+
+    env = python_env(PREFECT_HOME=str(tmp_path / "prefect"), PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="180", **extra)
+    env.pop("PREFECT_API_URL", None)
+    return env
+
+
 def test_cli_in_a_fresh_process_starts_one_temporary_api_and_reuses_it(micro_config, tmp_path):
     """Without PREFECT_API_URL the CLI starts Prefect's temporary API in the background while
     torch and the flows import; the flow run must use that server, not start a second one."""
@@ -96,10 +105,7 @@ def test_cli_in_a_fresh_process_starts_one_temporary_api_and_reuses_it(micro_con
     import subprocess
     import sys
 
-    from procs import python_env
-
-    env = python_env(PREFECT_HOME=str(tmp_path / "prefect"), PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="180", PREFECT_LOGGING_LEVEL="INFO")
-    env.pop("PREFECT_API_URL", None)
+    env = _fresh_prefect_env(tmp_path, PREFECT_LOGGING_LEVEL="INFO")
     cli = "from farmflow.cli import app; app()"
     argv = [sys.executable, "-c", cli, "run", "best-of-n", "--preset", "synthetic-micro", "--store", micro_config.store.uri, "--json"]
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
@@ -137,10 +143,7 @@ def test_temporary_api_is_up_once_the_waiter_returns(tmp_path):
     import subprocess
     import sys
 
-    from procs import python_env
-
-    env = python_env(PREFECT_HOME=str(tmp_path / "prefect"), PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="180")
-    env.pop("PREFECT_API_URL", None)
+    env = _fresh_prefect_env(tmp_path)
     done = subprocess.run([sys.executable, "-c", API_EARLY], env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["200"]
