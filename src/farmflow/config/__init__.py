@@ -665,7 +665,7 @@ def _synthetic_tiny() -> FarmConfig:
         name="synthetic-tiny",
         data=DataConfig(sft_size=4000, pref_size=4000, unlabeled_size=8000, val_size=800, eval_size=400, reference_error_rate=0.9),
         model=ModelConfig(hidden_size=128, num_layers=2, num_heads=4, intermediate_size=384, vocab_size=1024),
-        sft=SFTConfig(epochs=24, batch_size=32, lr=3e-3),
+        sft=SFTConfig(epochs=16, batch_size=32, lr=3e-3),
         pairs=SampleConfig(temperature=1.0, max_new_tokens=48, batch_size=128),
         reward=RewardConfig(epochs=2, batch_size=32, lr=5e-4),
         best_of_n=BestOfNConfig(n=4, temperature=0.7),
