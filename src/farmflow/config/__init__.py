@@ -641,22 +641,25 @@ def _synthetic_tiny() -> FarmConfig:
     """The demo: meaningful results in minutes on 2 CPU cores.
 
     Sizes keep AlpacaFarm's split proportions at 4/10 of the paper's. The ~0.6M-parameter
-    model trains from scratch, hence many SFT epochs and large learning rates. Best-of-n
+    model trains from scratch, hence many SFT epochs (16) and large learning rates. Best-of-n
     uses n=4 at temperature 0.7 instead of the paper's n=1024 at 1.0: a reward model this
     small cannot make up for the noisier temperature-1.0 samples, and larger n
     over-optimizes it (see the README's over-optimization table).
 
     FeedME, reward conditioning, DPO and expert iteration fine-tune a converged SFT model,
-    so their learning rates are 10-30x below SFT's. Measured on this preset (mean gold;
-    SFT 0.557): FeedME 0.570 at lr 1e-4 and at 3e-4; DPO 0.566 at 1e-4, 0.551 at 3e-4;
-    reward conditioning 0.539 at 3e-4 for 2 epochs, 0.527 for 1, 0.507 at 1e-4; expert
-    iteration 0.592 on the whole unlabeled split at 3e-4 for 3 epochs, on half of it at 5e-4
-    0.575 for 3 epochs and 0.577 for 2. To keep the cold demo within 10 minutes, reward
-    conditioning trains 1 epoch and expert iteration 2 epochs on half of the unlabeled split.
+    so their learning rates are 10-30x below SFT's. They were chosen on farm version 2
+    (24 SFT epochs; mean gold, SFT 0.557): FeedME 0.570 at lr 1e-4 and at 3e-4; DPO 0.566
+    at 1e-4, 0.551 at 3e-4; reward conditioning 0.539 at 3e-4 for 2 epochs, 0.527 for 1,
+    0.507 at 1e-4; expert iteration 0.592 on the whole unlabeled split at 3e-4 for 3 epochs,
+    on half of it at 5e-4 0.575 for 3 epochs and 0.577 for 2. To keep the cold demo within
+    10 minutes, reward conditioning trains 1 epoch and expert iteration 2 epochs on half of
+    the unlabeled split. On farm version 3 the demo measures (SFT 0.593): expert iteration
+    0.633, DPO 0.622, PPO 0.614, best-of-4 0.612, Quark 0.605, FeedME 0.591, reward
+    conditioning 0.550.
 
     PPO and Quark keep the paper's structure with smaller batches (rollout 128 prompts,
     48-token responses) and a larger learning rate (1e-4). PPO runs 23 steps (3/8 of a pass
-    over the unlabeled split; 31 steps gain a little more gold, 0.588 vs 0.572, and ~25 s) with KL coefficient 0.05; Quark runs 62 steps with 0.1. Both
+    over the unlabeled split) with KL coefficient 0.05; Quark runs 62 steps with 0.1. Both
     gain mean gold reward over SFT; stronger optimization (PPO lr 3e-4, Quark lr 3e-4)
     raises the proxy reward further but loses gold (over-optimization of the weak reward
     model). Measured numbers are in `farmflow.methods.ppo` and `farmflow.methods.quark`.
