@@ -50,8 +50,10 @@ def policy(tok):
     return model
 
 
-# Prompts of very different lengths, deliberately not sorted by length.
-SAMPLE_PROMPTS = [PROMPTS[3], "Hi", PROMPTS[0], PROMPTS[7], "What is 2 + 2?", PROMPTS[12]]
+# Prompts of very different lengths, deliberately not sorted by length. Picked so that the
+# greedy continuations of `policy` all differ, some stop early and one runs to MAX_NEW
+# (test_greedy_reference_is_well_conditioned); re-pick when the farm's text changes.
+SAMPLE_PROMPTS = [PROMPTS[3], "Hi", PROMPTS[0], PROMPTS[1], "What is 2 + 2?", PROMPTS[12]]
 MAX_NEW = 16
 
 

@@ -361,7 +361,8 @@ def annotate_api(rows: list[dict], cfg: AnnotatorConfig, store) -> tuple[list[di
         if o1 == o2:
             entry |= {"preference": 1.5, "status": "tie"}
         elif cfg.label_noise > 0 and unit_hash(cfg.seed, "noise", ins, inp, c1, c2) < cfg.label_noise:
-            entry |= {"preference": 1.0 if unit_hash(cfg.seed, "coin", ins, inp, c1, c2) < 0.5 else 2.0, "status": "noised", "noised": True}
+            coin = 1.0 if unit_hash(cfg.seed, "coin", ins, inp, c1, c2) < 0.5 else 2.0  # for (c1, c2): un-flip it
+            entry |= {"preference": 3.0 - coin if flipped else coin, "status": "noised", "noised": True}
         else:
             key = cache.row_key(hashes[i], ins, inp, c1, c2)
             entry["key"] = key

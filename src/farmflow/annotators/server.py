@@ -74,6 +74,7 @@ class JudgeState:
         self.stats: Counter[str] = Counter()
         self.pairs: Counter[tuple] = Counter()  # (instruction, input, first, second) -> answered with 200
         self.lock = threading.Lock()
+        self.in_flight = 0
 
     def oracle_for(self, model: str) -> OracleAnnotator:
         return self.oracles[int(unit_hash("model", model) * len(self.oracles))]
@@ -128,6 +129,16 @@ def build_app(state: JudgeState) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Any:
+        with state.lock:  # requests being answered now, and the most at once (stats "max_in_flight")
+            state.in_flight += 1
+            state.stats["max_in_flight"] = max(state.stats["max_in_flight"], state.in_flight)
+        try:
+            return await _chat(request)
+        finally:
+            with state.lock:
+                state.in_flight -= 1
+
+    async def _chat(request: Request) -> Any:
         cfg = state.config
         with state.lock:
             state.stats["requests"] += 1
