@@ -122,15 +122,20 @@ def _completion(index, token_ids, finish="stop"):
 def test_texts_from_vllm_outputs(tok):
     eos, bos, pad = tok.eos_token_id, tok.bos_token_id, tok.pad_token_id
     words = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
-    requests = [
-        SimpleNamespace(outputs=[_completion(1, words(" 42") + [eos]), _completion(0, words("12 + 3") + [eos])]),  # out of order
-        SimpleNamespace(outputs=[_completion(0, words("1 2 3"), "length"), _completion(1, [bos] + words("a") + [pad] + [eos])]),
+    one = lambda *args: SimpleNamespace(outputs=[_completion(0, *args)])  # noqa: E731
+    requests = [  # one request per sample, in (prompt, sample) order
+        one(words("12 + 3") + [eos]), one(words(" 42") + [eos]),
+        one(words("1 2 3"), "length"), one([bos] + words("a") + [pad] + [eos]),
     ]
     decode = lambda ids: decode_response(tok, ids)  # noqa: E731
     assert texts_from_vllm(requests, 2, decode) == [["12 + 3", "42"], ["1 2 3", "a"]]
+    assert texts_from_vllm(requests, 1, decode) == [["12 + 3"], ["42"], ["1 2 3"], ["a"]]
     assert texts_from_vllm([], 2, decode) == []
-    with pytest.raises(ValueError, match=r"prompt 1 came back with completions \[0\], expected 0\.\.1"):
-        texts_from_vllm([requests[0], SimpleNamespace(outputs=[_completion(0, [eos])])], 2, decode)
+    with pytest.raises(ValueError, match=r"3 requests came back, not a multiple of n=2"):
+        texts_from_vllm(requests[:3], 2, decode)
+    two = SimpleNamespace(outputs=[_completion(0, [eos]), _completion(1, [eos])])
+    with pytest.raises(ValueError, match=r"prompt 1 sample 1 came back with 2 completions, expected 1"):
+        texts_from_vllm(requests[:3] + [two], 2, decode)
 
 
 def test_pick_best_keeps_the_highest_reward_first_on_ties():

@@ -11,7 +11,7 @@ from farmflow.data.prompts import format_prompt
 from farmflow.data.synthetic import correct_output, sample_task
 from farmflow.models import (
     BOS, EOS, IGNORE, PAD, build_policy, encode_examples, load_policy, optimizer_and_schedule, reward_from_policy,
-    pack_examples, sample, sample_ids, save, score, tokenize_examples, train_tokenizer,
+    pack_examples, sample, sample_ids, sample_seed, sample_uniforms, save, score, tokenize_examples, train_tokenizer,
 )
 
 FAMILIES = ("arithmetic", "sort", "reverse", "list_items", "max_number")
@@ -176,6 +176,45 @@ def test_sample_shape_and_determinism(policy, tok):
     assert [len(o) for o in single] == [1, 1, 1]
 
 
+def test_samples_nest_across_n_and_ignore_batching(policy, tok):
+    """Sample j of prompt i has its own random stream: best-of-2's candidates are the first two of best-of-4's,
+    whatever the batch size or the other prompts of the call."""
+    four = sample_ids(policy, tok, SAMPLE_PROMPTS, n=4, temperature=1.0, max_new_tokens=MAX_NEW, batch_size=64, seed=11)
+    two = sample_ids(policy, tok, SAMPLE_PROMPTS, n=2, temperature=1.0, max_new_tokens=MAX_NEW, batch_size=2, seed=11)
+    assert [per[:2] for per in four] == two
+    assert sample_ids(policy, tok, SAMPLE_PROMPTS, n=4, temperature=1.0, max_new_tokens=MAX_NEW, batch_size=1, seed=11) == four
+    assert len({tuple(s) for per in four for s in per}) > len(SAMPLE_PROMPTS)  # the candidates of a prompt do differ
+    # a prompt's samples depend on its index in the call, not on its neighbours
+    alone = sample_ids(policy, tok, SAMPLE_PROMPTS[:1], n=4, temperature=1.0, max_new_tokens=MAX_NEW, seed=11)
+    assert alone == four[:1]
+
+
+def test_sample_seed_and_uniforms():
+    assert sample_seed(0, 1, 2) == sample_seed(0, 1, 2) < 2**63
+    assert len({sample_seed(s, i, j) for s in range(3) for i in range(3) for j in range(3)}) == 27
+    u = sample_uniforms(5, [2, 0], 3, 7)
+    assert u.shape == (6, 7) and u.dtype == torch.float64 and float(u.min()) >= 0 and float(u.max()) < 1
+    assert torch.equal(u[3:], sample_uniforms(5, [0], 3, 7))  # rows follow (prompt, sample), not the batch
+    assert torch.equal(u[1], sample_uniforms(5, [2], 2, 7)[1])
+
+
+def test_inverse_cdf_sampling_follows_temperature_and_top_p():
+    from farmflow.models import _sample_next
+
+    logits = torch.log(torch.tensor([[0.5, 0.0, 0.3, 0.2]])).expand(4000, 4)  # token 1 has probability 0
+    u = (torch.arange(4000, dtype=torch.float64) + 0.5) / 4000  # a stratified grid of uniforms
+    counts = torch.bincount(_sample_next(logits, 1.0, 1.0, u), minlength=4) / 4000
+    assert torch.allclose(counts, torch.tensor([0.5, 0.0, 0.3, 0.2]), atol=1e-3)
+    # temperature 0.5 squares the probabilities before renormalizing: 25 : 9 : 4
+    counts = torch.bincount(_sample_next(logits, 0.5, 1.0, u), minlength=4) / 4000
+    assert torch.allclose(counts, torch.tensor([25, 0, 9, 4]) / 38, atol=1e-3)
+    # top_p 0.6 keeps the smallest set reaching 0.6 (0.5 and 0.3), renormalized
+    counts = torch.bincount(_sample_next(logits, 1.0, 0.6, u), minlength=4) / 4000
+    assert torch.allclose(counts, torch.tensor([0.625, 0.0, 0.375, 0.0]), atol=1e-3)
+    edges = _sample_next(logits[:2], 1.0, 1.0, torch.tensor([0.0, 1.0 - 1e-12], dtype=torch.float64))
+    assert edges.tolist() == [0, 3]  # u = 0 is the first kept token, u -> 1 the last
+
+
 def test_sample_reports_progress(policy, tok):
     done = []
     sample(policy, tok, SAMPLE_PROMPTS, max_new_tokens=2, batch_size=4, progress=done.append)
@@ -204,10 +243,10 @@ def test_kv_cache_sampling_matches_full_forward_greedy(policy, tok, batch_size):
 
 def _sample_without_dropping_rows(model, tok, prompts, n, temperature, max_new_tokens, seed):
     """The sampler before finished rows left the batch: every row runs to the batch's longest response."""
-    from farmflow.models import _left_pad, _sample_next
+    from farmflow.models import _left_pad, _sample_next, sample_uniforms
 
-    gen = torch.Generator().manual_seed(seed)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    uniforms = sample_uniforms(seed, order, n, max_new_tokens)
     ids, mask = _left_pad(tok, [prompts[i] for i in order], 10_000)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
@@ -215,8 +254,8 @@ def _sample_without_dropping_rows(model, tok, prompts, n, temperature, max_new_t
     cache.batch_repeat_interleave(n)
     mask, logits, nxt_pos = mask.repeat_interleave(n, 0), logits.repeat_interleave(n, 0), pos[:, -1].repeat_interleave(n, 0) + 1
     done, tokens = torch.zeros(len(mask), dtype=torch.bool), []
-    for _ in range(max_new_tokens):
-        nxt = torch.where(done, torch.full((len(mask),), tok.pad_token_id), _sample_next(logits, temperature, 1.0, gen))
+    for step in range(max_new_tokens):
+        nxt = torch.where(done, torch.full((len(mask),), tok.pad_token_id), _sample_next(logits, temperature, 1.0, uniforms[:, step]))
         tokens.append(nxt)
         done |= nxt == tok.eos_token_id
         if bool(done.all()):

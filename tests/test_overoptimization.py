@@ -91,13 +91,12 @@ def test_overoptimization_flow_micro(micro_config):
     for r in rows:
         assert 0 <= r["win_rate"] <= 100 and 0 <= r["mean_gold"] <= 1 and r["n"] == micro_config.data.eval_size
         assert math.isfinite(r["proxy_reward"])
-    # the proxy reward grows with n: each reward model picks its favourite of more samples. Each n
-    # draws its own candidates, so on 16 prompts only the larger step is safe to compare: n = 1
-    # against n = 2 inverted by chance once the farm's data changed (a micro reward model's
-    # scores differ by ~1e-4).
+    # the proxy reward grows with n: best-of-n's candidates nest (best-of-2's are the first two of
+    # best-of-4's), so each reward model's favourite of more samples scores at least as high
+    # (up to float rounding of scores computed in differently sized batches)
     for lab in ("greedy", "p_sim^ann"):
         proxy = [r["proxy_reward"] for r in rows if r["labeller"] == lab]
-        assert proxy[0] < proxy[2], (lab, proxy)
+        assert proxy[0] <= proxy[1] + 1e-6 and proxy[1] <= proxy[2] + 1e-6 and proxy[0] < proxy[2], (lab, proxy)
     # best-of-1 is the same SFT sample whichever reward model ranks it: same gold, scored by two different models
     assert rows[0]["mean_gold"] == rows[3]["mean_gold"] and rows[0]["proxy_reward"] != rows[3]["proxy_reward"]
 

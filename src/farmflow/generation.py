@@ -5,9 +5,12 @@ best_of_n stages draw samples from a policy checkpoint:
 
 * ``hf`` (default): `farmflow.models.sample`, the batched KV-cache sampler on the model
   loaded with transformers.
-* ``vllm``: `vllm.LLM(model=<checkpoint folder>)` with one `SamplingParams(n, temperature,
-  top_p, max_tokens, seed)` per prompt. vLLM is optional and not a farmflow dependency
-  (``pip install vllm`` on the GPU worker; it brings its own CUDA build of torch).
+* ``vllm``: `vllm.LLM(model=<checkpoint folder>)` with one request per sample:
+  `SamplingParams(n=1, temperature, top_p, max_tokens, seed)`, seeded like the hf sampler's
+  stream for that sample (`farmflow.models.sample_seed`), so here too best-of-n candidates
+  nest across n (vLLM's prefix cache prefills a prompt once for its n requests). vLLM is
+  optional and not a farmflow dependency (``pip install vllm`` on the GPU worker; it brings
+  its own CUDA build of torch).
 
 Both give the same outputs schema: n decoded responses per prompt, up to the first EOS,
 special tokens dropped, stripped. The prompt is encoded the same way (``<s>`` + the prompt's
@@ -46,19 +49,24 @@ def prompt_token_ids(tokenizer, prompts: Sequence[str], max_prompt_len: int) -> 
 
 
 def texts_from_vllm(request_outputs: Sequence[Any], n: int, decode: Callable[[Sequence[int]], str]) -> list[list[str]]:
-    """vLLM's `RequestOutput`s (one per prompt, in prompt order) → n response texts per prompt.
+    """vLLM's `RequestOutput`s, one per sample in (prompt, sample) order → n response texts per prompt.
 
-    Reads only ``request.outputs[j].index`` and ``.token_ids``, so plain objects with those
-    attributes work too. Completions are put in `index` order and decoded with `decode`
-    (farmflow's `decode_response`: up to the first EOS, special tokens dropped, stripped).
-    A request without exactly n completions is an error naming it.
+    Reads only ``request.outputs[0].token_ids``, so plain objects with that attribute work
+    too; each request asked for one completion. Completions are decoded with `decode`
+    (farmflow's `decode_response`: up to the first EOS, special tokens dropped, stripped). A
+    request without exactly one completion, or a count that is not a multiple of n, is an
+    error naming it.
     """
-    texts = []
-    for i, request in enumerate(request_outputs):
-        completions = sorted(request.outputs, key=lambda c: c.index)
-        if [c.index for c in completions] != list(range(n)):
-            raise ValueError(f"vllm: prompt {i} came back with completions {[c.index for c in completions]}, expected 0..{n - 1}")
-        texts.append([decode(list(c.token_ids)) for c in completions])
+    if len(request_outputs) % n:
+        raise ValueError(f"vllm: {len(request_outputs)} requests came back, not a multiple of n={n}")
+    texts: list[list[str]] = []
+    for k, request in enumerate(request_outputs):
+        i, j = divmod(k, n)
+        if len(request.outputs) != 1:
+            raise ValueError(f"vllm: prompt {i} sample {j} came back with {len(request.outputs)} completions, expected 1")
+        if j == 0:
+            texts.append([])
+        texts[-1].append(decode(list(request.outputs[0].token_ids)))
     return texts
 
 
@@ -68,14 +76,14 @@ def vllm_sample(
 ) -> list[list[str]]:
     """n sampled responses per prompt from the checkpoint folder, through vLLM (``result[prompt][sample]``).
 
-    Prompt i is sampled with seed ``seed * 1_000_003 + i``, so each prompt has its own
-    reproducible stream. The engine is released before returning (the GPU memory of its
-    KV cache goes back when its engine process ends).
+    Sample j of prompt i is its own request, seeded with ``sample_seed(seed, i, j)``: a
+    reproducible stream per sample, the same whatever n is. The engine is released before
+    returning (the GPU memory of its KV cache goes back when its engine process ends).
     """
     vllm = require_vllm(field)
     from transformers import AutoConfig
 
-    from farmflow.models import decode_response, load_tokenizer
+    from farmflow.models import decode_response, load_tokenizer, sample_seed
 
     tokenizer = load_tokenizer(model_dir)
     context = AutoConfig.from_pretrained(str(model_dir)).max_position_embeddings
@@ -84,9 +92,10 @@ def vllm_sample(
     ids = prompt_token_ids(tokenizer, prompts, context - max_new_tokens)
     llm = vllm.LLM(model=str(model_dir), dtype=dtype, seed=seed, max_model_len=context)
     try:
-        params = [vllm.SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, seed=seed * 1_000_003 + i)
-                  for i in range(len(prompts))]
-        outputs = llm.generate([{"prompt_token_ids": x} for x in ids], params, use_tqdm=False)
+        requests = [(i, j) for i in range(len(prompts)) for j in range(n)]
+        params = [vllm.SamplingParams(n=1, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, seed=sample_seed(seed, i, j))
+                  for i, j in requests]
+        outputs = llm.generate([{"prompt_token_ids": ids[i]} for i, _ in requests], params, use_tqdm=False)
     finally:
         del llm
         gc.collect()

@@ -2,7 +2,10 @@
 
 No training: optimization pressure comes from n alone (AlpacaFarm reranks n=1024 samples
 drawn at temperature 1.0; `farmflow.config.BestOfNConfig`). Sampling prefills each prompt
-once and repeats its KV cache n times (`farmflow.models.sample`).
+once and repeats its KV cache n times (`farmflow.models.sample`). Candidate j of a prompt
+has its own random stream, so the candidates nest across n: best-of-4 reranks best-of-2's
+two candidates plus two more, and a curve over n compares the same samples (paired), with
+the proxy reward non-decreasing in n.
 """
 
 from __future__ import annotations

@@ -4,7 +4,9 @@
 * `build_policy`: a tiny Llama-style causal LM from `ModelConfig`.
 * `sample`: batched ancestral sampling (temperature, top-p, n samples per prompt). The
   prompt is prefilled once; its KV cache is then repeated n times, so best-of-n pays for
-  one prefill per prompt, not n.
+  one prefill per prompt, not n. Sample j of prompt i draws its tokens from its own random
+  stream (`sample_seed`), so it does not depend on the batch size, on the other prompts of
+  the call, or on n: best-of-2's candidates are the first two of best-of-4's.
 * Reward model: the policy backbone with a scalar head read at the last non-padding
   token (`LlamaForSequenceClassification`, num_labels=1), so it saves and loads with
   ``save_pretrained``/``from_pretrained`` like any Hugging Face model.
@@ -16,12 +18,14 @@ loops run through `farmflow.models.runtime.Runtime` (accelerate).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import random
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
+import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
@@ -252,14 +256,47 @@ def _left_pad(tokenizer: PreTrainedTokenizerFast, prompts: Sequence[str], max_pr
 
 
 # ------------------------------------------------------------------- sampling
-def _sample_next(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> torch.Tensor:
+SAMPLER_VERSION = "2"
+"""Bump when the samples drawn for a given seed change; part of the key of every stage that samples."""
+
+
+def sample_seed(seed: int, prompt: int, sample: int) -> int:
+    """Seed of the random stream of sample `sample` of prompt `prompt` (its index in the call), from the call's `seed`.
+
+    A 63-bit hash, so neighbouring seeds, prompts and samples get unrelated streams. The hf
+    sampler and the vLLM backend both seed each (prompt, sample) with it.
+    """
+    digest = hashlib.blake2b(f"farmflow-sample/{seed}/{prompt}/{sample}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1
+
+
+def sample_uniforms(seed: int, prompts: Sequence[int], n: int, steps: int) -> torch.Tensor:
+    """Uniforms in [0, 1), shape (len(prompts) * n, steps): row i * n + j drives sample j of prompt ``prompts[i]``.
+
+    Counter-based: entry (row, t) is the SplitMix64 finalizer of the row's `sample_seed` plus
+    (t + 1) golden-ratio increments, i.e. step t of a SplitMix64 stream seeded with it, so
+    any row and step is computed on its own (torch's CPU generator would keep only 32 bits of
+    the seed, and streams of different samples would then collide).
+    """
+    keys = np.array([sample_seed(seed, i, j) for i in prompts for j in range(n)], dtype=np.uint64).reshape(-1, 1)
+    z = keys + np.arange(1, steps + 1, dtype=np.uint64)[None, :] * np.uint64(0x9E3779B97F4A7C15)  # wraps mod 2**64
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z = z ^ (z >> np.uint64(31))
+    return torch.from_numpy((z >> np.uint64(11)).astype(np.float64) / 2.0**53)
+
+
+def _sample_next(logits: torch.Tensor, temperature: float, top_p: float, u: torch.Tensor) -> torch.Tensor:
+    """One token per row by inverting the (temperature, top-p) CDF at the row's uniform `u`."""
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     if top_p < 1.0:
         sorted_p, order = probs.sort(dim=-1, descending=True)
         keep = sorted_p.cumsum(-1) - sorted_p < top_p  # always keeps the most likely token
         sorted_p = sorted_p * keep
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
-    return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+    cdf = probs.double().cumsum(-1)
+    target = (u.to(cdf) * cdf[:, -1]).unsqueeze(-1)  # in [0, total): zero-probability tokens are never hit
+    return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)
 
 
 @torch.no_grad()
@@ -274,12 +311,13 @@ def sample_ids(
     (RL methods need to know which responses never ended); padding is not included.
     Prompts are batched by length (less padding), prefilled once, and their KV cache is
     repeated n times; rows that emitted EOS leave the batch, so a batch costs its responses'
-    lengths, not n x its longest. Deterministic for a given seed, prompts and batch size.
+    lengths, not n x its longest. Sample j of prompt i is drawn with the uniforms of
+    `sample_seed` (seed, i, j): the same samples for any batch size and any n (best-of-n
+    candidates nest), up to float rounding of the logits in differently shaped batches.
     `progress(k)` is called after each batch with the number of prompts done.
     """
     model.eval()
     device = device_of(model)
-    gen = torch.Generator(device=device).manual_seed(seed)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     max_prompt = max(1, model.config.max_position_embeddings - max_new_tokens)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
@@ -300,8 +338,9 @@ def sample_ids(
         done = torch.zeros(rows, dtype=torch.bool, device=device)
         active = torch.arange(rows, device=device)  # rows whose state the model still advances
         tokens = []
-        for _ in range(max_new_tokens):
-            nxt = _sample_next(logits, temperature, top_p, gen)  # all rows: the random stream does not depend on who finished
+        uniforms = sample_uniforms(seed, idx, n, max_new_tokens).to(device)
+        for step in range(max_new_tokens):
+            nxt = _sample_next(logits, temperature, top_p, uniforms[:, step])  # every row its own stream, finished or not
             nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
             tokens.append(nxt)
             done |= nxt == eos

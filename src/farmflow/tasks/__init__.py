@@ -39,7 +39,8 @@ from farmflow.methods import reward as rm
 from farmflow.methods import reward_conditioning as rc
 from farmflow.methods import sft
 from farmflow.models import (
-    build_policy, load_policy, load_pretrained, load_reward, load_tokenizer, reward_from_policy, save, score, train_tokenizer,
+    SAMPLER_VERSION, build_policy, load_policy, load_pretrained, load_reward, load_tokenizer, reward_from_policy, save, score,
+    train_tokenizer,
 )
 from farmflow.progress import progress
 from farmflow.storage import ArtifactRef, canonical_json, open_store, stage_key
@@ -102,7 +103,7 @@ def sft_task(store_uri: str, config: SFTConfig, data: ArtifactRef, base: Artifac
     return store.get("sft", key)
 
 
-@stage_task("sample_pairs", version="1")
+@stage_task("sample_pairs", version=f"1+sampler{SAMPLER_VERSION}")
 def sample_pairs_task(store_uri: str, config: SampleConfig, data: ArtifactRef, policy: ArtifactRef) -> ArtifactRef:
     """Two samples of the policy per PREF and val instruction (paper: temperature 1.0)."""
     store, key, hit = lookup("sample_pairs", store_uri, config, data=data, policy=policy)
@@ -202,7 +203,7 @@ def generate_config(config: dict) -> dict:
     return {**config, "sample": SampleConfig.model_validate(config["sample"])}
 
 
-@stage_task("generate", version="1", typed=generate_config)
+@stage_task("generate", version=f"1+sampler{SAMPLER_VERSION}", typed=generate_config)
 def generate_task(store_uri: str, config: dict, data: ArtifactRef, policy: ArtifactRef) -> ArtifactRef:
     """One sample per evaluation instruction.
 
@@ -224,7 +225,7 @@ def generate_task(store_uri: str, config: dict, data: ArtifactRef, policy: Artif
                            config=config, inputs={"data": data, "policy": policy})
 
 
-@stage_task("best_of_n", version=bon.VERSION)
+@stage_task("best_of_n", version=f"{bon.VERSION}+sampler{SAMPLER_VERSION}")
 def best_of_n_task(
     store_uri: str, config: dict, data: ArtifactRef, policy: ArtifactRef, reward: ArtifactRef, backend: Literal["hf", "vllm"] = "hf",
 ) -> ArtifactRef:

@@ -20,7 +20,7 @@ import time
 from farmflow.config import CheckpointConfig, PPOConfig, QuarkConfig
 from farmflow.data import prompts_of, split_rows
 from farmflow.methods import ppo, quark
-from farmflow.models import load_policy, load_reward, save, value_from_reward
+from farmflow.models import SAMPLER_VERSION, load_policy, load_reward, save, value_from_reward
 from farmflow.storage import ArtifactRef, LocalStore, open_store, stage_key
 from farmflow.tasks.core import checkpointer, commit_policy, log, lookup, stage_task
 
@@ -62,7 +62,7 @@ def ppo_snapshots(store_uri: str, ppo_ref: ArtifactRef) -> dict[int, ArtifactRef
     return dict(sorted(out.items()))
 
 
-@stage_task("ppo", version=ppo.VERSION)
+@stage_task("ppo", version=f"{ppo.VERSION}+sampler{SAMPLER_VERSION}")
 def ppo_task(
     store_uri: str, config: PPOConfig, data: ArtifactRef, sft: ArtifactRef, reward: ArtifactRef, checkpoints: CheckpointConfig | None = None,
 ) -> ArtifactRef:
@@ -92,7 +92,7 @@ def ppo_task(
 
 
 # ------------------------------------------------------------------------------ Quark
-@stage_task("quark", version=quark.VERSION)
+@stage_task("quark", version=f"{quark.VERSION}+sampler{SAMPLER_VERSION}")
 def quark_task(
     store_uri: str, config: QuarkConfig, data: ArtifactRef, sft: ArtifactRef, reward: ArtifactRef, checkpoints: CheckpointConfig | None = None,
 ) -> ArtifactRef:
