@@ -65,6 +65,13 @@ def test_flow_end_to_end_then_fully_cached_then_only_best_of_n(micro_config):
     rerun = {s["stage"] for s in changed["stages"] if not s["cached"]}
     assert rerun == {"best_of_n", "evaluate best_of_3"}
 
+    # batch sizes only: memory and speed, not results (every sample has its own random stream)
+    cfg = load_config("synthetic-micro", [f"store.uri={micro_config.store.uri}", "pairs.batch_size=5", "generation.batch_size=3"])
+    resized, executed = _run(cfg)
+    assert executed == {}
+    same = lambda board: [(r["method"], r["win_rate"], r["mean_gold"], r["evaluation_key"]) for r in board]  # noqa: E731
+    assert same(resized["leaderboard"]) == same(summary["leaderboard"])  # (LC win rates now pool best_of_3's evaluation too)
+
 
 def test_deleted_artifact_is_recomputed_not_trusted(micro_config):
     first, _ = _run(micro_config)

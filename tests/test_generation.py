@@ -58,8 +58,13 @@ def test_stage_keys_ignore_the_backend():
     assert "backend" not in key_config(cfg.generation)
     gen = lambda sample: {"sample": sample, "generator": "sft", "control": ""}  # noqa: E731
     assert stage_key_of("generate", gen(vllm), {}) == stage_key_of("generate", gen(cfg.generation), {})
-    bon = {"best_of_n": cfg.best_of_n, "max_new_tokens": 12, "batch_size": 64, "split": "eval", "max_prompts": None}
+    bon = {"best_of_n": cfg.best_of_n, "max_new_tokens": 12, "split": "eval", "max_prompts": None}
     assert stage_key_of("best_of_n", bon, {"backend": "vllm"}) == stage_key_of("best_of_n", bon, {})
+    # nor the batch sizes: each sample has its own random stream, so they change memory and speed only
+    assert stage_key_of("best_of_n", bon, {"batch_size": 8}) == stage_key_of("best_of_n", bon, {})
+    assert key_config(cfg.generation.model_copy(update={"batch_size": 7})) == key_config(cfg.generation)
+    for section in (cfg.ppo, cfg.quark):
+        assert key_config(section.model_copy(update={"micro_batch_size": 5})) == key_config(section)
     # what the samples depend on still changes it
     assert key_config(cfg.generation.model_copy(update={"seed": 1})) != key_config(cfg.generation)
 
@@ -75,9 +80,9 @@ def test_selecting_vllm_without_vllm_is_one_clear_error(micro):
         tasks.generate_task.fn(uri, {"sample": sample_cfg, "generator": "g", "control": ""}, data, base)
     with pytest.raises(ConfigError, match=r"^pairs\.backend is 'vllm'.*pip install vllm"):
         tasks.sample_pairs_task.fn(uri, sample_cfg, data, base)
-    bon = {"best_of_n": cfg.best_of_n.model_copy(update={"seed": 123}), "max_new_tokens": 4, "batch_size": 8, "split": "eval", "max_prompts": 2}
+    bon = {"best_of_n": cfg.best_of_n.model_copy(update={"seed": 123}), "max_new_tokens": 4, "split": "eval", "max_prompts": 2}
     with pytest.raises(ConfigError, match=r"^generation\.backend is 'vllm'.*pip install vllm"):
-        tasks.best_of_n_task.fn(uri, bon, data, base, base, backend="vllm")
+        tasks.best_of_n_task.fn(uri, bon, data, base, base, backend="vllm", batch_size=8)
     assert not [r for r in store.records() if r["ref"]["stage"] in ("generate", "sample_pairs", "best_of_n")]  # nothing committed
 
 

@@ -143,7 +143,7 @@ def test_overoptimization_flow_micro(micro_config):
 
     ref = store.put_table("generate", "unscored-bon4", pa.Table.from_pylist([r | {"score": None, "generator": "ppo"} for r in unscored],
                           schema=SCHEMAS["outputs"]), "outputs")
-    scored = proxy_reward_task.fn(micro_config.store.location, {"batch_size": 8}, outputs=ref, reward=reward)
+    scored = proxy_reward_task.fn(micro_config.store.location, {}, outputs=ref, reward=reward, batch_size=8)
     again_scores = store.read_table(scored).column("score").to_pylist()
     assert again_scores == pytest.approx([r["score"] for r in unscored], abs=1e-4)
 

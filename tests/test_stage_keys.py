@@ -30,8 +30,12 @@ def test_key_config_is_the_plain_dump_when_nothing_is_excluded():
         assert canonical_json(key_config(section)) == canonical_json(section.model_dump(exclude={"micro_batch_size"}))
     ei = cfg.expert_iteration.model_dump(exclude={"train": {"micro_batch_size"}})
     assert canonical_json(key_config(cfg.expert_iteration)) == canonical_json(ei)
-    generate = {"sample": cfg.generation, "generator": "sft", "control": ""}  # generation.backend is operational (not in the key)
-    assert canonical_json(key_config(generate)) == canonical_json(generate | {"sample": cfg.generation.model_dump(exclude={"backend"})})
+    for section in (cfg.ppo, cfg.quark):  # so is theirs (it is also their sampling batch; samples do not depend on it)
+        assert canonical_json(key_config(section)) == canonical_json(section.model_dump(exclude={"micro_batch_size"}))
+    # generation.backend and batch_size are operational (not in the key)
+    generate = {"sample": cfg.generation, "generator": "sft", "control": ""}
+    expected = generate | {"sample": cfg.generation.model_dump(exclude={"backend", "batch_size"})}
+    assert canonical_json(key_config(generate)) == canonical_json(expected)
 
 
 def test_unvalidated_copies_make_the_same_key():

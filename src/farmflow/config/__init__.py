@@ -160,7 +160,11 @@ class SampleConfig(Section):
     temperature: float = Field(1.0, gt=0, description="Sampling temperature (paper: 1.0 for pairs and reranking, 0.7 for evaluation).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
     max_new_tokens: int = Field(48, ge=1, description="Longest generated response in tokens.")
-    batch_size: int = Field(64, ge=1, description="Prompts per generation batch.")
+    batch_size: int = Field(
+        64, ge=1, json_schema_extra={"stage_key": False},
+        description="Prompts per generation batch (memory and speed only: each sample has its own random stream, so the samples do "
+        "not depend on it; not part of the stage key).",
+    )
     seed: int = Field(0, description="Seed of the sampling generator.")
     backend: Literal["hf", "vllm"] = Field(
         "hf", json_schema_extra={"stage_key": False},
@@ -479,7 +483,11 @@ class PPOConfig(Section):
         "On several processes each contributes an equal share: it must divide by their number.",
     )
     ppo_epochs: int = Field(2, ge=1, description="Passes over each rollout batch (paper: 2 epochs per step; alpaca_farm noptepochs).")
-    micro_batch_size: int = Field(32, ge=1, description="Sequences per forward pass when scoring rollouts and per gradient-accumulation chunk (memory only).")
+    micro_batch_size: int = Field(
+        32, ge=1, json_schema_extra={"stage_key": False},
+        description="Prompts per sampling batch, sequences per forward pass when scoring rollouts and per gradient-accumulation chunk "
+        "(memory only: not part of the stage key).",
+    )
     lr: float = Field(1e-5, gt=0, description="Peak AdamW learning rate for policy and value model (paper Appendix B: 1e-5; the released rlhf_ppo.sh uses 3e-6).")
     warmup_steps: int = Field(5, ge=0, description="PPO steps of linear warmup, then linear decay to 0 (alpaca_farm rlhf_ppo.sh: 5; transformers' linear schedule).")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay (alpaca_farm: 0).")
@@ -513,7 +521,10 @@ class QuarkConfig(Section):
     )
     step_batch_size: int = Field(256, ge=1, description="Top-quantile samples per optimizer step, cycled when the quantile is smaller (paper: 256).")
     grad_steps_per_rollout: int = Field(1, ge=1, description="Optimizer steps per rollout (alpaca_farm num_gradient_steps_per_step: 1).")
-    micro_batch_size: int = Field(32, ge=1, description="Sequences per forward pass / gradient-accumulation chunk (memory only).")
+    micro_batch_size: int = Field(
+        32, ge=1, json_schema_extra={"stage_key": False},
+        description="Prompts per sampling batch, sequences per forward pass / gradient-accumulation chunk (memory only: not part of the stage key).",
+    )
     num_quantiles: int = Field(
         5, ge=1, description="Reward quantiles the rollout is split into; only the best one is trained on (Quark, Lu et al. 2022: 5 quantiles; top-quantile variant)."
     )

@@ -230,9 +230,9 @@ def _generate(up: Upstream, policy: ArtifactRef, generator: str, control: str = 
 
 
 def _best_of_n(up: Upstream, policy: ArtifactRef, cfg: BestOfNConfig, split: str, label: str, max_prompts: int | None = None) -> ArtifactRef:
-    config = {"best_of_n": cfg, "max_new_tokens": up.cfg.generation.max_new_tokens, "batch_size": up.cfg.generation.batch_size,
-              "split": split, "max_prompts": max_prompts}
-    return up.run(best_of_n_task, config, label, data=up.data, policy=policy, reward=up.reward, backend=up.cfg.generation.backend)
+    config = {"best_of_n": cfg, "max_new_tokens": up.cfg.generation.max_new_tokens, "split": split, "max_prompts": max_prompts}
+    return up.run(best_of_n_task, config, label, data=up.data, policy=policy, reward=up.reward, backend=up.cfg.generation.backend,
+                  batch_size=up.cfg.generation.batch_size)
 
 
 def method_outputs(up: Upstream, method: str) -> ArtifactRef:
@@ -249,7 +249,7 @@ def method_outputs(up: Upstream, method: str) -> ArtifactRef:
         policy = run(reward_conditioning_task, rc, preferences=up.preferences, sft=up.sft, checkpoints=ck)
         return _generate(up, policy, "reward_conditioning", control=rc.good_token)
     if method == "dpo":
-        reference = run(reference_logps_task, {"batch_size": cfg.generation.batch_size}, preferences=up.preferences, sft=up.sft)
+        reference = run(reference_logps_task, {}, preferences=up.preferences, sft=up.sft, batch_size=cfg.generation.batch_size)
         return _generate(up, run(dpo_task, cfg.dpo, preferences=up.preferences, sft=up.sft, reference=reference, checkpoints=ck), "dpo")
     if method == "best_of_n":
         return _best_of_n(up, up.sft, cfg.best_of_n, "eval", "best_of_n")
@@ -370,7 +370,7 @@ def run_methods(cfg: FarmConfig, methods: list[str] | tuple[str, ...], title: st
         outputs = method_outputs(up, m)
         evaluation = run(evaluate_task, cfg.evaluation.annotator, f"evaluate {names[m]}", outputs=outputs, data=up.data)
         if with_proxy and m != "untrained":
-            run(proxy_reward_task, {"batch_size": cfg.generation.batch_size}, f"proxy_reward {names[m]}", outputs=outputs, reward=up.reward)
+            run(proxy_reward_task, {}, f"proxy_reward {names[m]}", outputs=outputs, reward=up.reward, batch_size=cfg.generation.batch_size)
         return outputs, evaluation
 
     done = fan_out(list(names), branch, cfg.execution)

@@ -90,7 +90,8 @@ def point_configs(up: Upstream, points: list[CurvePoint], annotators: dict[str, 
     run, tag = up.run, f" [{labeller}]"
     out = []
     for p in points:
-        proxy = run(proxy_reward_task, {"batch_size": up.cfg.generation.batch_size}, f"proxy_reward {p.label}{tag}", outputs=p.outputs, reward=up.reward)
+        proxy = run(proxy_reward_task, {}, f"proxy_reward {p.label}{tag}", outputs=p.outputs, reward=up.reward,
+                    batch_size=up.cfg.generation.batch_size)
         evals = {a: run(evaluate_task, ann, f"evaluate {p.label}{tag} ({a})", outputs=p.outputs, data=up.data) for a, ann in annotators.items()}
         out.append({"label": p.label, "labeller": labeller, "family": p.family, "pressure": p.pressure, "outputs": p.outputs.key,
                     "proxy": proxy.key, "evaluations": {a: ref.key for a, ref in evals.items()}})

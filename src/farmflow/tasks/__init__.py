@@ -228,13 +228,15 @@ def generate_task(store_uri: str, config: dict, data: ArtifactRef, policy: Artif
 @stage_task("best_of_n", version=f"{bon.VERSION}+sampler{SAMPLER_VERSION}")
 def best_of_n_task(
     store_uri: str, config: dict, data: ArtifactRef, policy: ArtifactRef, reward: ArtifactRef, backend: Literal["hf", "vllm"] = "hf",
+    batch_size: int = 64,
 ) -> ArtifactRef:
     """Best of n policy samples per instruction of a split, chosen by the reward model.
 
-    config: {"best_of_n": BestOfNConfig, "max_new_tokens": int, "batch_size": int, "split": "eval",
-    "max_prompts": None}. The eval split gives best-of-n's evaluated outputs; the unlabeled
+    config: {"best_of_n": BestOfNConfig, "max_new_tokens": int, "split": "eval", "max_prompts": None}. The eval split gives best-of-n's evaluated outputs; the unlabeled
     split gives expert iteration's selections (`max_prompts` keeps the first ones only).
-    `backend` (generation.backend, an option like `checkpoints`: not part of the key) picks the sampler.
+    `backend` (generation.backend) picks the sampler and `batch_size` (generation.batch_size) is
+    the number of sequences per forward pass: options like `checkpoints`, not part of the key
+    (each candidate has its own random stream, so the batch size does not change the samples).
     """
     store, key, hit = lookup("best_of_n", store_uri, config, data=data, policy=policy, reward=reward)
     if hit:
@@ -242,7 +244,7 @@ def best_of_n_task(
     cfg = BestOfNConfig.model_validate(config["best_of_n"])
     rows = split_rows(store.read_table(data), config.get("split", "eval"))[: config.get("max_prompts")]
     args = dict(n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=config["max_new_tokens"],
-                batch_size=config["batch_size"], seed=cfg.seed)
+                batch_size=batch_size, seed=cfg.seed)
     if backend == "vllm":
         outs, scores = best_of_n_vllm(store.model_dir(policy), store.model_dir(reward), prompts_of(rows), **args)
     else:

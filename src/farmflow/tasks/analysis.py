@@ -23,8 +23,12 @@ from farmflow.tasks.core import log, lookup, stage_task
 
 
 @stage_task("proxy_reward", version="1")
-def proxy_reward_task(store_uri: str, config: dict, outputs: ArtifactRef, reward: ArtifactRef) -> ArtifactRef:
-    """The outputs table with `score` = the reward model's score; mean_reward in the metrics. config: {"batch_size": int}."""
+def proxy_reward_task(store_uri: str, config: dict, outputs: ArtifactRef, reward: ArtifactRef, batch_size: int = 64) -> ArtifactRef:
+    """The outputs table with `score` = the reward model's score; mean_reward in the metrics.
+
+    config: {} (the output depends only on the inputs). `batch_size` (outputs scored per
+    forward pass) is an option: memory only, not part of the key.
+    """
     store, key, hit = lookup("proxy_reward", store_uri, config, outputs=outputs, reward=reward)
     if hit:
         return hit
@@ -36,7 +40,7 @@ def proxy_reward_task(store_uri: str, config: dict, outputs: ArtifactRef, reward
         from farmflow.models import load_reward, score
 
         model, tokenizer = load_reward(store.model_dir(reward))
-        scores = score(model, tokenizer, prompts_of(rows), [r["output"] for r in rows], batch_size=config.get("batch_size", 64)).tolist()
+        scores = score(model, tokenizer, prompts_of(rows), [r["output"] for r in rows], batch_size=batch_size).tolist()
     table = pa.Table.from_pylist([r | {"score": float(s)} for r, s in zip(rows, scores)], schema=SCHEMAS["outputs"])
     mean = sum(scores) / max(1, len(scores))
     log("proxy_reward: mean %.3f over %d outputs", mean, len(scores))

@@ -69,15 +69,19 @@ def reward_conditioning_task(
 
 
 @stage_task("reference_logps", version=dpo.VERSION)
-def reference_logps_task(store_uri: str, config: dict, preferences: ArtifactRef, sft: ArtifactRef) -> ArtifactRef:
-    """Log-probs of both outputs of every PREF pair under the frozen SFT policy. config: {"batch_size": int}."""
+def reference_logps_task(store_uri: str, config: dict, preferences: ArtifactRef, sft: ArtifactRef, batch_size: int = 64) -> ArtifactRef:
+    """Log-probs of both outputs of every PREF pair under the frozen SFT policy.
+
+    config: {} (the output depends only on the inputs). `batch_size` (pairs per forward
+    pass) is an option: memory only, not part of the key.
+    """
     store, key, hit = lookup("reference_logps", store_uri, config, preferences=preferences, sft=sft)
     if hit:
         return hit
     rows = _train_pairs(store, preferences)
     model, tokenizer = load_policy(store.model_dir(sft))
     l1, l2 = dpo.reference_logps(model, tokenizer, prompts_of(rows), [r["output_1"] for r in rows], [r["output_2"] for r in rows],
-                                 model.config.max_position_embeddings, config["batch_size"])
+                                 model.config.max_position_embeddings, batch_size)
     table = pa.table({"id": [r["id"] for r in rows], "logp_1": l1, "logp_2": l2})
     return store.put_table("reference_logps", key, table, "logps", config=config, inputs={"preferences": preferences, "sft": sft})
 
