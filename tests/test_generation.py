@@ -7,6 +7,7 @@ sampler, hf as the default everywhere, and stage keys that ignore the backend.
 
 import importlib.util
 import inspect
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -118,6 +119,40 @@ def test_prompt_encoding_matches_the_hf_sampler(tok):
     assert prompt_token_ids(tok, ["Hi"], 64) == [[tok.bos_token_id] + hi]
     long = prompt_token_ids(tok, [prompts[2]], 5)[0]
     assert len(long) == 5 and long == tok(prompts[2], add_special_tokens=False)["input_ids"][-5:]  # cut from the left, <s> too
+
+
+class _RecordingEngine:
+    """Stands in for `vllm.LLM` (vLLM needs a GPU): records the requests farmflow builds and answers each
+    with token ids derived from its seed, the way a seeded vLLM request is reproducible."""
+
+    requests: list = []
+
+    def __init__(self, model, dtype, seed, max_model_len):
+        self.model = model
+
+    def generate(self, prompts, params, use_tqdm=False):
+        type(self).requests += list(zip([p["prompt_token_ids"] for p in prompts], params))
+        return [SimpleNamespace(outputs=[_completion(0, [10 + p.seed % 50, 10 + p.seed % 37])]) for p in params]
+
+
+def test_vllm_requests_one_seeded_sample_each_so_candidates_nest(micro, tok, monkeypatch):
+    from farmflow.generation import vllm_sample
+    from farmflow.models import sample_seed
+
+    _, uri, _, base = micro
+    folder = open_store(uri).model_dir(base)
+    fake = SimpleNamespace(LLM=_RecordingEngine, SamplingParams=lambda **kw: SimpleNamespace(**kw))
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    monkeypatch.setattr(_RecordingEngine, "requests", [])
+    prompts = ["What is 2 + 3?", "Hi", "Sort: 4 1 3"]
+    four = vllm_sample(folder, prompts, n=4, temperature=1.0, top_p=0.9, max_new_tokens=6, seed=7)
+    sent = _RecordingEngine.requests
+    assert len(sent) == 12 and all(p.n == 1 and p.temperature == 1.0 and p.top_p == 0.9 and p.max_tokens == 6 for _, p in sent)
+    assert [p.seed for _, p in sent] == [sample_seed(7, i, j) for i in range(3) for j in range(4)]  # the hf sampler's streams
+    assert [ids for ids, _ in sent] == [x for x in prompt_token_ids(tok, prompts, 128 - 6) for _ in range(4)]
+    two = vllm_sample(folder, prompts, n=2, temperature=1.0, top_p=0.9, max_new_tokens=6, seed=7)
+    assert [len(c) for c in four] == [4, 4, 4] and two == [c[:2] for c in four]  # best-of-2's candidates are best-of-4's first two
+    assert len({c for cs in four for c in cs}) > 3
 
 
 def _completion(index, token_ids, finish="stop"):
