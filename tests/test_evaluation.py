@@ -27,6 +27,8 @@ def test_win_rate_hand_computed():
     assert stats["n_total"] == 4.0
     assert stats["avg_length"] == 4.0  # (2 + 3 + 4 + 7) / 4 = 4.0
     assert stats["mean_gold"] == pytest.approx(0.5)  # None gold ignored: (0.5 + 1 + 0) / 3
+    # gold deviations [0, 0.5, -0.5]: squares sum 0.5, ddof=1 variance 0.25, sd 0.5, over sqrt(3) outputs
+    assert stats["gold_standard_error"] == pytest.approx(0.5 / math.sqrt(3))
 
 
 def test_all_ties():
@@ -34,7 +36,7 @@ def test_all_ties():
     assert stats["win_rate"] == 50.0
     assert stats["standard_error"] == 0.0
     assert stats["n_draws"] == 5.0 and stats["n_wins"] == 0.0 and stats["n_wins_base"] == 0.0
-    assert math.isnan(stats["mean_gold"])  # no golds given
+    assert math.isnan(stats["mean_gold"]) and math.isnan(stats["gold_standard_error"])  # no golds given
 
 
 def test_all_wins_and_all_losses():
@@ -143,11 +145,11 @@ def test_missing_reference_raises():
 # ----------------------------------------------------------------------------- leaderboards
 BOARD = [
     {"method": "best_of_4", "win_rate": 57.2, "standard_error": 2.5, "discrete_win_rate": 57.0, "lc_win_rate": 55.1,
-     "lc_standard_error": 2.4, "mean_gold": 0.6, "avg_length": 26, "n": 400, "annotator": "oracle pool (5)", "reference": "refs"},
+     "lc_standard_error": 2.4, "mean_gold": 0.6, "gold_standard_error": 0.021, "avg_length": 26, "n": 400, "annotator": "oracle pool (5)", "reference": "refs"},
     {"method": "sft", "win_rate": 54.2, "standard_error": 2.5, "discrete_win_rate": 54.0, "lc_win_rate": float("nan"),
      "lc_standard_error": float("nan"), "mean_gold": None, "avg_length": 25, "n": 400, "annotator": "oracle pool (5)", "reference": "refs"},
     {"method": "untrained", "win_rate": 11.8, "standard_error": float("nan"), "discrete_win_rate": 11.8, "lc_win_rate": 20.0,
-     "lc_standard_error": 3.0, "mean_gold": 0.004, "avg_length": 144, "n": 400, "annotator": "oracle pool (5)", "reference": "refs"},
+     "lc_standard_error": 3.0, "mean_gold": 0.004, "gold_standard_error": float("nan"), "avg_length": 144, "n": 400, "annotator": "oracle pool (5)", "reference": "refs"},
 ]
 
 
@@ -156,9 +158,9 @@ def test_leaderboard_markdown_has_every_row():
 
     md = leaderboard_markdown(BOARD, "Demo")
     assert md.startswith("### Demo")
-    assert "| best_of_4 | 57.2 | 2.5 | 57.0 | 55.1 | 2.4 | 0.600 | 26 | 400 |" in md
-    assert "| sft | 54.2 | 2.5 | 54.0 | — | — | — | 25 | 400 |" in md  # no gold in the real farm: a dash
-    assert "| untrained | 11.8 | — | 11.8 | 20.0 | 3.0 | 0.004 | 144 | 400 |" in md
+    assert "| best_of_4 | 57.2 | 2.5 | 57.0 | 55.1 | 2.4 | 0.600 | 0.021 | 26 | 400 |" in md
+    assert "| sft | 54.2 | 2.5 | 54.0 | — | — | — | — | 25 | 400 |" in md  # no gold in the real farm: dashes
+    assert "| untrained | 11.8 | — | 11.8 | 20.0 | 3.0 | 0.004 | — | 144 | 400 |" in md
     assert "Annotator: oracle pool (5); reference: refs." in md
 
 

@@ -67,13 +67,13 @@ def _num(x: float | None) -> str:
 
 def _board(rows: list[dict], title: str) -> Table:
     board = Table(title=title)
-    for col in ("method", "win rate", "± SE", "discrete", "LC win rate", "± SE", "mean gold", "avg length", "n"):
+    for col in ("method", "win rate", "± SE", "discrete", "LC win rate", "± SE", "mean gold", "± SE", "avg length", "n"):
         # method names wrap rather than being cut to "best_of…" on a narrow terminal
         board.add_column(col, justify="left" if col == "method" else "right", overflow="fold", min_width=10 if col == "method" else None)
     one = lambda x: "—" if x is None or x != x else f"{x:.1f}"  # noqa: E731
     for r in rows:
         board.add_row(r["method"], one(r["win_rate"]), one(r["standard_error"]), one(r.get("discrete_win_rate")), one(r.get("lc_win_rate")),
-                      one(r.get("lc_standard_error")), _num(r["mean_gold"]), str(r["avg_length"]), str(r["n"]))
+                      one(r.get("lc_standard_error")), _num(r["mean_gold"]), _num(r.get("gold_standard_error")), str(r["avg_length"]), str(r["n"]))
     return board
 
 

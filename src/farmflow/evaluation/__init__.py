@@ -23,7 +23,7 @@ from farmflow.evaluation.lc import instruction_difficulty, lc_of_rows, length_co
 from farmflow.evaluation.leaderboard import annotator_label, leaderboard_markdown, leaderboard_rows, method_family, plot_leaderboard
 from farmflow.storage.schemas import SCHEMAS
 
-VERSION = "3"  # 3: LC win rate (difficulty from this evaluation alone) in the metrics
+VERSION = "4"  # 3: LC win rate (difficulty from this evaluation alone) in the metrics; 4: gold_standard_error
 
 
 def evaluate_outputs(

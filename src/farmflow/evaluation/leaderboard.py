@@ -1,7 +1,7 @@
 """Leaderboards: one row per evaluated method, as a table, Markdown and a plot.
 
 `leaderboard_rows` turns evaluations (their metrics and judged rows) into leaderboard
-rows: win rate ± SE, discrete win rate, LC win rate ± SE, mean gold reward (synthetic
+rows: win rate ± SE, discrete win rate, LC win rate ± SE, mean gold reward ± SE (synthetic
 farm; NaN in the real farm, which has no gold reward), average length, n, annotator and
 reference (`reference_label`). The LC win rate's instruction
 difficulty is pooled over every run judged by the same annotator against the same
@@ -18,7 +18,7 @@ from typing import Any, Sequence
 from farmflow.evaluation.lc import instruction_difficulty, length_controlled_winrate, run_of_rows
 
 COLUMNS = ("method", "family", "win_rate", "standard_error", "discrete_win_rate", "lc_win_rate", "lc_standard_error",
-           "mean_gold", "avg_length", "n", "annotator", "reference", "evaluation_key")
+           "mean_gold", "gold_standard_error", "avg_length", "n", "annotator", "reference", "evaluation_key")
 FAMILY_COLOURS = {"baseline": "#9e9e9e", "sft": "#4c72b0", "reward model": "#dd8452", "preferences": "#55a868"}
 
 
@@ -86,6 +86,7 @@ def leaderboard_rows(entries: Sequence[dict], peer_runs: dict[str, list[dict]] |
             "method": e["method"], "family": method_family(e["method"]),
             "win_rate": m["win_rate"], "standard_error": m["standard_error"], "discrete_win_rate": _nan(m.get("discrete_win_rate")),
             "lc_win_rate": lc["lc_win_rate"], "lc_standard_error": lc["lc_standard_error"], "mean_gold": _nan(m.get("mean_gold")),
+            "gold_standard_error": _nan(m.get("gold_standard_error")),
             "avg_length": int(m["avg_length"]), "n": int(m["n_total"]), "annotator": e["annotator"], "reference": e["reference"],
             "evaluation_key": e["evaluation_key"],
         })
@@ -101,14 +102,14 @@ def leaderboard_markdown(rows: Sequence[dict], title: str = "Leaderboard") -> st
     """A Markdown table of leaderboard rows (already sorted), with the annotator and references below."""
     lines = [
         f"### {title}", "",
-        "| method | win rate | ± SE | discrete | LC win rate | ± SE | mean gold | avg length | n |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| method | win rate | ± SE | discrete | LC win rate | ± SE | mean gold | ± SE | avg length | n |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r['method']} | {_num(r['win_rate'], '.1f')} | {_num(r['standard_error'], '.1f')} | "
             f"{_num(r.get('discrete_win_rate'), '.1f')} | {_num(r.get('lc_win_rate'), '.1f')} | {_num(r.get('lc_standard_error'), '.1f')} | "
-            f"{_num(r.get('mean_gold'), '.3f')} | {r['avg_length']} | {r['n']} |"
+            f"{_num(r.get('mean_gold'), '.3f')} | {_num(r.get('gold_standard_error'), '.3f')} | {r['avg_length']} | {r['n']} |"
         )
     judges = sorted({(r.get("annotator"), r.get("reference")) for r in rows if r.get("annotator")})
     if judges:

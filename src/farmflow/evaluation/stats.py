@@ -11,7 +11,8 @@ by the evaluation annotator pool (p_sim^eval: no label noise). With preference p
 * n_wins / n_wins_base / n_draws count p > 1.5, p < 1.5 and p == 1.5;
 * discrete_win_rate = 100 · (n_wins + n_draws / 2) / n_total;
 * avg_length = mean characters of the evaluated outputs, truncated to an int;
-* mean_gold = mean gold reward of the evaluated outputs (synthetic farm only).
+* mean_gold = mean gold reward of the evaluated outputs (synthetic farm only);
+* gold_standard_error = std(gold, ddof=1) / sqrt(number of outputs with a gold reward).
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ def win_rate_stats(preferences: Sequence[object], outputs: Sequence[str], golds:
     sd = math.sqrt(sum((w - mean) ** 2 for w in wins) / (n - 1)) if n > 1 else float("nan")
     n_wins, n_base, n_draws = sum(p > 1.5 for p in prefs), sum(p < 1.5 for p in prefs), sum(p == 1.5 for p in prefs)
     known = [g for g in golds if g is not None]
+    gold_mean = sum(known) / len(known) if known else float("nan")
+    gold_sd = math.sqrt(sum((g - gold_mean) ** 2 for g in known) / (len(known) - 1)) if len(known) > 1 else float("nan")
     return {
         "win_rate": 100.0 * mean,
         "standard_error": 100.0 * sd / math.sqrt(n),
@@ -64,7 +67,8 @@ def win_rate_stats(preferences: Sequence[object], outputs: Sequence[str], golds:
         "n_invalid": float(len(parsed) - n),
         "discrete_win_rate": 100.0 * (n_wins + 0.5 * n_draws) / n,
         "avg_length": float(int(sum(len(o) for o in outputs) / max(1, len(outputs)))),
-        "mean_gold": sum(known) / len(known) if known else float("nan"),
+        "mean_gold": gold_mean,
+        "gold_standard_error": gold_sd / math.sqrt(len(known)) if known else float("nan"),
     }
 
 
@@ -75,4 +79,5 @@ def alpaca_eval_winrate(rows: Sequence[dict], where: str = "annotations") -> dic
         raise ValueError(f"{where}: row {missing[0]} has no 'preference' or 'output_2' field ({len(missing)} such rows)")
     stats = win_rate_stats([r["preference"] for r in rows], [r["output_2"] or "" for r in rows])
     stats.pop("mean_gold")
+    stats.pop("gold_standard_error")
     return stats

@@ -61,8 +61,8 @@ SCHEMAS: dict[str, pa.Schema] = {
     "leaderboard": pa.schema(
         [
             ("method", _STR), ("family", _STR), ("win_rate", _F), ("standard_error", _F), ("discrete_win_rate", _F),
-            ("lc_win_rate", _F), ("lc_standard_error", _F), ("mean_gold", _F), ("avg_length", _I), ("n", _I),
-            ("annotator", _STR), ("reference", _STR), ("evaluation_key", _STR),
+            ("lc_win_rate", _F), ("lc_standard_error", _F), ("mean_gold", _F), ("gold_standard_error", _F), ("avg_length", _I),
+            ("n", _I), ("annotator", _STR), ("reference", _STR), ("evaluation_key", _STR),
         ]
     ),
     # the leaderboard history (a row log under _rows/leaderboard_history/, one chunk per recorded run, e.g.
@@ -73,8 +73,8 @@ SCHEMAS: dict[str, pa.Schema] = {
             ("run_at", pa.timestamp("us", tz="UTC")), ("flow_run_id", _STR), ("flow_run_name", _STR), ("preset", _STR),
             ("config_key", _STR), ("leaderboard_key", _STR),
             ("method", _STR), ("family", _STR), ("win_rate", _F), ("standard_error", _F), ("discrete_win_rate", _F),
-            ("lc_win_rate", _F), ("lc_standard_error", _F), ("mean_gold", _F), ("avg_length", _I), ("n", _I),
-            ("annotator", _STR), ("reference", _STR), ("evaluation_key", _STR),
+            ("lc_win_rate", _F), ("lc_standard_error", _F), ("mean_gold", _F), ("gold_standard_error", _F), ("avg_length", _I),
+            ("n", _I), ("annotator", _STR), ("reference", _STR), ("evaluation_key", _STR),
         ]
     ),
     # over-optimization curves (evaluation.overopt): one row per (point, annotator); a point is

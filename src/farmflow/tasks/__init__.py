@@ -312,7 +312,7 @@ def leaderboard_task(store_uri: str, evaluations: dict[str, ArtifactRef], title:
         )
     if TaskRunContext.get() is not None:  # not when called as task.fn(...) outside a flow
         create_markdown_artifact(markdown + f"\nParquet, Markdown and plot: `{ref.uri}`\n", key="leaderboard", description=title)
-        cols = ("method", "win_rate", "standard_error", "discrete_win_rate", "lc_win_rate", "mean_gold", "avg_length", "n")
+        cols = ("method", "win_rate", "standard_error", "discrete_win_rate", "lc_win_rate", "mean_gold", "gold_standard_error", "avg_length", "n")
         create_table_artifact([{k: (None if r[k] != r[k] else r[k]) for k in cols} for r in rows],  # NaN is not JSON
                               key="leaderboard-table", description=title)
     return ref
