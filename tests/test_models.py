@@ -213,6 +213,8 @@ def test_inverse_cdf_sampling_follows_temperature_and_top_p():
     assert torch.allclose(counts, torch.tensor([0.625, 0.0, 0.375, 0.0]), atol=1e-3)
     edges = _sample_next(logits[:2], 1.0, 1.0, torch.tensor([0.0, 1.0 - 1e-12], dtype=torch.float64))
     assert edges.tolist() == [0, 3]  # u = 0 is the first kept token, u -> 1 the last
+    with pytest.raises(ValueError, match="non-finite logits"):  # a broken model is an error, not a silent last token
+        _sample_next(torch.tensor([[0.0, float("nan")]]), 1.0, 1.0, torch.tensor([0.5], dtype=torch.float64))
 
 
 def test_sample_reports_progress(policy, tok):

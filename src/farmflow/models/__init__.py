@@ -295,6 +295,8 @@ def _sample_next(logits: torch.Tensor, temperature: float, top_p: float, u: torc
         sorted_p = sorted_p * keep
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
     cdf = probs.double().cumsum(-1)
+    if not bool(torch.isfinite(cdf[:, -1]).all()):
+        raise ValueError("sampling: the model produced non-finite logits (NaN or inf); the checkpoint or its dtype is broken")
     target = (u.to(cdf) * cdf[:, -1]).unsqueeze(-1)  # in [0, total): zero-probability tokens are never hit
     return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)
 
