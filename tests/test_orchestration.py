@@ -72,6 +72,27 @@ def test_history_rows_repeat_the_run_before_each_leaderboard_row():
     assert table.column("flow_run_id").to_pylist() == ["abc", "abc"]
 
 
+def test_history_written_before_a_new_column_still_reads(tmp_path):
+    """A store's leaderboard_history keeps chunks from older farmflow versions: DuckDB reads them beside new
+    ones (union by name), the column they lack is NULL there."""
+    board = [{f.name: None for f in SCHEMAS["leaderboard"]} | {"method": "sft", "win_rate": 40.0, "mean_gold": 0.5, "n": 16}]
+    run = {"run_at": datetime(2026, 1, 2, 3, tzinfo=timezone.utc), "flow_run_id": "old", "flow_run_name": "compare/x/1",
+           "preset": "synthetic-micro", "config_key": "k", "leaderboard_key": "lb"}
+    import pyarrow.parquet as pq
+
+    store = LocalStore(tmp_path / "store")
+    old = history_rows(board, run).drop_columns(["gold_standard_error"])  # a chunk written before the column existed
+    folder = tmp_path / "store" / "_rows" / "leaderboard_history"
+    folder.mkdir(parents=True)
+    pq.write_table(old, folder / "2026-01-02T030000.000000Z0000-00000000.parquet")  # named like append_rows names chunks
+    board[0]["gold_standard_error"] = 0.02
+    store.append_rows("leaderboard_history", history_rows(board, run | {"flow_run_id": "new"}), "leaderboard_history")
+    got = connect(store).sql("SELECT flow_run_id, mean_gold, gold_standard_error FROM leaderboard_history ORDER BY flow_run_id").fetchall()
+    assert got == [("new", 0.5, 0.02), ("old", 0.5, None)]
+    rows = store.read_rows("leaderboard_history", "leaderboard_history")
+    assert rows.schema == SCHEMAS["leaderboard_history"] and rows.column("gold_standard_error").to_pylist() == [None, 0.02]
+
+
 # ------------------------------------------------------------- the GPU stage flow
 @pytest.mark.usefixtures("prefect_harness")
 def test_stage_flow_rebuilds_typed_configs_from_json_under_the_callers_key(micro_config):
