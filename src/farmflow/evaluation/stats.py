@@ -39,6 +39,16 @@ def parse_preference(value: object) -> float | None:
     return p if 1.0 <= p <= 2.0 else None
 
 
+def _mean_sem(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and standard error of the mean (ddof 1); NaN where there are too few values."""
+    n = len(values)
+    if n == 0:
+        return float("nan"), float("nan")
+    mean = sum(values) / n
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else float("nan")
+    return mean, sd / math.sqrt(n)
+
+
 def win_rate_stats(preferences: Sequence[object], outputs: Sequence[str], golds: Sequence[float | None] = ()) -> dict[str, float]:
     """Summary statistics of one evaluated model, as AlpacaEval defines them (module doc).
 
@@ -50,16 +60,12 @@ def win_rate_stats(preferences: Sequence[object], outputs: Sequence[str], golds:
     n = len(prefs)
     if n == 0:
         raise ValueError(f"no valid preferences to compute a win rate from ({len(parsed)} rows, all missing or malformed)")
-    wins = [p - 1.0 for p in prefs]
-    mean = sum(wins) / n
-    sd = math.sqrt(sum((w - mean) ** 2 for w in wins) / (n - 1)) if n > 1 else float("nan")
+    mean, sem = _mean_sem([p - 1.0 for p in prefs])
     n_wins, n_base, n_draws = sum(p > 1.5 for p in prefs), sum(p < 1.5 for p in prefs), sum(p == 1.5 for p in prefs)
-    known = [g for g in golds if g is not None]
-    gold_mean = sum(known) / len(known) if known else float("nan")
-    gold_sd = math.sqrt(sum((g - gold_mean) ** 2 for g in known) / (len(known) - 1)) if len(known) > 1 else float("nan")
+    gold_mean, gold_sem = _mean_sem([g for g in golds if g is not None])
     return {
         "win_rate": 100.0 * mean,
-        "standard_error": 100.0 * sd / math.sqrt(n),
+        "standard_error": 100.0 * sem,
         "n_wins": float(n_wins),
         "n_wins_base": float(n_base),
         "n_draws": float(n_draws),
@@ -68,7 +74,7 @@ def win_rate_stats(preferences: Sequence[object], outputs: Sequence[str], golds:
         "discrete_win_rate": 100.0 * (n_wins + 0.5 * n_draws) / n,
         "avg_length": float(int(sum(len(o) for o in outputs) / max(1, len(outputs)))),
         "mean_gold": gold_mean,
-        "gold_standard_error": gold_sd / math.sqrt(len(known)) if known else float("nan"),
+        "gold_standard_error": gold_sem,
     }
 
 
