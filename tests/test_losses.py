@@ -132,7 +132,7 @@ def test_sft_loss_upcasts_half_precision():
 
 
 def test_pairwise_accuracy_skips_ties_in_labels_and_rewards():
-    from farmflow.methods.reward import pairwise_accuracy
+    from farmflow.evaluation.reward_report import pairwise_accuracy
 
     r1 = [0.0, 1.0, 0.5, 0.2, 0.3]
     r2 = [1.0, 0.0, 0.5, 0.9, 0.1]

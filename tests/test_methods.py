@@ -99,11 +99,14 @@ def test_sequence_logps_sums_response_token_logprobs(tok):
     model = _model(tok).eval()
     prompts, responses = [PROMPTS[0], PROMPTS[1]], [RESPONSES[0], "x"]
     got = dpo.sequence_logps(model, tok, prompts, responses, 128)
+    mean = dpo.sequence_logps(model, tok, prompts, responses, 128, average=True)  # per token (the reward report's baseline)
     for i in range(2):
         ids, mask, labels = encode_examples(tok, prompts[i:i + 1], responses[i:i + 1], 128)
         logp = model(input_ids=ids, attention_mask=mask).logits[0].log_softmax(-1)
-        want = sum(logp[t - 1, labels[0, t]].item() for t in range(1, ids.shape[1]) if labels[0, t] != -100)
-        assert got[i].item() == pytest.approx(want, abs=1e-4)
+        terms = [logp[t - 1, labels[0, t]].item() for t in range(1, ids.shape[1]) if labels[0, t] != -100]
+        assert got[i].item() == pytest.approx(sum(terms), abs=1e-4)
+        assert mean[i].item() == pytest.approx(sum(terms) / len(terms), abs=1e-5)
+    assert len(tok("x")["input_ids"]) + 1 < len(tok(RESPONSES[0])["input_ids"]) + 1  # the two rows average over different counts
 
 
 def test_dpo_raises_implicit_reward_accuracy_on_its_training_pairs(tok):

@@ -81,6 +81,20 @@ class OracleAnnotator:
         return 2.0 if u < p_second else 1.0
 
 
+def pool_preference(pool: list[OracleAnnotator], row: dict) -> float:
+    """P(output_2 preferred) by an annotator judging the pair, averaged over the pool and both shown orders.
+
+    The best any model can do without knowing which annotator was drawn or which order the
+    outputs were shown in is to prefer output_2 when this is above 0.5 (the Bayes-optimal
+    guess; label noise only pulls it toward 0.5). Annotators are drawn uniformly and the
+    order is a fair coin, as in `farmflow.annotators.annotate`.
+    """
+    o1, o2 = row["output_1"], row["output_2"]
+    if o1 == o2:
+        return 0.5
+    p = [sigmoid(a.logit_second(row, o1, o2)) + 1.0 - sigmoid(a.logit_second(row, o2, o1)) for a in pool]
+    return sum(p) / (2 * len(p))
+
 # ----------------------------------------------------------------------------- tasks from text
 def _template_regex(template: str, **groups: str) -> re.Pattern:
     pattern = re.escape(template)

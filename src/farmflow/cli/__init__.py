@@ -272,6 +272,33 @@ def overopt(
     console.print(f"wall time {time.perf_counter() - start:.1f}s; table, curve.md and curve.png in {summary['artifact']}")
 
 
+@app.command("reward-report")
+def reward_report(
+    preset: str = typer.Option("synthetic-tiny", help="Preset to start from."),
+    set_: list[str] = typer.Option([], "--set", help="Override a field (section.field=value)."),
+    store: Optional[str] = typer.Option(None, help="Artifact store (default ./.farmflow/store or $FARMFLOW_STORE)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+) -> None:
+    """How good is the reward model? Held-out accuracy against labels, un-noised labels and gold, per task family,
+    beside baselines: the longer output, the SFT policy's log-likelihood, the gold reward, the pool's Bayes optimum."""
+    _prefect_env()
+    api_ready = _start_temporary_api()
+    cfg = _config(preset, set_, store)
+    from farmflow.flows.reward_report import reward_report_flow
+
+    api_ready()
+    try:
+        summary = reward_report_flow(config=cfg)
+    except ValueError as err:
+        console.print(f"[red]{err}[/red]")
+        raise typer.Exit(2)
+    if as_json:
+        print_json(summary)
+        return
+    console.print(summary["markdown"], soft_wrap=True, highlight=False, markup=False)
+    console.print(f"table and report.md in {summary['artifact']}", soft_wrap=True, highlight=False)
+
+
 @app.command()
 def leaderboard(
     store: Optional[str] = typer.Option(None, help="Artifact store (default ./.farmflow/store or $FARMFLOW_STORE)."),

@@ -45,27 +45,30 @@ def dpo_loss(
     return -F.logsigmoid(beta * margin).mean()
 
 
-def sequence_logps(model, tokenizer, prompts: Sequence[str], responses: Sequence[str], max_len: int) -> torch.Tensor:
-    """Sum of log π(response token | prefix) over the response tokens (and </s>) of each example."""
+def sequence_logps(model, tokenizer, prompts: Sequence[str], responses: Sequence[str], max_len: int, average: bool = False) -> torch.Tensor:
+    """Sum (or with `average`, mean) of log π(response token | prefix) over the response tokens (and </s>) of each example."""
     *batch, keep = response_window(*encode_examples(tokenizer, prompts, responses, max_len))  # logits for responses only
     ids, mask, labels, positions = (t.to(device_of(model)) for t in batch)
     logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=keep).logits[:, :-1].float()
     targets = labels[:, -keep + 1:]
     token_logps = torch.gather(logits.log_softmax(-1), 2, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    return (token_logps * (targets != IGNORE)).sum(-1)
+    counted = targets != IGNORE
+    total = (token_logps * counted).sum(-1)
+    return total / counted.sum(-1).clamp(min=1) if average else total
 
 
 @torch.no_grad()
 def reference_logps(
     model, tokenizer, prompts: Sequence[str], out_1: Sequence[str], out_2: Sequence[str], max_len: int, batch_size: int = 64,
+    average: bool = False,
 ) -> tuple[list[float], list[float]]:
-    """Log-probs of both outputs of every pair under `model` (the frozen reference)."""
+    """Log-probs of both outputs of every pair under `model` (the frozen reference); per token with `average`."""
     model.eval()
     l1, l2 = [], []
     with progress("reference_logps", len(prompts), unit="pair") as bar:
         for i in range(0, len(prompts), batch_size):
             sl = slice(i, i + batch_size)
-            both = sequence_logps(model, tokenizer, list(prompts[sl]) * 2, list(out_1[sl]) + list(out_2[sl]), max_len)
+            both = sequence_logps(model, tokenizer, list(prompts[sl]) * 2, list(out_1[sl]) + list(out_2[sl]), max_len, average)
             half = len(both) // 2
             both = both.cpu()
             l1 += both[:half].tolist()

@@ -74,11 +74,3 @@ def train_reward(
     tail = losses[-max(1, len(losses) // 10):]
     return {"steps": float(total), "train_loss_first": losses[0], "train_loss_last": sum(tail) / len(tail)}
 
-
-def pairwise_accuracy(reward_1: Sequence[float], reward_2: Sequence[float], preferences: Sequence[float]) -> float:
-    """Fraction of non-tied pairs where the higher reward goes to the preferred output.
-
-    Ties in the label (1.5) and in the rewards are left out; NaN when nothing is left.
-    """
-    hits = [(b > a) == (p > 1.5) for a, b, p in zip(reward_1, reward_2, preferences) if p != 1.5 and a != b]
-    return sum(hits) / len(hits) if hits else float("nan")

@@ -87,6 +87,11 @@ SCHEMAS: dict[str, pa.Schema] = {
             ("n", _I), ("outputs_key", _STR), ("evaluation_key", _STR),
         ]
     ),
+    # reward-model report (evaluation.reward_report): one row per (scorer, task family, target);
+    # family "all" is every held-out pair; pairs = pairs counted (label and score ties left out).
+    "reward_report": pa.schema(
+        [("scorer", _STR), ("family", _STR), ("target", _STR), ("accuracy", _F), ("standard_error", _F), ("pairs", _I)]
+    ),
 }
 
 

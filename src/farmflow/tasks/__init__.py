@@ -33,6 +33,7 @@ from farmflow.data import alpaca, build_synthetic_farm, prompts_of, split_rows, 
 from farmflow.evaluation import VERSION as EVAL_VERSION
 from farmflow.evaluation import evaluate_outputs, leaderboard_markdown, leaderboard_rows, plot_leaderboard, run_of_rows
 from farmflow.evaluation.leaderboard import annotator_label, reference_label
+from farmflow.evaluation.reward_report import report_rows
 from farmflow.generation import best_of_n_vllm, sample_texts
 from farmflow.methods import best_of_n as bon
 from farmflow.methods import reward as rm
@@ -178,16 +179,9 @@ def heldout_accuracies(rows: list[dict], r1: list[float], r2: list[float]) -> di
       p_sim^eval pool would say; the coin flips are unpredictable by construction);
     * heldout_gold_accuracy: against the gold reward, on pairs whose gold differs.
     """
-    out = {"heldout_accuracy": rm.pairwise_accuracy(r1, r2, [r["preference"] for r in rows])}
-    judged = [i for i, r in enumerate(rows) if not r["noised"]]
-    if judged:
-        out["heldout_accuracy_unnoised"] = rm.pairwise_accuracy(
-            [r1[i] for i in judged], [r2[i] for i in judged], [rows[i]["preference"] for i in judged])
-    gold = [i for i, r in enumerate(rows) if r["gold_1"] is not None and r["gold_1"] != r["gold_2"]]
-    if gold:
-        out["heldout_gold_accuracy"] = rm.pairwise_accuracy(
-            [r1[i] for i in gold], [r2[i] for i in gold], [2.0 if rows[i]["gold_2"] > rows[i]["gold_1"] else 1.0 for i in gold])
-    return out
+    names = {"labels": "heldout_accuracy", "unnoised": "heldout_accuracy_unnoised", "gold": "heldout_gold_accuracy"}
+    return {names[r["target"]]: r["accuracy"] for r in report_rows(rows, {"reward": (r1, r2)})
+            if r["family"] == "all" and (r["pairs"] or r["target"] == "labels")}
 
 
 def _outputs_table(rows: list[dict], outputs: list[str], generator: str, scores: list[float] | None = None) -> pa.Table:

@@ -6,6 +6,8 @@
 * ``overoptimization``: the curve table (``overoptimization`` schema), ``curve.md`` and
   ``curve.png``, from the points' proxy rewards and evaluations. Its config names every
   input by key, so the stage key covers all of them.
+* ``reward_report``: the reward model's held-out accuracy beside baselines, overall and per
+  task family (``reward_report`` schema and ``report.md``; `farmflow.evaluation.reward_report`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from pathlib import Path
 import pyarrow as pa
 
 from farmflow.data import prompts_of
+from farmflow.config import AnnotatorConfig
 from farmflow.evaluation.overopt import curve_markdown, curve_rows, plot_curves
+from farmflow.evaluation.reward_report import report_markdown, report_rows
 from farmflow.storage import ArtifactRef
 from farmflow.storage.schemas import SCHEMAS
 from farmflow.tasks.core import log, lookup, stage_task
@@ -77,3 +81,53 @@ def overoptimization_task(store_uri: str, config: dict) -> ArtifactRef:
     return store.put_table("overoptimization", key, pa.Table.from_pylist(rows, schema=SCHEMAS["overoptimization"]), "overoptimization",
                            config=config, metrics={"points": float(len(points))},
                            extra_files={"curve.md": markdown.encode(), "curve.png": png})
+
+
+@stage_task("reward_report", version="1")
+def reward_report_task(
+    store_uri: str, config: dict, preferences: ArtifactRef, sft: ArtifactRef, reward: ArtifactRef, batch_size: int = 64,
+) -> ArtifactRef:
+    """The reward model against baselines on the held-out (val) preference pairs.
+
+    Scorers: ``reward_model``; ``longer_output`` (characters); ``policy_loglik``, the SFT
+    policy's mean token log-likelihood of each output (no training: what the policy's own
+    confidence knows); on synthetic rows ``gold`` (the gold reward itself) and, when the
+    labels came from the oracle pool, ``pool_bayes`` (the Bayes-optimal guess,
+    `farmflow.annotators.oracle.pool_preference`).
+
+    config: {"annotation": AnnotatorConfig as a dict, "title": str}. `batch_size` is an
+    option (memory only).
+    """
+    store, key, hit = lookup("reward_report", store_uri, config, preferences=preferences, sft=sft, reward=reward)
+    if hit:
+        return hit
+    from farmflow.annotators import build_pool
+    from farmflow.annotators.oracle import pool_preference
+    from farmflow.data import split_rows
+    from farmflow.methods.dpo import reference_logps
+    from farmflow.models import load_policy, load_reward, score
+
+    rows = split_rows(store.read_table(preferences), "val")
+    if not rows:
+        raise ValueError(f"reward_report: preferences {preferences.key} have no val pairs to measure on")
+    prompts, out_1, out_2 = prompts_of(rows), [r["output_1"] for r in rows], [r["output_2"] for r in rows]
+    model, tokenizer = load_reward(store.model_dir(reward))
+    scorers = {"reward_model": (score(model, tokenizer, prompts, out_1, batch_size=batch_size).tolist(),
+                                score(model, tokenizer, prompts, out_2, batch_size=batch_size).tolist())}
+    scorers["longer_output"] = ([len(o) for o in out_1], [len(o) for o in out_2])
+    policy, tokenizer = load_policy(store.model_dir(sft))
+    scorers["policy_loglik"] = reference_logps(policy, tokenizer, prompts, out_1, out_2, policy.config.max_position_embeddings,
+                                               batch_size, average=True)
+    if all(r["gold_1"] is not None and r["gold_2"] is not None for r in rows):
+        scorers["gold"] = ([r["gold_1"] for r in rows], [r["gold_2"] for r in rows])
+        annotation = AnnotatorConfig.model_validate(config["annotation"])
+        if annotation.kind == "oracle":
+            pool = build_pool(annotation)
+            scorers["pool_bayes"] = ([0.5] * len(rows), [pool_preference(pool, r) for r in rows])
+    table = report_rows(rows, scorers)
+    headline = {f"{r['scorer']}_{r['target']}": r["accuracy"] for r in table if r["family"] == "all"}
+    log("reward_report: reward model %.3f, policy log-likelihood %.3f, longer output %.3f against labels on %d val pairs",
+        headline["reward_model_labels"], headline["policy_loglik_labels"], headline["longer_output_labels"], len(rows))
+    return store.put_table("reward_report", key, pa.Table.from_pylist(table, schema=SCHEMAS["reward_report"]), "reward_report",
+                           config=config, inputs={"preferences": preferences, "sft": sft, "reward": reward}, metrics=headline,
+                           extra_files={"report.md": report_markdown(table, config.get("title", "Reward model report")).encode()})
