@@ -26,7 +26,7 @@ def deps():
 
 
 def test_one_deployment_per_flow_plus_nightly_and_gpu_stage(deps):
-    expected = {f"{name}/farmflow" for name in FLOWS} | {"overoptimization/farmflow", "compare/nightly-compare", "stage/gpu"}
+    expected = {f"{name}/farmflow" for name in FLOWS} | {"overoptimization/farmflow", "reward-report/farmflow", "compare/nightly-compare", "stage/gpu"}
     assert set(deps) == expected
     for name, dep in deps.items():
         assert dep.work_pool_name == ("farmflow-gpu" if name == "stage/gpu" else "farmflow-cpu"), name

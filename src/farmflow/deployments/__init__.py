@@ -5,7 +5,7 @@ when missing and registers the deployments on the Prefect server (``PREFECT_API_
 ``farmflow deploy`` is the command for it.
 
 * ``<flow>/farmflow`` for every flow in `farmflow.flows.FLOWS` (compare, best-of-n, dpo, ...)
-  and ``overoptimization/farmflow``, on the CPU pool: the flow itself orchestrates,
+  plus ``overoptimization/farmflow`` and ``reward-report/farmflow``, on the CPU pool: the flow itself orchestrates,
   annotates and evaluates there;
 * ``compare/nightly-compare``: the compare flow on a cron schedule (time and timezone
   configurable) with ``history: true``, so each run appends its leaderboard to the
@@ -47,6 +47,7 @@ def deployments(
     from farmflow.flows import FLOWS, compare_flow
     from farmflow.flows.distributed import stage_flow
     from farmflow.flows.overoptimization import overoptimization_flow
+    from farmflow.flows.reward_report import reward_report_flow
 
     cfg = load_config(preset, list(overrides or []))  # fails early, naming the field, on a bad preset or override
     cpu_pool, gpu_pool = cpu_pool or cfg.execution.cpu_pool, gpu_pool or cfg.execution.gpu_pool
@@ -59,6 +60,7 @@ def deployments(
     # the over-optimization flow takes no overrides: with overrides, its default is the whole config
     overopt = {"config": cfg.model_dump(mode="json")} if overrides else {"preset": preset}
     out.append(overoptimization_flow.to_deployment(name=DEPLOYMENT, parameters=overopt, work_pool_name=cpu_pool, **common))
+    out.append(reward_report_flow.to_deployment(name=DEPLOYMENT, parameters=params, work_pool_name=cpu_pool, **common))
     nightly = params | {"history": True} | ({"methods": list(nightly_methods)} if nightly_methods else {})
     out.append(compare_flow.to_deployment(
         name=NIGHTLY, parameters=nightly, schedules=[Cron(nightly_cron, timezone=timezone)], work_pool_name=cpu_pool,
