@@ -94,6 +94,11 @@ def test_reward_report_flow_micro(micro_config):
     assert n > 0 and bayes >= _cell(rows, "gold", "all", "unnoised")[0] - 0.1  # the optimum is not worse than gold by much
     assert {r["family"] for r in rows} >= {"all", "arithmetic"}
     assert "| reward_model |" in summary["markdown"] and summary["artifact"].endswith(summary["stages"][-1]["key"])
+    from farmflow.storage.sql import connect
+
+    con = connect(store)  # DuckDB: the reward_report view holds the same rows
+    assert con.execute("SELECT count(*) FROM reward_report").fetchone()[0] == len(rows)
+    assert con.execute("SELECT accuracy FROM reward_report WHERE scorer = 'gold' AND family = 'all' AND target = 'gold'").fetchone()[0] == 1.0
     before = dict(EXECUTED)
     again = reward_report_flow(config=micro_config)
     assert dict(EXECUTED) == before and repr(again["report"]) == repr(rows)  # all cached: nothing executes a second time (repr: NaN cells)

@@ -5,8 +5,9 @@ from, so any row can be traced back to its artifact):
 
 * ``artifacts``: one row per committed artifact: stage, key, kind, format, rows, created,
   uri, config, inputs and metrics (the last three as JSON);
-* ``instructions``, ``pairs``, ``preferences``, ``outputs``, ``evaluations``, ``leaderboard``:
-  the rows of every committed table of that format (read from each ``_COMMIT.json``);
+* ``instructions``, ``pairs``, ``preferences``, ``outputs``, ``evaluations``, ``leaderboard``,
+  ``overoptimization``, ``reward_report``: the rows of every committed table of that format
+  (read from each ``_COMMIT.json``);
 * ``annotations``: the row-level annotation cache, every chunk of ``_rows/annotations/``.
 * ``leaderboard_history``: one row per method and recorded run (the nightly comparison), every
   chunk of ``_rows/leaderboard_history/``.
@@ -35,6 +36,7 @@ from farmflow.storage.store import Store
 TABLE_VIEWS = {
     "instructions": "instructions", "pairs": "pairs", "preferences": "preferences",
     "outputs": "outputs", "evaluations": "evaluation", "leaderboard": "leaderboard",
+    "overoptimization": "overoptimization", "reward_report": "reward_report",
 }
 """View name → table format it collects."""
 
