@@ -85,6 +85,7 @@ def _print_summary(summary: dict, wall: float) -> None:
         console.print(
             "reward model, held-out val pairs: accuracy "
             + ", ".join(f"{k.removeprefix('heldout_').replace('accuracy', 'vs labels').replace('vs labels_unnoised', 'vs un-noised labels').replace('gold_vs labels', 'vs gold')} {v:.3f}" for k, v in rm.items())
+            + " (per task family, beside baselines: farmflow reward-report)"
         )
     stages = Table(title="Stages", caption="seconds include waiting: stages that load a model take turns (one device)")
     for col in ("stage", "seconds", "waiting", "cached", "key"):
