@@ -15,7 +15,8 @@ import pytest
 from farmflow import tasks
 from farmflow.config import PRESETS, ConfigError, SampleConfig, load_config
 from farmflow.flows.distributed import stage_key_of
-from farmflow.generation import pick_best, prompt_token_ids, require_vllm, sample_texts, texts_from_vllm
+from farmflow.generation import prompt_token_ids, require_vllm, sample_texts, texts_from_vllm
+from farmflow.methods.best_of_n import pick_best
 from farmflow.models import _left_pad, decode_response, load_policy, load_tokenizer, sample
 from farmflow.storage import open_store
 from farmflow.tasks.core import EXECUTED, key_config
@@ -183,6 +184,11 @@ def test_pick_best_keeps_the_highest_reward_first_on_ties():
     assert (best, rewards) == (["b", "d"], [0.5, -1.0])
     with pytest.raises(ValueError, match="4 rewards for 5 candidates"):
         pick_best([["a", "b", "c"], ["d", "e"]], [0.1, 0.5, 0.5, -1.0])
+    # best-of-k from best-of-N's candidates: only the first k of each prompt compete
+    assert pick_best([["a", "b", "c"], ["d", "e", "f"]], [0.1, -0.5, 0.9, -1.0, -2.0, 3.0], n=2) == (["a", "d"], [0.1, -1.0])
+    assert pick_best([["a", "b", "c"], ["d", "e", "f"]], [0.1, -0.5, 0.9, -1.0, -2.0, 3.0], n=1) == (["a", "d"], [0.1, -1.0])
+    with pytest.raises(ValueError, match="n=4 but a prompt has 3 candidates"):
+        pick_best([["a", "b", "c"]], [0.1, 0.2, 0.3], n=4)
 
 
 @needs_no_vllm

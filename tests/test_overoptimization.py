@@ -92,11 +92,11 @@ def test_overoptimization_flow_micro(micro_config):
         assert 0 <= r["win_rate"] <= 100 and 0 <= r["mean_gold"] <= 1 and r["n"] == micro_config.data.eval_size
         assert math.isfinite(r["proxy_reward"])
     # the proxy reward grows with n: best-of-n's candidates nest (best-of-2's are the first two of
-    # best-of-4's), so each reward model's favourite of more samples scores at least as high
-    # (up to float rounding of scores computed in differently sized batches)
+    # best-of-4's, and the flow takes them from best-of-4's scored candidates), so each reward
+    # model's favourite of more samples scores at least as high, exactly
     for lab in ("greedy", "p_sim^ann"):
         proxy = [r["proxy_reward"] for r in rows if r["labeller"] == lab]
-        assert proxy[0] <= proxy[1] + 1e-6 and proxy[1] <= proxy[2] + 1e-6 and proxy[0] < proxy[2], (lab, proxy)
+        assert proxy[0] <= proxy[1] <= proxy[2] and proxy[0] < proxy[2], (lab, proxy)
     # best-of-1 is the same SFT sample whichever reward model ranks it: same gold, scored by two different models
     assert rows[0]["mean_gold"] == rows[3]["mean_gold"] and rows[0]["proxy_reward"] != rows[3]["proxy_reward"]
 
@@ -117,13 +117,38 @@ def test_overoptimization_flow_micro(micro_config):
 
     assert tasks.EXECUTED["sft"] == 1 and tasks.EXECUTED["sample_pairs"] == 1
     assert tasks.EXECUTED["annotate"] == 2 and tasks.EXECUTED["train_reward"] == 2
-    assert tasks.EXECUTED["best_of_n"] == 6 and tasks.EXECUTED["proxy_reward"] == 6 and tasks.EXECUTED["evaluate"] == 6
+    # best-of-4 sampled and scored once per labeller; best-of-1 and -2 are its candidates' prefixes
+    assert tasks.EXECUTED["best_of_n"] == 2 and tasks.EXECUTED["best_of_n_prefix"] == 4
+    assert tasks.EXECUTED["proxy_reward"] == 6 and tasks.EXECUTED["evaluate"] == 6
     folder = summary["artifact"]
     assert pq.read_table(f"{folder}/data.parquet").num_rows == 6
     md = open(f"{folder}/curve.md").read()
     assert "| greedy | best_of_4 |" in md and "| p_sim^ann | best_of_4 |" in md
     img = mpimg.imread(f"{folder}/curve.png")
     assert open(f"{folder}/curve.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n" and img[..., :3].std() > 0.05
+
+    # a prefix is exactly what sampling best-of-2 directly gives (same outputs, same rewards)
+    from farmflow.tasks import best_of_n_task
+
+    reward_ann = store.get("train_reward", models["p_sim^ann"]["reward_model"])
+    prefix = next(r for r in store.list() if r.stage == "best_of_n_prefix" and store.record(r)["config"] == {"n": 2}
+                  and store.record(r)["inputs"]["reward"] == reward_ann.key)
+    bon4_rec = store.record(store.get("best_of_n", store.record(prefix)["inputs"]["best_of_n"]))
+    direct_cfg = {**bon4_rec["config"], "best_of_n": {**bon4_rec["config"]["best_of_n"], "n": 2}}
+    data_ref, sft_ref = store.get("data", bon4_rec["inputs"]["data"]), store.get("sft", bon4_rec["inputs"]["policy"])
+    direct = best_of_n_task.fn(micro_config.store.location, direct_cfg, data=data_ref, policy=sft_ref, reward=reward_ann, batch_size=5)
+    got, want = store.read_table(prefix).to_pylist(), store.read_table(direct).to_pylist()
+    assert [r["output"] for r in got] == [r["output"] for r in want]
+    assert [r["score"] for r in got] == pytest.approx([r["score"] for r in want], abs=1e-5)
+    cands = store.read_table(direct, "candidates.parquet", "candidates")
+    assert cands.num_rows == 2 * len(want) and cands.column("sample").to_pylist()[:4] == [0, 1, 0, 1]
+    from farmflow.tasks import best_of_n_prefix_task
+
+    with pytest.raises(ValueError, match="must be between 1 and the artifact's n=2"):
+        best_of_n_prefix_task.fn(micro_config.store.location, {"n": 3}, best_of_n=direct, reward=reward_ann)
+    with pytest.raises(ValueError, match="was scored by reward model"):
+        best_of_n_prefix_task.fn(micro_config.store.location, {"n": 1}, best_of_n=direct,
+                                 reward=store.get("train_reward", models["greedy"]["reward_model"]))
 
     # a rerun is fully cached
     tasks.EXECUTED.clear()

@@ -70,6 +70,20 @@ def test_put_table_round_trip(tmp_path):
     assert staging_entries(store) == []
 
 
+def test_extra_tables_are_validated_and_read_back(tmp_path):
+    store = LocalStore(tmp_path)
+    cands = pa.table({"id": ["a", "a"], "sample": [0, 1], "output": ["x", "y"], "reward": ["0.5", "1.5"]})  # strings are cast to the schema's float
+    ref = store.put_table("pairs", "k", pairs_table(), "pairs", extra_tables={"candidates.parquet": (cands, "candidates")})
+    back = store.read_table(ref, "candidates.parquet", "candidates")
+    assert back.schema == SCHEMAS["candidates"] and back.column("reward").to_pylist() == [0.5, 1.5]
+    assert store.read_table(ref).num_rows == pairs_table().num_rows
+    with pytest.raises(ValueError, match=r"stage 'pairs' c.parquet table is missing column\(s\) \['reward'\]"):
+        store.put_table("pairs", "k2", pairs_table(), "pairs", extra_tables={"c.parquet": (cands.drop(["reward"]), "candidates")})
+    with pytest.raises(ValueError, match="must end in .parquet"):
+        store.put_table("pairs", "k3", pairs_table(), "pairs", extra_tables={"c.csv": (cands, "candidates")})
+    assert store.get("pairs", "k2") is None and store.get("pairs", "k3") is None  # nothing committed
+
+
 def test_get_unknown_and_list(tmp_path):
     store = LocalStore(tmp_path)
     assert store.get("pairs", "nope") is None

@@ -122,26 +122,12 @@ def sample_texts(
                   batch_size=batch_size, seed=seed, progress=progress)
 
 
-def pick_best(candidates: Sequence[Sequence[str]], rewards: Sequence[float]) -> tuple[list[str], list[float]]:
-    """Per prompt, the candidate with the highest reward (the first on ties) and its reward; `rewards` is flat, prompt-major."""
-    total = sum(len(c) for c in candidates)
-    if total != len(rewards):
-        raise ValueError(f"pick_best: {len(rewards)} rewards for {total} candidates")
-    best, best_r, k = [], [], 0
-    for cands in candidates:
-        chunk = rewards[k: k + len(cands)]
-        j = max(range(len(cands)), key=chunk.__getitem__)
-        best.append(cands[j])
-        best_r.append(chunk[j])
-        k += len(cands)
-    return best, best_r
-
-
-def best_of_n_vllm(
+def scored_candidates_vllm(
     model_dir: str | Path, reward_dir: str | Path, prompts: Sequence[str], *, n: int, temperature: float, top_p: float,
     max_new_tokens: int, batch_size: int, seed: int, field: str = "generation.backend",
-) -> tuple[list[str], list[float]]:
-    """Best-of-n with vLLM sampling: n candidates per prompt, scored by the reward model (loaded after the engine is gone)."""
+) -> tuple[list[list[str]], list[float]]:
+    """Best-of-n's candidates with vLLM sampling: n per prompt, each scored by the reward model (loaded after the
+    engine is gone); rewards flat, prompt-major, for `farmflow.methods.best_of_n.pick_best`."""
     from farmflow.models import load_reward, score
 
     candidates = vllm_sample(model_dir, prompts, n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
@@ -149,4 +135,4 @@ def best_of_n_vllm(
     reward_model, reward_tokenizer = load_reward(reward_dir)
     flat_prompts = [p for p, c in zip(prompts, candidates) for _ in c]
     rewards = score(reward_model, reward_tokenizer, flat_prompts, [o for c in candidates for o in c], batch_size=batch_size).tolist()
-    return pick_best(candidates, rewards)
+    return candidates, rewards

@@ -32,7 +32,7 @@ from farmflow.config import FarmConfig
 from farmflow.evaluation.overopt import GREEDY_ORACLE, CurvePoint
 from farmflow.flows import StageRunner, Upstream, _best_of_n, _cfg, _flow_run_name, _generate
 from farmflow.storage import ArtifactRef
-from farmflow.tasks import evaluate_task
+from farmflow.tasks import best_of_n_prefix_task, evaluate_task
 from farmflow.tasks.analysis import overoptimization_task, proxy_reward_task
 
 DEFAULT_NS = (1, 2, 4, 8, 16)
@@ -57,15 +57,20 @@ def labelled_upstream(run: StageRunner, cfg: FarmConfig, labeller: str) -> Upstr
 
 
 def best_of_n_points(up: Upstream, ns: list[int] | tuple[int, ...] = DEFAULT_NS, tag: str = "") -> list[CurvePoint]:
-    """Best-of-n of the SFT model for each n, ranked by `up`'s reward model (`tag` marks the stage labels)."""
+    """Best-of-n of the SFT model for each n, ranked by `up`'s reward model (`tag` marks the stage labels).
+
+    The largest n is sampled and scored once (`best_of_n`); every smaller n takes the first n of
+    its candidates (`best_of_n_prefix`: candidates nest, so that is exactly best-of-n).
+    """
     if not ns or any(n < 1 for n in ns):
         raise ValueError(f"ns must be positive sample counts, got {list(ns)}")
-    points = []
-    for n in sorted(set(ns)):
-        cfg = up.cfg.best_of_n.model_copy(update={"n": n})
-        points.append(CurvePoint(label=f"best_of_{n}", family="best_of_n", pressure=n,
-                                 outputs=_best_of_n(up, up.sft, cfg, "eval", f"best_of_{n}{tag}")))
-    return points
+    ns = sorted(set(ns))
+    top = ns[-1]
+    largest = _best_of_n(up, up.sft, up.cfg.best_of_n.model_copy(update={"n": top}), "eval", f"best_of_{top}{tag}")
+    return [CurvePoint(label=f"best_of_{n}", family="best_of_n", pressure=n,
+                       outputs=largest if n == top else up.run(best_of_n_prefix_task, {"n": n}, f"best_of_{n}{tag}",
+                                                               best_of_n=largest, reward=up.reward))
+            for n in ns]
 
 
 def ppo_points(up: Upstream, every: int, tag: str = "") -> list[CurvePoint]:

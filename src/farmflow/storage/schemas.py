@@ -87,6 +87,9 @@ SCHEMAS: dict[str, pa.Schema] = {
             ("n", _I), ("outputs_key", _STR), ("evaluation_key", _STR),
         ]
     ),
+    # every candidate best-of-n drew (an extra table of its artifact, candidates.parquet):
+    # candidate `sample` of output row `id`, and its reward; rows prompt-major.
+    "candidates": pa.schema([("id", _STR), ("sample", _I), ("output", _STR), ("reward", _F)]),
     # reward-model report (evaluation.reward_report): one row per (scorer, task family, target);
     # family "all" is every held-out pair; pairs = pairs counted (label and score ties left out).
     "reward_report": pa.schema(

@@ -161,21 +161,29 @@ class Store:
     def put_table(
         self, stage: str, key: str, table: pa.Table, format: str, *, config: Any = None,
         inputs: dict | None = None, metrics: dict[str, float] | None = None, extra_files: dict[str, bytes] | None = None,
+        extra_tables: dict[str, tuple[pa.Table, str]] | None = None,
     ) -> ArtifactRef:
         """Validate `table` against the schema of `format` and commit it atomically.
 
         `extra_files` (name → bytes) are committed in the same folder, e.g. a rendered
-        Markdown table or plot of the data.
+        Markdown table or plot of the data; `extra_tables` (name.parquet → (table, format))
+        likewise, each validated against its own schema (read back with `read_table(ref, name)`).
         """
         table = conform(table, format, where=f"stage {stage!r}")
-        for name in extra_files or {}:
+        extra = {name: conform(t, fmt, where=f"stage {stage!r} {name}") for name, (t, fmt) in (extra_tables or {}).items()}
+        for name in [*(extra_files or {}), *extra]:
             if "/" in name or name.startswith(".") or name in ("data.parquet", COMMIT_FILE):
                 raise ValueError(f"invalid extra file name {name!r} for stage {stage!r}")
+        bad = [name for name in extra if not name.endswith(".parquet")]
+        if bad:
+            raise ValueError(f"extra table names must end in .parquet, got {bad} for stage {stage!r}")
         with self._attempt(stage, key) as folder:
             with self._io():
                 pq.write_table(table, f"{folder}/data.parquet", filesystem=self.arrow_fs)
                 for name, data in (extra_files or {}).items():
                     self.fs.pipe_file(f"{folder}/{name}", data)
+                for name, t in extra.items():
+                    pq.write_table(t, f"{folder}/{name}", filesystem=self.arrow_fs)
             ref = ArtifactRef(
                 uri="", stage=stage, key=key, kind="table", format=format, rows=table.num_rows,
                 created=utc_now(), metrics=dict(metrics or {}),
@@ -264,12 +272,13 @@ class Store:
                 self.fs.rm(self._checkpoints(stage, key), recursive=True)
 
     # ---------------------------------------------------------------- reads
-    def read_table(self, ref: ArtifactRef) -> pa.Table:
+    def read_table(self, ref: ArtifactRef, name: str = "data.parquet", format: str | None = None) -> pa.Table:
+        """The artifact's table, or with `name` one of its extra tables (`format`: that table's schema)."""
         if ref.kind != "table":
             raise ValueError(f"artifact {ref.stage}/{ref.key} is a {ref.kind}, not a table")
-        path = f"{self._require(ref)}/data.parquet"
+        path = f"{self._require(ref)}/{name}"
         with self._io():
-            return pq.read_table(path, schema=SCHEMAS.get(ref.format), filesystem=self.arrow_fs)
+            return pq.read_table(path, schema=SCHEMAS.get(format or ref.format), filesystem=self.arrow_fs)
 
     def model_dir(self, ref: ArtifactRef) -> Path:
         """A local folder with the model (downloaded once per artifact on remote stores)."""

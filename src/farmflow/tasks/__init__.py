@@ -34,7 +34,7 @@ from farmflow.evaluation import VERSION as EVAL_VERSION
 from farmflow.evaluation import evaluate_outputs, leaderboard_markdown, leaderboard_rows, plot_leaderboard, run_of_rows
 from farmflow.evaluation.leaderboard import annotator_label, reference_label
 from farmflow.evaluation.reward_report import report_rows
-from farmflow.generation import best_of_n_vllm, sample_texts
+from farmflow.generation import sample_texts, scored_candidates_vllm
 from farmflow.methods import best_of_n as bon
 from farmflow.methods import reward as rm
 from farmflow.methods import reward_conditioning as rc
@@ -240,13 +240,52 @@ def best_of_n_task(
     args = dict(n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=config["max_new_tokens"],
                 batch_size=batch_size, seed=cfg.seed)
     if backend == "vllm":
-        outs, scores = best_of_n_vllm(store.model_dir(policy), store.model_dir(reward), prompts_of(rows), **args)
+        candidates, rewards = scored_candidates_vllm(store.model_dir(policy), store.model_dir(reward), prompts_of(rows), **args)
     else:
         model, tokenizer = load_policy(store.model_dir(policy))
         reward_model, reward_tokenizer = load_reward(store.model_dir(reward))
-        outs, scores = bon.best_of_n(model, tokenizer, reward_model, reward_tokenizer, prompts_of(rows), **args)
+        candidates, rewards = bon.scored_candidates(model, tokenizer, reward_model, reward_tokenizer, prompts_of(rows), **args)
+    outs, scores = bon.pick_best(candidates, rewards)
+    every = pa.Table.from_pylist([{"id": r["id"], "sample": j, "output": o, "reward": rewards[i * cfg.n + j]}
+                                  for i, (r, c) in enumerate(zip(rows, candidates)) for j, o in enumerate(c)], schema=SCHEMAS["candidates"])
     return store.put_table("best_of_n", key, _outputs_table(rows, outs, f"best_of_{cfg.n}", scores), "outputs", config=config,
                            inputs={"data": data, "policy": policy, "reward": reward},
+                           metrics={"mean_reward": sum(scores) / max(1, len(scores))},
+                           extra_tables={CANDIDATES: (every, "candidates")})
+
+
+CANDIDATES = "candidates.parquet"
+"""Every candidate best-of-n drew and its reward (schema ``candidates``), beside the chosen outputs."""
+
+
+@stage_task("best_of_n_prefix", version="1")
+def best_of_n_prefix_task(store_uri: str, config: dict, best_of_n: ArtifactRef, reward: ArtifactRef) -> ArtifactRef:
+    """Best-of-k from a best-of-N artifact's candidates, k ≤ N: no sampling, no scoring.
+
+    Candidates nest across n (each has its own random stream), so the first k of best-of-N's
+    candidates are exactly best-of-k's, and the reward model's favourite among them is
+    best-of-k's output (`farmflow.methods.best_of_n.pick_best`). The over-optimization flow
+    samples the largest n once and derives the others. config: {"n": k}. `reward` must be
+    the reward model that scored the candidates (it is recorded, so the proxy reward of
+    these outputs is reused rather than recomputed).
+    """
+    store, key, hit = lookup("best_of_n_prefix", store_uri, config, best_of_n=best_of_n, reward=reward)
+    if hit:
+        return hit
+    record = store.record(best_of_n)
+    if record["inputs"].get("reward") != reward.key:
+        raise ValueError(f"best_of_n_prefix: best_of_n {best_of_n.key} was scored by reward model {record['inputs'].get('reward')}, not {reward.key}")
+    big = record["config"]["best_of_n"]["n"]
+    if not 1 <= config["n"] <= big:
+        raise ValueError(f"best_of_n_prefix: n={config['n']} must be between 1 and the artifact's n={big}")
+    rows = store.read_table(best_of_n).to_pylist()
+    every = store.read_table(best_of_n, CANDIDATES, "candidates").to_pylist()
+    candidates = [[c["output"] for c in every[i * big:(i + 1) * big]] for i in range(len(rows))]
+    if len(every) != big * len(rows) or any(c["id"] != r["id"] for i, r in enumerate(rows) for c in every[i * big:(i + 1) * big]):
+        raise ValueError(f"best_of_n_prefix: {CANDIDATES} of best_of_n {best_of_n.key} does not hold {big} candidates per output row")
+    outs, scores = bon.pick_best(candidates, [c["reward"] for c in every], n=config["n"])
+    return store.put_table("best_of_n_prefix", key, _outputs_table(rows, outs, f"best_of_{config['n']}", scores), "outputs",
+                           config=config, inputs={"best_of_n": best_of_n, "reward": reward},
                            metrics={"mean_reward": sum(scores) / max(1, len(scores))})
 
 
