@@ -99,6 +99,21 @@ def test_reward_report_flow_micro(micro_config):
     con = connect(store)  # DuckDB: the reward_report view holds the same rows
     assert con.execute("SELECT count(*) FROM reward_report").fetchone()[0] == len(rows)
     assert con.execute("SELECT accuracy FROM reward_report WHERE scorer = 'gold' AND family = 'all' AND target = 'gold'").fetchone()[0] == 1.0
+    # real-farm preferences (no task, no gold): the reward model and the two model-free baselines, no families
+    import pyarrow as pa
+
+    from farmflow.tasks.analysis import reward_report_task
+
+    prefs = store.get("annotate", store.record(rm_ref)["inputs"]["preferences"])
+    real = [r | {"task": "", "gold_1": None, "gold_2": None} for r in store.read_table(prefs).to_pylist()]
+    real_ref = store.put_table("annotate", "real-like", pa.Table.from_pylist(real, schema=SCHEMAS["preferences"]), "preferences")
+    sft_ref = store.get("sft", store.record(rm_ref)["inputs"]["sft"])
+    report = reward_report_task.fn(micro_config.store.location, {"annotation": micro_config.annotation.model_dump(mode="json")},
+                                   preferences=real_ref, sft=sft_ref, reward=rm_ref, batch_size=7)
+    real_rows = store.read_table(report).to_pylist()
+    assert {r["scorer"] for r in real_rows} == {"reward_model", "longer_output", "policy_loglik"}
+    assert {(r["family"], r["target"]) for r in real_rows} == {("all", "labels"), ("all", "unnoised")}
+    assert _cell(real_rows, "reward_model", "all", "labels")[0] == pytest.approx(rm_ref.metrics["heldout_accuracy"])
     before = dict(EXECUTED)
     again = reward_report_flow(config=micro_config)
     assert dict(EXECUTED) == before and repr(again["report"]) == repr(rows)  # all cached: nothing executes a second time (repr: NaN cells)
