@@ -6,7 +6,11 @@ max_new_tokens and all contenders do the same amount of work):
 1. batched sampling vs a per-prompt loop (the same sampler with batch size 1);
 2. best-of-n (n=16): one prefill per prompt with the KV cache repeated n times, vs
    Hugging Face `generate(do_sample=True, num_return_sequences=n)`, which prefills every
-   copy of the prompt.
+   copy of the prompt;
+3. an over-optimization curve's best-of-n points (n = 1, 2, 4, 8, 16): sampling and scoring
+   each n apart vs sampling and scoring n = 16 once and taking every smaller n from the first
+   n candidates (`pick_best(..., n=k)`, what the over-optimization flow does); the outputs
+   must be identical (checked).
 
 Writes bench/results/sampling.json and prints the ratios.
 """
@@ -22,7 +26,8 @@ import torch
 
 from farmflow.config import preset
 from farmflow.data import build_synthetic_farm, prompts_of, split_rows
-from farmflow.models import build_policy, sample, train_tokenizer
+from farmflow.methods.best_of_n import pick_best, scored_candidates
+from farmflow.models import build_policy, reward_from_policy, sample, save, train_tokenizer
 
 OUT = Path(__file__).parent / "results" / "sampling.json"
 
@@ -70,11 +75,34 @@ def main() -> None:
         "n": n, "prompts": len(subset), "farmflow_seconds": ours_s, "hf_generate_seconds": hf_s,
         "farmflow_samples_per_s": len(subset) * n / ours_s, "hf_samples_per_s": len(subset) * n / hf_s, "speedup": hf_s / ours_s,
     }
+    # 3. a best-of-n curve: each n apart vs the largest n once + prefixes
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        save(model, tok, tmp)
+        reward_model = reward_from_policy(tmp).eval()
+    ns, args = (1, 2, 4, 8, 16), dict(temperature=1.0, top_p=1.0, max_new_tokens=new, batch_size=128, seed=0)
+    apart: dict = {}
+    apart_s = _timed(lambda: apart.update({n: pick_best(*scored_candidates(model, tok, reward_model, tok, subset, n=n, **args))[0] for n in ns}))
+    shared: dict = {}
+
+    def once():
+        candidates, rewards = scored_candidates(model, tok, reward_model, tok, subset, n=max(ns), **args)
+        shared.update({n: pick_best(candidates, rewards, n=n)[0] for n in ns})
+
+    shared_s = _timed(once)
+    if shared != apart:
+        raise SystemExit("best-of-n curve: prefixes of the largest n differ from sampling each n apart")
+    results["best_of_n_curve"] = {
+        "ns": list(ns), "prompts": len(subset), "each_n_apart_seconds": apart_s, "largest_n_once_seconds": shared_s,
+        "samples_drawn_apart": len(subset) * sum(ns), "samples_drawn_once": len(subset) * max(ns), "speedup": apart_s / shared_s,
+    }
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps(results, indent=2))
     print(json.dumps(results, indent=2))
     print(f"batched vs per-prompt loop: {results['batched_vs_loop']['speedup']:.1f}x; "
-          f"best-of-{n} vs HF generate: {results['best_of_n']['speedup']:.2f}x  (written to {OUT})")
+          f"best-of-{n} vs HF generate: {results['best_of_n']['speedup']:.2f}x; "
+          f"best-of-n curve, largest n once vs each n apart: {results['best_of_n_curve']['speedup']:.2f}x  (written to {OUT})")
 
 
 if __name__ == "__main__":
