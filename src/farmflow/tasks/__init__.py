@@ -280,9 +280,9 @@ def best_of_n_prefix_task(store_uri: str, config: dict, best_of_n: ArtifactRef, 
         raise ValueError(f"best_of_n_prefix: n={config['n']} must be between 1 and the artifact's n={big}")
     rows = store.read_table(best_of_n).to_pylist()
     every = store.read_table(best_of_n, CANDIDATES, "candidates").to_pylist()
-    candidates = [[c["output"] for c in every[i * big:(i + 1) * big]] for i in range(len(rows))]
     if len(every) != big * len(rows) or any(c["id"] != r["id"] for i, r in enumerate(rows) for c in every[i * big:(i + 1) * big]):
         raise ValueError(f"best_of_n_prefix: {CANDIDATES} of best_of_n {best_of_n.key} does not hold {big} candidates per output row")
+    candidates = [[c["output"] for c in every[i * big:(i + 1) * big]] for i in range(len(rows))]
     outs, scores = bon.pick_best(candidates, [c["reward"] for c in every], n=config["n"])
     return store.put_table("best_of_n_prefix", key, _outputs_table(rows, outs, f"best_of_{config['n']}", scores), "outputs",
                            config=config, inputs={"best_of_n": best_of_n, "reward": reward},
