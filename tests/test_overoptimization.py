@@ -117,8 +117,8 @@ def test_overoptimization_flow_micro(micro_config):
 
     assert tasks.EXECUTED["sft"] == 1 and tasks.EXECUTED["sample_pairs"] == 1
     assert tasks.EXECUTED["annotate"] == 2 and tasks.EXECUTED["train_reward"] == 2
-    # best-of-4 sampled and scored once per labeller; best-of-1 and -2 are its candidates' prefixes
-    assert tasks.EXECUTED["best_of_n"] == 2 and tasks.EXECUTED["best_of_n_prefix"] == 4
+    # best-of-4 sampled once (p_sim^ann's), rescored by greedy's reward model; best-of-1 and -2 are prefixes
+    assert tasks.EXECUTED["best_of_n"] == 1 and tasks.EXECUTED["best_of_n_rescore"] == 1 and tasks.EXECUTED["best_of_n_prefix"] == 4
     assert tasks.EXECUTED["proxy_reward"] == 6 and tasks.EXECUTED["evaluate"] == 6
     folder = summary["artifact"]
     assert pq.read_table(f"{folder}/data.parquet").num_rows == 6
@@ -140,6 +140,15 @@ def test_overoptimization_flow_micro(micro_config):
     got, want = store.read_table(prefix).to_pylist(), store.read_table(direct).to_pylist()
     assert [r["output"] for r in got] == [r["output"] for r in want]
     assert [r["score"] for r in got] == pytest.approx([r["score"] for r in want], abs=1e-5)
+    # greedy's rescored best-of-4 is what sampling best-of-4 directly with its reward model gives
+    reward_greedy = store.get("train_reward", models["greedy"]["reward_model"])
+    rescored = next(r for r in store.list() if r.stage == "best_of_n_rescore")
+    assert store.record(rescored)["inputs"]["reward"] == reward_greedy.key
+    direct4 = best_of_n_task.fn(micro_config.store.location, bon4_rec["config"], data=data_ref, policy=sft_ref, reward=reward_greedy,
+                                batch_size=7)
+    assert store.read_table(rescored).column("output").to_pylist() == store.read_table(direct4).column("output").to_pylist()
+    assert store.read_table(rescored, "candidates.parquet", "candidates").column("reward").to_pylist() == pytest.approx(
+        store.read_table(direct4, "candidates.parquet", "candidates").column("reward").to_pylist(), abs=1e-5)
     cands = store.read_table(direct, "candidates.parquet", "candidates")
     assert cands.num_rows == 2 * len(want) and cands.column("sample").to_pylist()[:4] == [0, 1, 0, 1]
     from farmflow.tasks import best_of_n_prefix_task

@@ -32,7 +32,7 @@ from farmflow.config import FarmConfig
 from farmflow.evaluation.overopt import GREEDY_ORACLE, CurvePoint
 from farmflow.flows import StageRunner, Upstream, _best_of_n, _cfg, _flow_run_name, _generate
 from farmflow.storage import ArtifactRef
-from farmflow.tasks import best_of_n_prefix_task, evaluate_task
+from farmflow.tasks import best_of_n_prefix_task, best_of_n_rescore_task, evaluate_task
 from farmflow.tasks.analysis import overoptimization_task, proxy_reward_task
 
 DEFAULT_NS = (1, 2, 4, 8, 16)
@@ -56,17 +56,24 @@ def labelled_upstream(run: StageRunner, cfg: FarmConfig, labeller: str) -> Upstr
     return Upstream(run, cfg.model_copy(update={"annotation": annotator}))
 
 
-def best_of_n_points(up: Upstream, ns: list[int] | tuple[int, ...] = DEFAULT_NS, tag: str = "") -> list[CurvePoint]:
+def best_of_n_points(up: Upstream, ns: list[int] | tuple[int, ...] = DEFAULT_NS, tag: str = "",
+                     sampled: ArtifactRef | None = None) -> list[CurvePoint]:
     """Best-of-n of the SFT model for each n, ranked by `up`'s reward model (`tag` marks the stage labels).
 
-    The largest n is sampled and scored once (`best_of_n`); every smaller n takes the first n of
-    its candidates (`best_of_n_prefix`: candidates nest, so that is exactly best-of-n).
+    The largest n is sampled and scored once (`best_of_n`), or with `sampled` (another labeller's
+    largest-n artifact: the same SFT model and sampling settings) its candidates are only
+    rescored (`best_of_n_rescore`); every smaller n takes the first n candidates
+    (`best_of_n_prefix`: candidates nest, so that is exactly best-of-n).
     """
     if not ns or any(n < 1 for n in ns):
         raise ValueError(f"ns must be positive sample counts, got {list(ns)}")
     ns = sorted(set(ns))
     top = ns[-1]
-    largest = _best_of_n(up, up.sft, up.cfg.best_of_n.model_copy(update={"n": top}), "eval", f"best_of_{top}{tag}")
+    if sampled is None:
+        largest = _best_of_n(up, up.sft, up.cfg.best_of_n.model_copy(update={"n": top}), "eval", f"best_of_{top}{tag}")
+    else:
+        largest = up.run(best_of_n_rescore_task, {}, f"best_of_{top}{tag} (rescored)", best_of_n=sampled, reward=up.reward,
+                         batch_size=up.cfg.generation.batch_size)
     return [CurvePoint(label=f"best_of_{n}", family="best_of_n", pressure=n,
                        outputs=largest if n == top else up.run(best_of_n_prefix_task, {"n": n}, f"best_of_{n}{tag}",
                                                                best_of_n=largest, reward=up.reward))
@@ -125,11 +132,13 @@ def overoptimization_flow(
     chosen = list(evaluating_annotators(cfg, tuple(dict.fromkeys(labellers or DEFAULT_LABELLERS))))  # unknown names fail here, before any stage
     evaluators = evaluating_annotators(cfg, tuple(annotators)) if annotators else None
     run = StageRunner(cfg.store.location)
-    configs, models = [], {}
+    configs, models, sampled = [], {}, None
     for i, labeller in enumerate(chosen):
         up = labelled_upstream(run, cfg, labeller)
         tag = f" [{labeller}]"
-        points = best_of_n_points(up, tuple(ns or DEFAULT_NS), tag) + (ppo_points(up, ppo_every, tag) if ppo_every else [])
+        curve = best_of_n_points(up, tuple(ns or DEFAULT_NS), tag, sampled)
+        sampled = sampled or curve[-1].outputs  # later labellers rescore the first one's candidates
+        points = curve + (ppo_points(up, ppo_every, tag) if ppo_every else [])
         points += list(extra_points or []) if i == 0 else []
         configs += point_configs(up, points, evaluators or evaluating_annotators(cfg, [labeller]), labeller)
         models[labeller] = {"preferences": up.preferences.key, "reward_model": up.reward.key,

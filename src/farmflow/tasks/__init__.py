@@ -245,17 +245,33 @@ def best_of_n_task(
         model, tokenizer = load_policy(store.model_dir(policy))
         reward_model, reward_tokenizer = load_reward(store.model_dir(reward))
         candidates, rewards = bon.scored_candidates(model, tokenizer, reward_model, reward_tokenizer, prompts_of(rows), **args)
-    outs, scores = bon.pick_best(candidates, rewards)
-    every = pa.Table.from_pylist([{"id": r["id"], "sample": j, "output": o, "reward": rewards[i * cfg.n + j]}
-                                  for i, (r, c) in enumerate(zip(rows, candidates)) for j, o in enumerate(c)], schema=SCHEMAS["candidates"])
-    return store.put_table("best_of_n", key, _outputs_table(rows, outs, f"best_of_{cfg.n}", scores), "outputs", config=config,
-                           inputs={"data": data, "policy": policy, "reward": reward},
-                           metrics={"mean_reward": sum(scores) / max(1, len(scores))},
-                           extra_tables={CANDIDATES: (every, "candidates")})
+    every = [{"id": r["id"], "sample": j, "output": o} for r, c in zip(rows, candidates) for j, o in enumerate(c)]
+    return _scored_outputs(store, "best_of_n", key, rows, every, cfg.n, cfg.n, config, {"data": data, "policy": policy, "reward": reward}, rewards)
 
 
 CANDIDATES = "candidates.parquet"
 """Every candidate best-of-n drew and its reward (schema ``candidates``), beside the chosen outputs."""
+
+
+def _candidates(store, best_of_n: ArtifactRef, stage: str) -> tuple[list[dict], list[dict], int]:
+    """A best-of-n artifact's output rows, its candidates (checked: the same count for every row, in row order) and that count."""
+    rows = store.read_table(best_of_n).to_pylist()
+    every = store.read_table(best_of_n, CANDIDATES, "candidates").to_pylist()
+    big = len(every) // max(1, len(rows))
+    if not rows or len(every) != big * len(rows) or any(c["id"] != r["id"] for i, r in enumerate(rows) for c in every[i * big:(i + 1) * big]):
+        raise ValueError(f"{stage}: {CANDIDATES} of {best_of_n.stage} {best_of_n.key} does not hold the same number of candidates per output row")
+    return rows, every, big
+
+
+def _scored_outputs(store, stage: str, key: str, rows: list[dict], every: list[dict], big: int, n: int, config: dict,
+                    inputs: dict, rewards: list[float] | None = None) -> ArtifactRef:
+    """Best-of-n among each row's first n candidates; with `rewards` (new scores), the candidates are kept with them."""
+    rewards = [c["reward"] for c in every] if rewards is None else rewards
+    outs, scores = bon.pick_best([[c["output"] for c in every[i * big:(i + 1) * big]] for i in range(len(rows))], rewards, n=n)
+    extra = {CANDIDATES: (pa.Table.from_pylist([c | {"reward": r} for c, r in zip(every, rewards)], schema=SCHEMAS["candidates"]),
+                          "candidates")} if n == big else None
+    return store.put_table(stage, key, _outputs_table(rows, outs, f"best_of_{n}", scores), "outputs", config=config, inputs=inputs,
+                           metrics={"mean_reward": sum(scores) / max(1, len(scores))}, extra_tables=extra)
 
 
 @stage_task("best_of_n_prefix", version="1")
@@ -272,21 +288,33 @@ def best_of_n_prefix_task(store_uri: str, config: dict, best_of_n: ArtifactRef, 
     store, key, hit = lookup("best_of_n_prefix", store_uri, config, best_of_n=best_of_n, reward=reward)
     if hit:
         return hit
-    record = store.record(best_of_n)
-    if record["inputs"].get("reward") != reward.key:
-        raise ValueError(f"best_of_n_prefix: best_of_n {best_of_n.key} was scored by reward model {record['inputs'].get('reward')}, not {reward.key}")
-    big = record["config"]["best_of_n"]["n"]
+    scored_by = store.record(best_of_n)["inputs"].get("reward")
+    if scored_by != reward.key:
+        raise ValueError(f"best_of_n_prefix: {best_of_n.stage} {best_of_n.key} was scored by reward model {scored_by}, not {reward.key}")
+    rows, every, big = _candidates(store, best_of_n, "best_of_n_prefix")
     if not 1 <= config["n"] <= big:
         raise ValueError(f"best_of_n_prefix: n={config['n']} must be between 1 and the artifact's n={big}")
-    rows = store.read_table(best_of_n).to_pylist()
-    every = store.read_table(best_of_n, CANDIDATES, "candidates").to_pylist()
-    if len(every) != big * len(rows) or any(c["id"] != r["id"] for i, r in enumerate(rows) for c in every[i * big:(i + 1) * big]):
-        raise ValueError(f"best_of_n_prefix: {CANDIDATES} of best_of_n {best_of_n.key} does not hold {big} candidates per output row")
-    candidates = [[c["output"] for c in every[i * big:(i + 1) * big]] for i in range(len(rows))]
-    outs, scores = bon.pick_best(candidates, [c["reward"] for c in every], n=config["n"])
-    return store.put_table("best_of_n_prefix", key, _outputs_table(rows, outs, f"best_of_{config['n']}", scores), "outputs",
-                           config=config, inputs={"best_of_n": best_of_n, "reward": reward},
-                           metrics={"mean_reward": sum(scores) / max(1, len(scores))})
+    return _scored_outputs(store, "best_of_n_prefix", key, rows, every, big, config["n"], config, {"best_of_n": best_of_n, "reward": reward})
+
+
+@stage_task("best_of_n_rescore", version="1")
+def best_of_n_rescore_task(store_uri: str, config: dict, best_of_n: ArtifactRef, reward: ArtifactRef, batch_size: int = 64) -> ArtifactRef:
+    """The same candidates as a best-of-n artifact, scored and chosen by another reward model: no sampling.
+
+    The over-optimization flow samples once for all labellers (the candidates depend only on
+    the SFT model and the sampling settings). Keeps the candidates with the new rewards, so
+    `best_of_n_prefix` works on it. config: {}. `batch_size` is an option (memory only).
+    """
+    store, key, hit = lookup("best_of_n_rescore", store_uri, config, best_of_n=best_of_n, reward=reward)
+    if hit:
+        return hit
+    rows, every, big = _candidates(store, best_of_n, "best_of_n_rescore")
+    model, tokenizer = load_reward(store.model_dir(reward))
+    prompts = prompts_of(rows)
+    with progress("best_of_n_rescore: score", len(every), unit="sample") as bar:
+        rewards = score(model, tokenizer, [prompts[i // big] for i in range(len(every))], [c["output"] for c in every],
+                        batch_size=batch_size, progress=bar.update).tolist()
+    return _scored_outputs(store, "best_of_n_rescore", key, rows, every, big, big, config, {"best_of_n": best_of_n, "reward": reward}, rewards)
 
 
 @stage_task("evaluate", version=EVAL_VERSION)
