@@ -60,12 +60,15 @@ def sequence_logps(model, tokenizer, prompts: Sequence[str], responses: Sequence
 @torch.no_grad()
 def reference_logps(
     model, tokenizer, prompts: Sequence[str], out_1: Sequence[str], out_2: Sequence[str], max_len: int, batch_size: int = 64,
-    average: bool = False,
+    average: bool = False, label: str = "reference_logps",
 ) -> tuple[list[float], list[float]]:
-    """Log-probs of both outputs of every pair under `model` (the frozen reference); per token with `average`."""
+    """Log-probs of both outputs of every pair under `model` (the frozen reference); per token with `average`.
+
+    `label` names the progress bar and its log lines.
+    """
     model.eval()
     l1, l2 = [], []
-    with progress("reference_logps", len(prompts), unit="pair") as bar:
+    with progress(label, len(prompts), unit="pair") as bar:
         for i in range(0, len(prompts), batch_size):
             sl = slice(i, i + batch_size)
             both = sequence_logps(model, tokenizer, list(prompts[sl]) * 2, list(out_1[sl]) + list(out_2[sl]), max_len, average)

@@ -117,7 +117,7 @@ def reward_report_task(
     scorers["longer_output"] = ([len(o) for o in out_1], [len(o) for o in out_2])
     policy, tokenizer = load_policy(store.model_dir(sft))
     scorers["policy_loglik"] = reference_logps(policy, tokenizer, prompts, out_1, out_2, policy.config.max_position_embeddings,
-                                               batch_size, average=True)
+                                               batch_size, average=True, label="reward_report: policy log-likelihood")
     if all(r["gold_1"] is not None and r["gold_2"] is not None for r in rows):
         scorers["gold"] = ([r["gold_1"] for r in rows], [r["gold_2"] for r in rows])
         annotation = AnnotatorConfig.model_validate(config["annotation"])
