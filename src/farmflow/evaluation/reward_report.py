@@ -60,13 +60,13 @@ def family_of(row: dict) -> str:
         return ""
 
 
-def report_rows(rows: Sequence[dict], scorers: dict[str, tuple[Sequence[float], Sequence[float]]]) -> list[dict]:
+def report_rows(rows: Sequence[dict], scorers: dict[str, tuple[Sequence[float], Sequence[float]]], by_family: bool = True) -> list[dict]:
     """One row per (scorer, family, target): accuracy, standard error and pairs counted (`reward_report` schema).
 
     `scorers` maps a name to (score of output_1, score of output_2) for every row. Family
-    "all" is every row; each task family gets its own rows when the rows have tasks.
+    "all" is every row; with `by_family`, each task family gets its own rows when the rows have tasks.
     """
-    families = sorted({family_of(r) for r in rows} - {""})
+    families = sorted({family_of(r) for r in rows} - {""}) if by_family else []
     groups = [("all", list(range(len(rows))))] + [(f, [i for i, r in enumerate(rows) if family_of(r) == f]) for f in families]
     labels = {t: target_labels(rows, t) for t in TARGETS}
     out = []

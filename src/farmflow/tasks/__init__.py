@@ -180,8 +180,8 @@ def heldout_accuracies(rows: list[dict], r1: list[float], r2: list[float]) -> di
     * heldout_gold_accuracy: against the gold reward, on pairs whose gold differs.
     """
     names = {"labels": "heldout_accuracy", "unnoised": "heldout_accuracy_unnoised", "gold": "heldout_gold_accuracy"}
-    return {names[r["target"]]: r["accuracy"] for r in report_rows(rows, {"reward": (r1, r2)})
-            if r["family"] == "all" and (r["pairs"] or r["target"] == "labels")}
+    return {names[r["target"]]: r["accuracy"] for r in report_rows(rows, {"reward": (r1, r2)}, by_family=False)
+            if r["pairs"] or r["target"] == "labels"}
 
 
 def _outputs_table(rows: list[dict], outputs: list[str], generator: str, scores: list[float] | None = None) -> pa.Table:
