@@ -33,19 +33,34 @@ def _cell(rows, scorer, family, target):
 def test_report_rows_hand_computed():
     rows = report_rows(ROWS, {"rm": SCORES, "flat": ([0.0] * 4, [0.0] * 4)})
     assert all(set(r) == set(SCHEMAS["reward_report"].names) for r in rows)
-    assert len(rows) == 2 * 3 * 3  # 2 scorers × (all, arithmetic, sort) × 3 targets
+    assert len(rows) == 2 * 3 * 4  # 2 scorers × (all, arithmetic, sort) × 4 targets
     assert _cell(rows, "rm", "all", "labels") == pytest.approx((3 / 4, math.sqrt(0.75 * 0.25 / 4), 4))
     assert _cell(rows, "rm", "all", "unnoised") == pytest.approx((1.0, 0.0, 3))
     assert _cell(rows, "rm", "all", "gold") == pytest.approx((2 / 3, math.sqrt(2 / 9 / 3), 3))
     assert _cell(rows, "rm", "arithmetic", "labels") == pytest.approx((0.5, math.sqrt(0.25 / 2), 2))
     assert _cell(rows, "rm", "arithmetic", "unnoised") == pytest.approx((1.0, 0.0, 1))
     assert _cell(rows, "rm", "sort", "gold") == pytest.approx((0.0, 0.0, 1))
+    assert _cell(rows, "rm", "all", "gold_ties") == pytest.approx((1.0, 0.0, 1))  # row 2 only
+    assert _cell(rows, "rm", "arithmetic", "gold_ties")[2] == 0
     acc, se, n = _cell(rows, "flat", "all", "labels")  # a scorer that ties everything counts no pair
     assert n == 0 and math.isnan(acc) and math.isnan(se)
     md = report_markdown(rows, "T")
-    assert "| rm | 0.750 ± 0.217 (4) | 1.000 ± 0.000 (3) | 0.667 ± 0.272 (3) |" in md
+    assert "| rm | 0.750 ± 0.217 (4) | 1.000 ± 0.000 (3) | 0.667 ± 0.272 (3) | 1.000 ± 0.000 (1) |" in md
     assert "Per task family, against unnoised labels:" in md and "| rm | 1.000 ± 0.000 | 1.000 ± 0.000 |" in md
-    assert "| flat | — (0) | — (0) | — (0) |" in md
+    assert "| flat | — (0) | — (0) | — (0) | — (0) |" in md
+
+
+def test_gold_ties_target_is_the_judged_labels_on_pairs_of_equal_gold():
+    rows = [
+        {"preference": 2.0, "noised": False, "gold_1": 0.5, "gold_2": 0.5, "task": A},  # judged tie of gold: counted
+        {"preference": 1.0, "noised": False, "gold_1": 0.2, "gold_2": 0.2, "task": A},  # judged tie of gold: counted
+        {"preference": 2.0, "noised": True, "gold_1": 0.5, "gold_2": 0.5, "task": A},   # a coin flip: left out
+        {"preference": 1.0, "noised": False, "gold_1": 0.0, "gold_2": 1.0, "task": A},  # gold differs: left out
+        {"preference": 1.5, "noised": False, "gold_1": 1.0, "gold_2": 1.0, "task": A},  # the annotator tied: left out
+    ]
+    longer = ([1.0, 1.0, 1.0, 1.0, 1.0], [2.0, 2.0, 2.0, 2.0, 2.0])  # always output_2
+    assert _cell(report_rows(rows, {"longer": longer}, by_family=False), "longer", "all", "gold_ties") == pytest.approx(
+        (0.5, math.sqrt(0.25 / 2), 2))
 
 
 def test_report_rows_on_real_data_has_no_gold_target_and_no_families():

@@ -2,11 +2,14 @@
 
 A scorer gives each output of a pair a number; it is right on a pair when the higher number
 goes to the preferred output. Pairs labelled a tie, and pairs the scorer ties, are left out
-(and counted out of `pairs`). Three targets:
+(and counted out of `pairs`). Four targets:
 
 * ``labels``: the stored labels (p_sim^ann: a quarter are coin flips);
 * ``unnoised``: only the pairs an annotator actually judged (rows with ``noised`` false);
-* ``gold``: the synthetic farm's gold reward, on pairs whose gold differs.
+* ``gold``: the synthetic farm's gold reward, on pairs whose gold differs;
+* ``gold_ties``: the judged labels on the pairs whose gold is equal, which the annotators
+  decide by their biases (length, lists, position): how much of the annotators' taste a
+  scorer has picked up, apart from quality.
 
 `report_rows` scores every scorer against every target that the rows support, for all
 pairs and per task family (synthetic rows carry their task as JSON), with the binomial
@@ -22,7 +25,7 @@ import json
 import math
 from typing import Sequence
 
-TARGETS = ("labels", "unnoised", "gold")
+TARGETS = ("labels", "unnoised", "gold", "gold_ties")
 
 
 def pairwise_hits(reward_1: Sequence[float], reward_2: Sequence[float], preferences: Sequence[float]) -> tuple[int, int]:
@@ -49,6 +52,11 @@ def target_labels(rows: Sequence[dict], target: str) -> list[float] | None:
         if not rows or any(r.get("gold_1") is None or r.get("gold_2") is None for r in rows):
             return None
         return [2.0 if r["gold_2"] > r["gold_1"] else 1.0 if r["gold_2"] < r["gold_1"] else 1.5 for r in rows]
+    if target == "gold_ties":
+        judged, gold = target_labels(rows, "unnoised"), target_labels(rows, "gold")
+        if judged is None or gold is None:
+            return None
+        return [j if g == 1.5 else 1.5 for j, g in zip(judged, gold)]
     raise ValueError(f"unknown target {target!r}; expected one of {', '.join(TARGETS)}")
 
 

@@ -181,7 +181,7 @@ def heldout_accuracies(rows: list[dict], r1: list[float], r2: list[float]) -> di
     """
     names = {"labels": "heldout_accuracy", "unnoised": "heldout_accuracy_unnoised", "gold": "heldout_gold_accuracy"}
     return {names[r["target"]]: r["accuracy"] for r in report_rows(rows, {"reward": (r1, r2)}, by_family=False)
-            if r["pairs"] or r["target"] == "labels"}
+            if r["target"] in names and (r["pairs"] or r["target"] == "labels")}
 
 
 def _outputs_table(rows: list[dict], outputs: list[str], generator: str, scores: list[float] | None = None) -> pa.Table:

@@ -83,7 +83,7 @@ def overoptimization_task(store_uri: str, config: dict) -> ArtifactRef:
                            extra_files={"curve.md": markdown.encode(), "curve.png": png})
 
 
-@stage_task("reward_report", version="1")
+@stage_task("reward_report", version="2")
 def reward_report_task(
     store_uri: str, config: dict, preferences: ArtifactRef, sft: ArtifactRef, reward: ArtifactRef, batch_size: int = 64,
 ) -> ArtifactRef:
