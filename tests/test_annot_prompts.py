@@ -144,9 +144,23 @@ def test_presets_by_name():
     assert ANNOTATOR_PRESETS["alpacafarm-pool"]["api_pool"] == ANNOTATOR_PRESETS["p_sim_eval"]["api_pool"]
 
 
+def test_a_preset_by_name_keeps_the_other_fields_in_any_order():
+    """Regression: `annotation=p_sim_ann` replaced the whole section, so a later `annotation.max_cost_usd`
+    was an unknown field and an earlier one was silently dropped."""
+    for overrides in (["annotation=p_sim_ann", "annotation.max_cost_usd=20"], ["annotation.max_cost_usd=20", "annotation=p_sim_ann"],
+                      ["annotation.max_cost_usd=20", "annotation.preset=p_sim_ann"]):
+        ann = load_config("synthetic-micro", overrides).annotation
+        assert (ann.preset, ann.kind, ann.label_noise, ann.max_cost_usd, len(ann.api_pool)) == ("p_sim_ann", "api", 0.5, 20.0, 13), overrides
+    # switching presets: the fields the old preset fixed make way for the new one's
+    ann = load_config("alpaca-small", ["annotation.base_url=http://127.0.0.1:9/v1", "annotation=p_sim_gpt4"]).annotation
+    assert (ann.preset, len(ann.api_pool), ann.label_noise, ann.base_url) == ("p_sim_gpt4", 1, 0.0, "http://127.0.0.1:9/v1")
+    assert load_config("alpaca-small", ["annotation.preset=p_sim_eval"]).annotation.label_noise == 0.0
+
+
 def test_config_errors_name_the_problem():
-    with pytest.raises(ConfigError, match="unknown annotator preset 'nope'"):
+    with pytest.raises(ConfigError, match="unknown annotator preset 'nope'") as err:
         load_config("synthetic-micro", ["annotation.preset=nope"])
+    assert "got {" not in str(err.value)  # the whole section is not dumped into the message
     with pytest.raises(ConfigError, match="non-empty api_pool"):
         load_config("synthetic-micro", ["annotation.kind=api"])
     with pytest.raises(ValueError, match="fixed by preset"):

@@ -286,7 +286,7 @@ class AnnotatorConfig(Section):
         None,
         description="Named pool: alpacafarm-pool / p_sim_eval (the paper's 13 annotators), p_sim_ann (the same plus label noise 0.5), "
         "p_sim_gpt4 (one annotator, temperature 0). When set it fixes kind, api_pool and label_noise; the other fields "
-        "(endpoint, limits, prices) still apply. Also accepted as a bare name: annotation=p_sim_ann.",
+        "(endpoint, limits, prices) still apply. Also accepted as a bare name: annotation=p_sim_ann (the same as annotation.preset=p_sim_ann).",
     )
     pool: list[OracleAnnotatorConfig] = Field(default_factory=_default_pool, min_length=1, description="The oracle annotator pool (kind 'oracle'); one is drawn per pair.")
     api_pool: list[ApiAnnotatorConfig] = Field(default_factory=list, description="The API annotator pool (kind 'api'); one is drawn per pair.")
@@ -779,7 +779,8 @@ def _format_validation_error(err: ValidationError, prefix: str = "") -> str:
         if e["type"] == "extra_forbidden":
             lines.append(f"unknown field {loc!r}")
         else:
-            lines.append(f"invalid value for {loc!r}: {e['msg']} (got {e.get('input')!r})")
+            got = e.get("input")  # a whole section is not repeated back: the message says what is wrong with it
+            lines.append(f"invalid value for {loc!r}: {e['msg']}" + ("" if isinstance(got, dict) else f" (got {got!r})"))
     return "; ".join(lines)
 
 
@@ -815,11 +816,30 @@ def load_config(preset_name: str = "synthetic-tiny", overrides: list[str] | dict
             node = node[part]
         if not isinstance(node, dict) or path[-1] not in node:
             raise ConfigError(f"unknown field {'.'.join(path)!r}")
+        if path[-1] == "preset" and "api_pool" in node and isinstance(value, str):  # annotation.preset=NAME
+            _select_preset(node, value)
+            continue
+        if isinstance(node[path[-1]], dict) and "preset" in node[path[-1]] and isinstance(value, str):  # annotation=NAME
+            _select_preset(node[path[-1]], value)
+            continue
         if isinstance(node[path[-1]], dict) and node[path[-1]] and isinstance(value, dict):  # (an empty dict is a dict field)
             _merge(node[path[-1]], value, ".".join(path))  # a section: update only the fields given
         else:
             node[path[-1]] = value
     return validate_config(base)
+
+
+def _select_preset(section: dict, name: str) -> None:
+    """Select annotator preset `name` in an annotator section (dict), keeping every field the preset does not fix.
+
+    `annotation=NAME` and `annotation.preset=NAME` mean the same, whatever came before or
+    after them (endpoint, limits, prices, seed stay); the fields the previous preset fixed
+    make way for the new one's.
+    """
+    if section.get("preset") in ANNOTATOR_PRESETS:
+        for field in ANNOTATOR_PRESETS[section["preset"]]:
+            section.pop(field, None)
+    section["preset"] = name
 
 
 def _merge(target: dict, update: dict, where: str) -> None:
