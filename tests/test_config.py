@@ -259,3 +259,48 @@ def test_config_diff_lists_what_a_preset_changes_from_the_paper_defaults():
     assert "dpo.beta" not in out.output and "sft.lr" not in out.output  # unchanged; other section
     everything = CliRunner().invoke(app, ["config", "diff", "synthetic-tiny", "--section", "dpo", "--all"], terminal_width=200)
     assert "dpo.beta" in everything.output
+
+
+def test_config_diff_shows_an_annotator_preset_as_one_row_and_presets_one_line_each():
+    """Regression: `config diff alpacafarm-7b` printed ~200 rows of the preset-fixed API pools (and a stray `api_pool [] → —`)."""
+    from typer.testing import CliRunner
+
+    from farmflow.cli import app
+
+    out = CliRunner().invoke(app, ["config", "diff", "alpacafarm-7b"], terminal_width=200)
+    assert out.exit_code == 0, out.output
+    assert "annotation.preset" in out.output and "'p_sim_ann'" in out.output and "best_of_n.n" in out.output
+    assert "api_pool" not in out.output
+    listed = CliRunner().invoke(app, ["config", "presets"], terminal_width=200)
+    assert [ln.split(":")[0] for ln in listed.output.splitlines()[:-1]] == ["alpaca-small", "alpacafarm-7b", "synthetic-micro", "synthetic-tiny"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["run", "nonexist"], "unknown flow 'nonexist'"),
+    (["run", "dpo", "--method", "ppo"], "--method only applies to the compare flow"),
+    (["run", "best-of-n", "--set", "sft.lrr=1"], "unknown field 'sft.lrr'"),
+    (["demo", "--method", "foo"], "unknown method(s) foo"),
+    (["demo", "--annotator", "nope"], "unknown annotator 'nope'"),
+    (["demo", "--preset", "nope"], "unknown preset"),
+])
+def test_cli_refuses_bad_names_before_starting_prefect(monkeypatch, args, message):
+    """Regression: a typo waited for Prefect's temporary API (~15 s) before the error."""
+    from typer.testing import CliRunner
+
+    import farmflow.cli as cli
+    from farmflow.config import FLOW_NAMES, METHODS
+
+    started = []
+    monkeypatch.setattr(cli, "_start_temporary_api", lambda: started.append(1))
+    out = CliRunner().invoke(cli.app, args, terminal_width=200)
+    assert out.exit_code == 2 and message in " ".join(out.output.split()), out.output
+    assert not started
+    assert FLOW_NAMES == ("compare", "feedme", "reward-conditioning", "dpo", "best-of-n", "expert-iteration", "ppo", "quark")
+    assert len(METHODS) == 7
+
+
+def test_flow_names_are_the_flows():
+    from farmflow.config import FLOW_NAMES
+    from farmflow.flows import FLOWS
+
+    assert set(FLOWS) == set(FLOW_NAMES) and len(FLOW_NAMES) == len(FLOWS)

@@ -144,7 +144,7 @@ def _run(preset: str, overrides: list[str], store: Optional[str], as_json: bool,
 
 
 def _methods(methods: list[str]) -> Optional[list[str]]:
-    from farmflow.flows import METHODS
+    from farmflow.config import METHODS
 
     chosen = [m.strip().replace("-", "_") for item in methods for m in item.split(",") if m.strip()]
     unknown = [m for m in chosen if m not in METHODS]
@@ -164,16 +164,17 @@ def demo(
 ) -> None:
     """Run the offline synthetic farm end to end: SFT, pairs, annotation, reward model, every method, one leaderboard."""
     _prefect_env()
+    chosen = _methods(methods)  # wrong names and presets fail at once, before Prefect's temporary API starts
+    if annotator not in ("oracle", "api-local"):
+        console.print(f"[red]unknown annotator {annotator!r}[/red]; use oracle or api-local")
+        raise typer.Exit(2)
+    _config(preset, [], store)
     api_ready = _start_temporary_api()
-    chosen = _methods(methods)
     if annotator == "api-local":
         from farmflow.cli.annotators import local_judge
 
         with local_judge(store) as overrides:
             return _run(preset, overrides, store, as_json, methods=chosen, api_ready=api_ready)
-    if annotator != "oracle":
-        console.print(f"[red]unknown annotator {annotator!r}[/red]; use oracle or api-local")
-        raise typer.Exit(2)
     _run(preset, [], store, as_json, methods=chosen, api_ready=api_ready)
 
 
@@ -187,17 +188,18 @@ def run(
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
 ) -> None:
     """Run a flow on a preset with overrides; unchanged stages come from the cache."""
-    _prefect_env()
-    api_ready = _start_temporary_api()
-    from farmflow.flows import FLOWS
+    from farmflow.config import FLOW_NAMES
 
-    if flow not in FLOWS:
-        console.print(f"[red]unknown flow {flow!r}[/red]; known flows: {', '.join(FLOWS)}")
+    _prefect_env()
+    if flow not in FLOW_NAMES:  # wrong names, flags and overrides fail at once, before Prefect's temporary API starts
+        console.print(f"[red]unknown flow {flow!r}[/red]; known flows: {', '.join(FLOW_NAMES)}")
         raise typer.Exit(2)
     chosen = _methods(methods)
     if chosen and flow != "compare":
         console.print("[red]--method only applies to the compare flow[/red]")
         raise typer.Exit(2)
+    _config(preset, set_, store)
+    api_ready = _start_temporary_api()
     _run(preset, set_, store, as_json, flow=flow, methods=chosen, api_ready=api_ready)
 
 
@@ -335,7 +337,9 @@ def presets() -> None:
     from farmflow.config import PRESETS
 
     for name, factory in sorted(PRESETS.items()):
-        console.print(f"{name}: {(factory.__doc__ or '').strip()}")
+        first = " ".join((factory.__doc__ or "").strip().split("\n\n")[0].split())  # its first paragraph
+        console.print(f"[bold]{name}[/bold]: {first}", highlight=False, soft_wrap=True)
+    console.print("(`farmflow config show NAME` prints one in full; `farmflow config diff NAME` how it differs from the defaults)", soft_wrap=True)
 
 
 @config_app.command("show")
@@ -363,13 +367,17 @@ def diff(
             return {k: v for i, sub in enumerate(value) for k, v in flat(sub, f"{prefix}[{i}]").items()}
         return {prefix: value}
 
-    paper, chosen = flat(FarmConfig().model_dump(), ""), flat(_config(preset, [], None).model_dump(), "")
-    table = Table(title=f"{preset} vs the paper's defaults")
-    for col in ("setting", "paper default", preset):
+    cfg = _config(preset, [], None)
+    paper, chosen = flat(FarmConfig().model_dump(), ""), flat(cfg.model_dump(), "")
+    # an annotator preset fixes its pool: its row says so, the pool's ~100 fields would only repeat it
+    by_preset = tuple(f"{where}.api_pool" for where, ann in (("annotation", cfg.annotation), ("evaluation.annotator", cfg.evaluation.annotator))
+                      if ann.preset)
+    table = Table(title=f"{preset} vs the defaults (the methods' defaults are the paper's; data and model default to the synthetic farm)")
+    for col in ("setting", "default", preset):
         table.add_column(col)
     for key in dict.fromkeys([*paper, *chosen]):  # both: a preset's pool may be longer than the default's
         top = key.split(".")[0].split("[")[0]
-        if top in ("name", "store", "checkpoints", "execution") or (section and top not in section):
+        if top in ("name", "store", "checkpoints", "execution") or (section and top not in section) or key.startswith(by_preset):
             continue
         if all_ or chosen.get(key, "—") != paper.get(key, "—"):
             table.add_row(key, repr(paper.get(key, "—")), repr(chosen.get(key, "—")))

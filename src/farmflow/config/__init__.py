@@ -276,6 +276,14 @@ ANNOTATOR_PRESETS: dict[str, dict] = {
 }
 
 
+METHODS = ("feedme", "reward_conditioning", "dpo", "best_of_n", "expert_iteration", "ppo", "quark")
+"""Every method the compare flow (and `farmflow demo`) runs by default, in this order; each also has its own flow,
+named with hyphens (`best-of-n`). Here, not in `farmflow.flows`, so the CLI checks names without importing Prefect and torch."""
+
+FLOW_NAMES = ("compare", *(m.replace("_", "-") for m in METHODS))
+"""The flows `farmflow run` runs (`farmflow.flows.FLOWS`)."""
+
+
 class AnnotatorConfig(Section):
     kind: Literal["oracle", "api"] = Field(
         "oracle",
@@ -862,7 +870,7 @@ def validate_config(data: dict | FarmConfig) -> FarmConfig:
 
 
 __all__ = [
-    "ANNOTATOR_PRESETS", "AnnotatorConfig", "ApiAnnotatorConfig", "BestOfNConfig", "CheckpointConfig", "ConfigError", "DPOConfig", "DataConfig", "EvaluationConfig", "ExecutionConfig", "GPU_STAGES", "ExpertIterationConfig", "FarmConfig",
+    "ANNOTATOR_PRESETS", "AnnotatorConfig", "FLOW_NAMES", "METHODS", "ApiAnnotatorConfig", "BestOfNConfig", "CheckpointConfig", "ConfigError", "DPOConfig", "DataConfig", "EvaluationConfig", "ExecutionConfig", "GPU_STAGES", "ExpertIterationConfig", "FarmConfig",
     "LoraConfig", "ModelConfig", "ModelPrice", "OracleAnnotatorConfig", "PPOConfig", "PRESETS", "QuarkConfig", "RewardConditioningConfig", "RewardConfig", "SFTConfig", "SampleConfig",
     "StoreConfig", "load_config", "preset", "validate_config",
 ]

@@ -36,7 +36,7 @@ from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
-from farmflow.config import PRESETS, BestOfNConfig, ConfigError, ExecutionConfig, FarmConfig, load_config, validate_config
+from farmflow.config import METHODS, PRESETS, BestOfNConfig, ConfigError, ExecutionConfig, FarmConfig, load_config, validate_config
 from farmflow.storage import ArtifactRef, StoreError, canonical_json, open_store
 from farmflow.storage.schemas import SCHEMAS
 from farmflow.tasks import (
@@ -172,9 +172,6 @@ def _flow_run_name() -> str:
 
 
 # ------------------------------------------------------------------- the pipeline
-METHODS = ("feedme", "reward_conditioning", "dpo", "best_of_n", "expert_iteration", "ppo", "quark")
-"""Every method the compare flow (and `farmflow demo`) runs by default, in this order."""
-
 BASELINES = ("untrained", "sft")
 """Evaluated in every flow for context: the randomly initialized model and the SFT model."""
 
