@@ -212,3 +212,13 @@ def test_overoptimization_flow_with_ppo_snapshots(micro_config):
     assert steps == [0] + list(range(2, total + 1, 2))
     assert all(math.isfinite(r["proxy_reward"]) and 0 <= r["mean_gold"] <= 1 for r in ppo)
     assert "| greedy | ppo_step_2 |" in summary["markdown"]
+
+
+def test_annotator_labels_accept_the_preset_spelling(micro_config):
+    from farmflow.flows.overoptimization import evaluating_annotators
+
+    chosen = evaluating_annotators(micro_config, ["p_sim_ann", "greedy", "p_sim_eval"])
+    assert list(chosen) == ["p_sim^ann", "greedy", "p_sim^eval"]
+    assert chosen["p_sim^ann"] == micro_config.annotation and chosen["p_sim^eval"] == micro_config.evaluation.annotator
+    with pytest.raises(ValueError, match=r"unknown annotator\(s\) \['p_sim_gpt4'\]"):
+        evaluating_annotators(micro_config, ["p_sim_gpt4"])

@@ -157,7 +157,7 @@ def _methods(methods: list[str]) -> Optional[list[str]]:
 @app.command()
 def demo(
     preset: str = typer.Option("synthetic-tiny", help="Preset to run (synthetic-tiny: a few minutes on 2 CPU cores)."),
-    store: Optional[str] = typer.Option(None, help="Artifact store (default ./.farmflow/store or $FARMFLOW_STORE)."),
+    store: Optional[str] = typer.Option(None, help="Artifact store (default $FARMFLOW_STORE, else ./.farmflow/store)."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON instead of tables."),
     methods: list[str] = typer.Option([], "--method", help="Run only these methods (repeat or comma-separate); default: all."),
     annotator: str = typer.Option("oracle", help="oracle: the offline annotator pool; api-local: the API annotators (p_sim_ann/p_sim_eval) through a loopback judge server started for the run."),
@@ -184,7 +184,7 @@ def run(
     preset: str = typer.Option("synthetic-tiny", help="Preset to start from."),
     set_: list[str] = typer.Option([], "--set", help="Override a field: --set best_of_n.n=8 (values parsed as JSON when possible)."),
     methods: list[str] = typer.Option([], "--method", help="compare only: the methods to run (repeat or comma-separate); default: all."),
-    store: Optional[str] = typer.Option(None, help="Artifact store (default ./.farmflow/store or $FARMFLOW_STORE)."),
+    store: Optional[str] = typer.Option(None, help="Artifact store (default $FARMFLOW_STORE, else ./.farmflow/store)."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
 ) -> None:
     """Run a flow on a preset with overrides; unchanged stages come from the cache."""
@@ -242,13 +242,13 @@ def overopt(
     n: list[int] = typer.Option([], "--n", help="Best-of-n sample counts (repeatable); default 1 2 4 8 16."),
     labeller: list[str] = typer.Option(
         [], "--labeller", help="Who labels the PREF pairs, one reward model and one curve each: p_sim^ann, greedy, p_sim^eval "
-        "(repeatable or comma-separated); default p_sim^ann and greedy (paper Fig. 5)."),
+        "(or p_sim_ann, p_sim_eval; repeatable or comma-separated); default p_sim^ann and greedy (paper Fig. 5)."),
     annotator: list[str] = typer.Option(
         [], "--annotator", help="Judge every curve with these annotators (repeatable or comma-separated) instead of its own labeller; "
         "the single-reward-model curve: --labeller p_sim^ann --annotator p_sim^ann,greedy."),
     ppo_every: Optional[int] = typer.Option(None, "--ppo-every", help="Also PPO's curve: a policy snapshot every this many PPO steps, each a point."),
     set_: list[str] = typer.Option([], "--set", help="Override a field (section.field=value)."),
-    store: Optional[str] = typer.Option(None, help="Artifact store (default ./.farmflow/store or $FARMFLOW_STORE)."),
+    store: Optional[str] = typer.Option(None, help="Artifact store (default $FARMFLOW_STORE, else ./.farmflow/store)."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
 ) -> None:
     """Over-optimization curves, one per labeller: best-of-n for growing n (and PPO snapshots) against a reward model
@@ -256,8 +256,8 @@ def overopt(
     import time
 
     _prefect_env()
+    cfg = _config(preset, set_, store)  # a bad preset or override fails before Prefect's temporary API starts
     api_ready = _start_temporary_api()
-    cfg = _config(preset, set_, store)
     from farmflow.flows.overoptimization import overoptimization_flow
 
     api_ready()
@@ -279,7 +279,7 @@ def overopt(
 def reward_report(
     preset: str = typer.Option("synthetic-tiny", help="Preset to start from."),
     set_: list[str] = typer.Option([], "--set", help="Override a field (section.field=value)."),
-    store: Optional[str] = typer.Option(None, help="Artifact store (default ./.farmflow/store or $FARMFLOW_STORE)."),
+    store: Optional[str] = typer.Option(None, help="Artifact store (default $FARMFLOW_STORE, else ./.farmflow/store)."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
 ) -> None:
     """How good is the reward model? Held-out accuracy against labels, un-noised labels and gold, per task family,
@@ -304,7 +304,7 @@ def reward_report(
 
 @app.command()
 def leaderboard(
-    store: Optional[str] = typer.Option(None, help="Artifact store (default ./.farmflow/store or $FARMFLOW_STORE)."),
+    store: Optional[str] = typer.Option(None, help="Artifact store (default $FARMFLOW_STORE, else ./.farmflow/store)."),
 ) -> None:
     """Print the most recent leaderboard in the store, and where its Parquet, Markdown and plot are."""
     from farmflow.config import StoreConfig

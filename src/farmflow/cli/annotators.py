@@ -106,9 +106,9 @@ def read_alpaca_eval(path: Path) -> list[dict]:
 
 def annotate_file(
     path: Path = typer.Argument(..., help="AlpacaEval-format JSON: a list of {instruction, output_1, output_2[, input]}."),
-    annotator: str = typer.Option("p_sim_eval", help="oracle, a preset (alpacafarm-pool, p_sim_eval, p_sim_ann, p_sim_gpt4) or a JSON annotation config."),
+    annotator: str = typer.Option("p_sim_eval", help="oracle, a preset (alpacafarm-pool, p_sim_eval, p_sim_ann, p_sim_gpt4) or the path of a JSON file holding an annotation config."),
     output: Optional[Path] = typer.Option(None, help="Where to write the annotated rows (default FILE with .annotated.json)."),
-    store: Optional[str] = typer.Option(None, help="Store holding the row cache (default ./.farmflow/store or $FARMFLOW_STORE)."),
+    store: Optional[str] = typer.Option(None, help="Store holding the row cache (default $FARMFLOW_STORE, else ./.farmflow/store)."),
     base_url: Optional[str] = typer.Option(None, help="OpenAI-compatible endpoint (default: the config's, $OPENAI_BASE_URL or OpenAI)."),
     max_cost_usd: Optional[float] = typer.Option(None, help="Stop sending requests once this much is spent."),
     max_in_flight: Optional[int] = typer.Option(None, help="Requests in flight at once."),
@@ -154,7 +154,7 @@ def annotate_file(
 
 
 @annotations_app.command("reparse")
-def reparse(store: Optional[str] = typer.Option(None, help="Store holding the row cache (default ./.farmflow/store or $FARMFLOW_STORE).")) -> None:
+def reparse(store: Optional[str] = typer.Option(None, help="Store holding the row cache (default $FARMFLOW_STORE, else ./.farmflow/store).")) -> None:
     """Parse the stored raw completions of failed rows again, without any API call; rows that now parse become ok."""
     from farmflow.annotators import cache
     from farmflow.config import StoreConfig

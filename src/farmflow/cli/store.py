@@ -14,7 +14,7 @@ from rich.table import Table
 
 artifacts_app = typer.Typer(help="List and inspect the committed artifacts of a store.", no_args_is_help=True)
 console = Console()
-STORE_HELP = "Artifact store: a folder or s3://bucket/prefix[?endpoint_url=...] (default $FARMFLOW_STORE or ./.farmflow/store)."
+STORE_HELP = "Artifact store: a folder or s3://bucket/prefix[?endpoint_url=...] (default $FARMFLOW_STORE, else ./.farmflow/store)."
 
 
 def _open(store: Optional[str]):

@@ -41,12 +41,16 @@ DEFAULT_LABELLERS = ("p_sim^ann", "greedy")
 
 
 def evaluating_annotators(cfg: FarmConfig, names: list[str] | tuple[str, ...] = ("p_sim^ann", "greedy")) -> dict[str, Any]:
-    """Annotator label → AnnotatorConfig: p_sim^ann (cfg.annotation), greedy (GREEDY_ORACLE), p_sim^eval (cfg.evaluation.annotator)."""
+    """Annotator label → AnnotatorConfig: p_sim^ann (cfg.annotation), greedy (GREEDY_ORACLE), p_sim^eval (cfg.evaluation.annotator).
+
+    The preset spelling p_sim_ann / p_sim_eval is accepted too; the labels are always p_sim^ann / p_sim^eval.
+    """
     known = {"p_sim^ann": cfg.annotation, "greedy": GREEDY_ORACLE, "p_sim^eval": cfg.evaluation.annotator}
-    unknown = [n for n in names if n not in known]
+    label = {n: n.replace("p_sim_", "p_sim^", 1) if n.startswith("p_sim_") else n for n in names}
+    unknown = [n for n in names if label[n] not in known]
     if unknown:
         raise ValueError(f"unknown annotator(s) {unknown}; known: {', '.join(known)}")
-    return {n: known[n] for n in names}
+    return {label[n]: known[label[n]] for n in names}
 
 
 def labelled_upstream(run: StageRunner, cfg: FarmConfig, labeller: str) -> Upstream:
