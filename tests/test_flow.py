@@ -6,6 +6,7 @@ stages whose computation actually ran, Prefect's task states say which were cach
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pyarrow.parquet as pq
@@ -94,6 +95,8 @@ def test_demo_cli_runs_micro_and_prints_leaderboard(micro_config):
     latest = CliRunner().invoke(app, ["leaderboard", "--store", micro_config.store.uri])
     assert latest.exit_code == 0, latest.output
     assert "best_of_4" in latest.output and "leaderboard.png" in latest.output
+    as_json = json.loads(CliRunner().invoke(app, ["leaderboard", "--json", "--store", micro_config.store.uri]).output)
+    assert {r["method"] for r in as_json["leaderboard"]} >= {"untrained", "sft", "best_of_4"} and "/leaderboard/" in as_json["artifact"]
 
 
 def _fresh_prefect_env(tmp_path, **extra: str) -> dict:

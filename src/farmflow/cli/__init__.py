@@ -305,6 +305,7 @@ def reward_report(
 @app.command()
 def leaderboard(
     store: Optional[str] = typer.Option(None, help="Artifact store (default $FARMFLOW_STORE, else ./.farmflow/store)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the leaderboard's rows, artifact folder and creation time as JSON."),
 ) -> None:
     """Print the most recent leaderboard in the store, and where its Parquet, Markdown and plot are."""
     from farmflow.config import StoreConfig
@@ -317,6 +318,9 @@ def leaderboard(
         raise typer.Exit(1)
     latest = boards[-1]
     rows = st.read_table(latest).to_pylist()
+    if as_json:
+        print_json({"artifact": latest.uri, "created": latest.created, "leaderboard": rows})
+        return
     console.print(_board(rows, f"Leaderboard ({latest.created})"))
     if rows and rows[0].get("annotator"):
         console.print(f"annotator: {rows[0]['annotator']}; reference: {rows[0].get('reference') or '?'}")
