@@ -20,13 +20,10 @@ import torch
 
 from farmflow.config import DPOConfig, PPOConfig, QuarkConfig, RewardConfig, SFTConfig
 from farmflow.methods import dpo, ppo, quark, reward, sft
-from farmflow.models import (
-    batch_order, build_policy, encode_examples, load_policy, optimizer_and_schedule, reward_from_policy, sample_ids, save,
-    train_tokenizer,
-)
+from farmflow.models import build_policy, load_policy, reward_from_policy, sample_ids, save, train_tokenizer
 
 from rl_helpers import TOY_PROMPTS, digit_reward, toy_models
-from test_models import CFG, PROMPTS, RESPONSES
+from test_models import CFG, PROMPTS, RESPONSES, plain_sft
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -61,21 +58,12 @@ def test_sft_in_float32_on_the_gpu_is_the_plain_loop_and_starts_at_the_cpu_loss(
     model = _policy(tok)
     metrics = sft.train_sft(model, tok, PROMPTS[:N], RESPONSES[:N], cfg, 128)
     assert (next(model.parameters()).device.type, next(model.parameters()).dtype) == ("cuda", torch.float32)  # no autocast
-    plain = _policy(tok)
-    batches = [encode_examples(tok, [PROMPTS[i] for i in idx], [RESPONSES[i] for i in idx], 128)
-               for idx in batch_order(N, cfg.batch_size, 2, cfg.seed)]
-    with torch.no_grad():  # the first batch's loss on the CPU
-        ids, mask, labels = batches[0]
-        assert metrics["train_loss_first"] == pytest.approx(sft.sft_loss(plain(input_ids=ids, attention_mask=mask).logits, labels).item(), rel=1e-5)
-    plain.to(CUDA)  # what the loop does, written out: zero_grad, backward, clip, step, schedule
-    opt, sched = optimizer_and_schedule(plain, cfg.lr, cfg.weight_decay, 2, cfg.warmup_ratio)
-    for ids, mask, labels in batches:
-        loss = sft.sft_loss(plain(input_ids=ids.to(CUDA), attention_mask=mask.to(CUDA)).logits, labels.to(CUDA))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)
-        opt.step()
-        sched.step()
+    on_cpu = plain_sft(_policy(tok), tok, cfg, N)  # the same loop written out, on the CPU and on the GPU
+    plain = _policy(tok).to(CUDA)
+    on_gpu = plain_sft(plain, tok, cfg, N, device="cuda")
+    assert metrics["train_loss_first"] == pytest.approx(on_cpu[0], rel=1e-5)
+    assert on_gpu[0] == pytest.approx(on_cpu[0], rel=1e-5)
+    assert on_gpu[-1] == pytest.approx(on_cpu[-1], rel=1e-4)
     for (name, p), q in zip(model.named_parameters(), plain.parameters()):
         assert torch.allclose(p, q, atol=1e-4, rtol=0), f"{name}: max diff {(p - q).abs().max():.2e}"
 

@@ -10,7 +10,7 @@ from farmflow.config import ModelConfig
 from farmflow.data.prompts import format_prompt
 from farmflow.data.synthetic import correct_output, sample_task
 from farmflow.models import (
-    BOS, EOS, IGNORE, PAD, build_policy, encode_examples, load_policy, optimizer_and_schedule, reward_from_policy,
+    BOS, EOS, IGNORE, PAD, batch_order, build_policy, encode_examples, load_policy, optimizer_and_schedule, reward_from_policy,
     pack_examples, sample, sample_ids, sample_seed, sample_uniforms, save, score, tokenize_examples, train_tokenizer,
 )
 
@@ -25,6 +25,26 @@ def _texts(n=300, seed=0):
 
 
 PROMPTS, RESPONSES = _texts()
+
+
+def plain_sft(model, tok, cfg, n: int, device: str = "cpu") -> list[float]:
+    """farmflow's SFT loop written out in plain PyTorch (zero_grad, backward, clip 1.0, AdamW, schedule) on the
+    first `n` examples: what the runtime must reduce to. Returns each step's loss."""
+    from farmflow.methods.sft import sft_loss
+
+    steps = max(1, round(cfg.epochs * math.ceil(n / cfg.batch_size)))
+    opt, sched = optimizer_and_schedule(model, cfg.lr, cfg.weight_decay, steps, cfg.warmup_ratio)
+    losses = []
+    for idx in batch_order(n, cfg.batch_size, steps, cfg.seed):
+        ids, mask, labels = (t.to(device) for t in encode_examples(tok, [PROMPTS[i] for i in idx], [RESPONSES[i] for i in idx], 128))
+        loss = sft_loss(model(input_ids=ids, attention_mask=mask).logits, labels)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+    return losses
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

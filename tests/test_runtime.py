@@ -7,11 +7,11 @@ import torch
 
 from farmflow.config import DPOConfig, RewardConfig, SFTConfig
 from farmflow.methods import dpo, reward, sft
-from farmflow.models import batch_order, build_policy, encode_examples, optimizer_and_schedule, reward_from_policy, save, train_tokenizer
+from farmflow.models import build_policy, encode_examples, reward_from_policy, save, train_tokenizer
 from farmflow.models.runtime import Runtime
 from farmflow.tasks.core import key_config
 
-from test_models import CFG, PROMPTS, RESPONSES
+from test_models import CFG, PROMPTS, RESPONSES, plain_sft
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -103,16 +103,8 @@ def test_cpu_runtime_is_the_plain_loop_bit_for_bit_without_autocast(tok):
     assert autocast_seen and not any(autocast_seen)
     assert {p.dtype for p in model.parameters()} == {torch.float32} and {p.device.type for p in model.parameters()} == {"cpu"}
 
-    plain = _policy(tok)  # what the loop did before the runtime: zero_grad, backward, clip, step, schedule
-    opt, sched = optimizer_and_schedule(plain, cfg.lr, cfg.weight_decay, 2, cfg.warmup_ratio)
-    for idx in batch_order(N, cfg.batch_size, 2, cfg.seed):
-        ids, mask, labels = encode_examples(tok, [PROMPTS[i] for i in idx], [RESPONSES[i] for i in idx], 128)
-        loss = sft.sft_loss(plain(input_ids=ids, attention_mask=mask).logits, labels)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)
-        opt.step()
-        sched.step()
+    plain = _policy(tok)  # what the loop did before the runtime
+    plain_sft(plain, tok, cfg, N)
     for (name, p), q in zip(model.named_parameters(), plain.parameters()):
         assert torch.equal(p, q), name
 
