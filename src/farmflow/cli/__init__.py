@@ -149,7 +149,7 @@ def _methods(methods: list[str]) -> Optional[list[str]]:
     chosen = [m.strip().replace("-", "_") for item in methods for m in item.split(",") if m.strip()]
     unknown = [m for m in chosen if m not in METHODS]
     if unknown:
-        console.print(f"[red]unknown method(s) {', '.join(unknown)}[/red]; known: {', '.join(METHODS)}")
+        console.print(f"[red]unknown method(s) {', '.join(unknown)}[/red]; known: {', '.join(METHODS)} (hyphens work too: best-of-n)")
         raise typer.Exit(2)
     return chosen or None
 
