@@ -217,3 +217,28 @@ def test_distributed_stage_flow_applies_the_callers_launcher(tmp_path, cfg, pref
     ref = stage_flow(**params, launcher={"launcher": "process", "accelerate_config": None, "num_processes": None})
     assert started == ["sample_pairs"] and ref["rows"] == 144
     assert stage_flow(**params)["key"] == ref["key"] and started == ["sample_pairs"]  # cached; no launcher = inline
+
+
+def test_a_child_stage_commits_its_extra_tables_and_files(tmp_path):
+    """Regression: best_of_n keeps its candidates as an extra table, which the child's store did not accept
+    (TypeError on `extra_tables`), so best-of-n under launcher process/accelerate failed."""
+    import pyarrow as pa
+
+    from farmflow.storage.schemas import SCHEMAS
+    from farmflow.tasks.launch import OutboxStore, commit_outbox
+
+    real, out = open_store(str(tmp_path / "store")), tmp_path / "out"
+    outputs = pa.Table.from_pylist([{"id": "a", "instruction": "i", "input": "", "output": "o", "generator": "g", "task": "", "score": 0.5}],
+                                   schema=SCHEMAS["outputs"])
+    candidates = pa.Table.from_pylist([{"id": "a", "sample": s, "output": f"o{s}", "reward": float(s)} for s in range(3)],
+                                      schema=SCHEMAS["candidates"])
+    child = OutboxStore(real, out, writer=True)
+    made = child.put_table("best_of_n", "k1", outputs, "outputs", config={"n": 3}, extra_files={"notes.md": b"# hi"},
+                           extra_tables={"candidates.parquet": (candidates, "candidates")})
+    assert made.rows == 1 and real.get("best_of_n", "k1") is None  # the child commits nothing itself
+    (ref,) = commit_outbox(real, out)
+    assert real.read_table(ref).equals(outputs)
+    assert real.read_table(ref, "candidates.parquet", "candidates").equals(candidates)
+    assert (Path(ref.uri) / "notes.md").read_bytes() == b"# hi"
+    with pytest.raises(ValueError, match="candidates"):  # extra tables are validated in the child too
+        child.put_table("best_of_n", "k2", outputs, "outputs", extra_tables={"candidates.parquet": (outputs, "candidates")})

@@ -149,9 +149,10 @@ def commit_outbox(store, out: Path) -> list[ArtifactRef]:
                 shutil.move(str(folder / "model"), str(model))
                 metrics.update(rec["metrics"])
         else:
-            extra = {p.name: p.read_bytes() for p in folder.iterdir() if p.name not in (RECORD, "data.parquet")}
+            tables = {name: (pq.read_table(folder / name), fmt) for name, fmt in rec.get("extra_tables", {}).items()}
+            extra = {p.name: p.read_bytes() for p in folder.iterdir() if p.name not in (RECORD, "data.parquet", *tables)}
             store.put_table(stage, key, pq.read_table(folder / "data.parquet"), rec["format"], config=rec["config"],
-                            inputs=rec["inputs"], metrics=rec["metrics"], extra_files=extra)
+                            inputs=rec["inputs"], metrics=rec["metrics"], extra_files=extra, extra_tables=tables)
         refs.append(store.get(stage, key))
     return refs
 
@@ -176,8 +177,9 @@ class OutboxStore:
         order.write_text(json.dumps([*names, name]))
         return folder
 
-    def _record(self, folder: Path, ref: ArtifactRef, config: Any, inputs: dict | None) -> None:
+    def _record(self, folder: Path, ref: ArtifactRef, config: Any, inputs: dict | None, extra_tables: dict[str, str] | None = None) -> None:
         record = {"stage": ref.stage, "key": ref.key, "kind": ref.kind, "format": ref.format, "metrics": ref.metrics,
+                  "extra_tables": extra_tables or {},
                   "config": json.loads(canonical_json(config)) if config is not None else None,
                   "inputs": {k: (v.key if isinstance(v, ArtifactRef) else v) for k, v in (inputs or {}).items()}}
         (folder / RECORD).write_text(json.dumps(record))
@@ -187,8 +189,11 @@ class OutboxStore:
         return self.written.get((stage, key)) or self.real.get(stage, key)
 
     def put_table(self, stage: str, key: str, table: pa.Table, format: str, *, config: Any = None, inputs: dict | None = None,
-                  metrics: dict[str, float] | None = None, extra_files: dict[str, bytes] | None = None) -> ArtifactRef:
+                  metrics: dict[str, float] | None = None, extra_files: dict[str, bytes] | None = None,
+                  extra_tables: dict[str, tuple[pa.Table, str]] | None = None) -> ArtifactRef:
+        """As `Store.put_table`; the parent commits it (`commit_outbox`), extra tables validated again there."""
         table = conform(table, format, where=f"stage {stage!r}")
+        extra = {name: (conform(t, fmt, where=f"stage {stage!r} {name}"), fmt) for name, (t, fmt) in (extra_tables or {}).items()}
         ref = ArtifactRef(uri="", stage=stage, key=key, kind="table", format=format, rows=table.num_rows, created=utc_now(),
                           metrics=dict(metrics or {}))
         if self.writer:
@@ -196,7 +201,9 @@ class OutboxStore:
             pq.write_table(table, folder / "data.parquet")
             for name, data in (extra_files or {}).items():
                 (folder / name).write_bytes(data)
-            self._record(folder, ref, config, inputs)
+            for name, (t, _) in extra.items():
+                pq.write_table(t, folder / name)
+            self._record(folder, ref, config, inputs, {name: fmt for name, (_, fmt) in extra.items()})
         return ref
 
     @contextmanager
