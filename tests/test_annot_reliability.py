@@ -48,7 +48,7 @@ def test_twenty_percent_faults_of_every_kind(monkeypatch, tmp_path):
         assert all(r["status"] == "ok" and r["error"] is None for r in log if r not in failed)
         assert 0 < len(failed) < 100
         reasons = {r["error"].split(":")[0] for r in failed}
-        assert reasons <= {"parse", "rate_limited", "http_500", "timeout"}
+        assert reasons <= {"parse", "rate_limited", "http_500", "timeout", "bad_response"} and "bad_response" in reasons
         # what was judged equals the fault-free answers
         prefs = table.column("preference").to_pylist()
         assert sum(p is None for p in prefs) == len(failed)
@@ -117,3 +117,18 @@ def test_retry_after_is_honored(monkeypatch, tmp_path):
     assert totals["judged"] == 12 and totals["failed"] == 0 and n429 >= 3
     assert srv.state.stats["requests"] == 12 + n429
     assert 0.2 * n429 <= elapsed < 0.45 * n429 + 2.0
+
+
+def test_a_web_page_instead_of_an_api_fails_each_request_clearly(monkeypatch, tmp_path):
+    """Regression: HTTP 200 with an HTML page (base_url pointing at a web UI) crashed the whole run with an
+    AttributeError from deep inside; now every pair fails with a reason and the run ends with one clear error."""
+    from farmflow.annotators import AnnotationIncomplete
+
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    rows = make_rows(12, seed=3)
+    with JudgeServer(JudgeConfig(fault_rate=1.0, faults=["html"])) as url:
+        with pytest.raises(AnnotationIncomplete, match="12 of 12 pairs failed") as err:
+            annotate(rows, pool(judge("c1", base_url=url), max_retries=0), str(tmp_path))
+    assert "bad_response: not a chat completion" in str(err.value) and KEY not in str(err.value)
+    log = open_store(tmp_path).read_rows("annotations", "annotations").to_pylist()
+    assert len(log) == 12 and {r["status"] for r in log} == {"failed"}

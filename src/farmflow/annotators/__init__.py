@@ -89,7 +89,8 @@ def _incomplete_message(cfg: AnnotatorConfig, judged: list[dict], stats: RunStat
     parts = []
     if failed:
         reasons = ", ".join(f"{k}: {v}" for k, v in stats.errors.most_common()) or "see the annotations cache"
-        parts.append(f"{len(failed)} of {len(judged)} pairs failed ({reasons})")
+        first = next((j.get("error") for j in failed if j.get("error")), None)
+        parts.append(f"{len(failed)} of {len(judged)} pairs failed ({reasons})" + (f", e.g. {first[:200]}" if first else ""))
     if unsent:
         parts.append(f"max_cost_usd=${cfg.max_cost_usd:.6g} reached after ${stats.cost_usd:.6g}: {unsent} pairs not sent")
     return ("annotation incomplete: " + "; ".join(parts) + ". Everything judged is in the row cache; rerun to ask the rest"

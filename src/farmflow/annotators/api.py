@@ -33,6 +33,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 import openai
+from openai.types.chat import ChatCompletion
 
 from farmflow.annotators import cache, prompts
 from farmflow.annotators.oracle import unit_hash
@@ -244,17 +245,17 @@ class _Run:
                         return
                     self.record(a, ahash, items, None, error, raw, tuple(usage), time.perf_counter() - start)
                     return
-                if resp.usage is not None:
-                    usage[0] += resp.usage.prompt_tokens or 0
-                    usage[1] += resp.usage.completion_tokens or 0
-                    self.stats.prompt_tokens += resp.usage.prompt_tokens or 0
-                    self.stats.completion_tokens += resp.usage.completion_tokens or 0
-                    self.stats.cost_usd += self.price(a.model, resp.usage.prompt_tokens or 0, resp.usage.completion_tokens or 0)
-                choice = resp.choices[0] if resp.choices else None
-                text = (choice.message.content if choice and choice.message else None) or ""
-                top = None
-                if choice is not None and choice.logprobs is not None and choice.logprobs.content:
-                    top = [(t.token, t.logprob) for t in choice.logprobs.content[0].top_logprobs or []]
+                if not isinstance(resp, ChatCompletion):  # e.g. HTTP 200 with a web page: base_url is not an API
+                    reply = scrub(str(resp), self.key)[:80]
+                    self.record(a, ahash, items, None, f"bad_response: not a chat completion from {scrub(base_url, self.key)} "
+                                f"(got {type(resp).__name__} {reply!r})", raw, tuple(usage), time.perf_counter() - start)
+                    return
+                try:
+                    text, top = self._account(a, resp, usage)
+                except (AttributeError, IndexError, TypeError, ValueError) as err:  # a chat completion with the wrong fields
+                    self.record(a, ahash, items, None, f"bad_response: {type(err).__name__}: {scrub(str(err), self.key)[:120]}",
+                                raw, tuple(usage), time.perf_counter() - start)
+                    return
                 raw = prompts.raw_completion(a.prompt_format, text, top)
                 try:
                     prefs = prompts.parse(a.prompt_format, len(items), text, top)
@@ -266,6 +267,22 @@ class _Run:
                     return
                 self.record(a, ahash, items, prefs, None, raw, tuple(usage), time.perf_counter() - start)
                 return
+
+    def _account(self, a: ApiAnnotatorConfig, resp: ChatCompletion, usage: list[int]) -> tuple[str, list[tuple[str, float]] | None]:
+        """Count a reply's tokens and cost; its text and, for the logprobs format, the first token's top log-probs."""
+        if resp.usage is not None:
+            prompt, completion = resp.usage.prompt_tokens or 0, resp.usage.completion_tokens or 0
+            usage[0] += prompt
+            usage[1] += completion
+            self.stats.prompt_tokens += prompt
+            self.stats.completion_tokens += completion
+            self.stats.cost_usd += self.price(a.model, prompt, completion)
+        choice = resp.choices[0] if resp.choices else None
+        text = (choice.message.content if choice and choice.message else None) or ""
+        top = None
+        if choice is not None and choice.logprobs is not None and choice.logprobs.content:
+            top = [(t.token, t.logprob) for t in choice.logprobs.content[0].top_logprobs or []]
+        return text, top
 
     def _classify(self, err: openai.APIError, a: ApiAnnotatorConfig, base_url: str) -> str | None:
         """A per-request failure reason, or None after recording a fatal error (stop sending)."""

@@ -16,7 +16,8 @@ gets one of the faults in `faults`, drawn from a seeded generator:
 * ``429``: HTTP 429 with a Retry-After header; ``500``: HTTP 500;
 * ``timeout``: the answer is held for `timeout_sleep_s` (longer than the client waits);
 * ``garbage``: text that answers nothing; ``truncated``: the right answer cut in half;
-* ``wrong_count``: one answer too few (or one too many for a single item).
+* ``wrong_count``: one answer too few (or one too many for a single item);
+* ``html``: HTTP 200 with an HTML page, as a web UI answers when base_url points at it.
 
 `stats` counts requests, status codes, faults, tokens and how often each pair was
 answered, so tests can check that nothing was asked or paid for twice.
@@ -37,7 +38,7 @@ from collections import Counter
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse
 from pydantic import BaseModel, Field
 
 from farmflow.annotators.oracle import OracleAnnotator, is_list, sigmoid, task_from_text, unit_hash
@@ -45,7 +46,7 @@ from farmflow.annotators.prompts import Item, parse_prompt
 from farmflow.config import AnnotatorConfig, OracleAnnotatorConfig
 from farmflow.data.synthetic import task_to_json
 
-FAULTS = ("429", "500", "timeout", "garbage", "truncated", "wrong_count")
+FAULTS = ("429", "500", "timeout", "garbage", "truncated", "wrong_count", "html")
 
 
 class JudgeConfig(BaseModel):
@@ -174,6 +175,9 @@ def build_app(state: JudgeState) -> FastAPI:
             if await request.is_disconnected():  # the client gave up: nothing answered, nothing billed
                 state.stats["abandoned"] += 1
                 return _error(408, "Request timed out.", "timeout")
+        if fault == "html":
+            state.stats["status_200_html"] += 1
+            return HTMLResponse("<!doctype html><html><head><title>Dashboard</title></head><body>Sign in</body></html>")
 
         temperature = float(body.get("temperature", 1.0) if body.get("temperature") is not None else 1.0)
         ps = [state.p_second(model, it) for it in items]
