@@ -304,3 +304,39 @@ def test_flow_names_are_the_flows():
     from farmflow.flows import FLOWS
 
     assert set(FLOWS) == set(FLOW_NAMES) and len(FLOW_NAMES) == len(FLOWS)
+
+
+@pytest.mark.parametrize("override, field", [
+    ("store.uri=s3://AKIAEXAMPLE:SECRETVALUE@bucket/prefix", "store.uri"),
+    ("store.uri=s3://bucket/prefix?endpoint_url=http://admin:SECRETVALUE@127.0.0.1:9000", "store.uri"),
+    ("annotation.base_url=http://127.0.0.1:8000/v1?api_key=SECRETVALUE", "annotation.base_url"),
+    ('evaluation.annotator.api_pool=[{"name": "x", "model": "m", "base_url": "http://u:SECRETVALUE@127.0.0.1/v1"}]',
+     "evaluation.annotator.api_pool.0.base_url"),
+])
+def test_urls_with_credentials_are_refused_without_repeating_them(override, field):
+    """Review finding: credentials in a URL ended up in errors, Prefect parameters and artifact records."""
+    with pytest.raises(ConfigError) as err:
+        load_config("synthetic-micro", [override])
+    assert f"invalid value for {field!r}: Value error, must not carry credentials" in str(err.value)
+    assert "SECRETVALUE" not in str(err.value) and "AKIA" not in str(err.value)
+
+
+def test_store_endpoint_and_direct_store_uris_with_credentials_are_refused(monkeypatch):
+    from farmflow.annotators.cache import resolve_base_url
+    from farmflow.config import ApiAnnotatorConfig, AnnotatorConfig
+    from farmflow.storage import StoreError, open_store
+
+    with pytest.raises(ConfigError, match="store.endpoint_url") as err:
+        load_config("synthetic-micro", ["store.uri=s3://bucket/p", "store.endpoint_url=http://admin:SECRETVALUE@127.0.0.1:9000"])
+    assert "SECRETVALUE" not in str(err.value)
+    with pytest.raises(StoreError, match="must not carry credentials") as err:
+        open_store("s3://AKIAEXAMPLE:SECRETVALUE@bucket/prefix")
+    assert "SECRETVALUE" not in str(err.value)
+    monkeypatch.setenv("OPENAI_BASE_URL", "http://127.0.0.1:9/v1?token=SECRETVALUE")
+    with pytest.raises(ValueError, match=r"\$OPENAI_BASE_URL must not carry credentials") as err:
+        resolve_base_url(ApiAnnotatorConfig(name="x", model="m"), AnnotatorConfig())
+    assert "SECRETVALUE" not in str(err.value)
+    # plain endpoints still work
+    assert load_config("synthetic-micro", ["store.uri=s3://bucket/p?endpoint_url=http://127.0.0.1:9000"]).store.uri.startswith("s3://bucket/p")
+    monkeypatch.setenv("OPENAI_BASE_URL", "http://127.0.0.1:9/v1/")
+    assert resolve_base_url(ApiAnnotatorConfig(name="x", model="m"), AnnotatorConfig()) == "http://127.0.0.1:9/v1"

@@ -258,7 +258,9 @@ def test_missing_bucket_is_one_clear_error(s3_server):
 
 
 def test_bad_options_are_named(s3_server):
-    with pytest.raises(StoreError, match=r"unknown option\(s\) \['secret'\]") as err:
+    with pytest.raises(StoreError, match=r"unknown option\(s\) \['colour'\]"):
+        open_store(f"s3://farm/x?endpoint_url={s3_server.endpoint}&colour=red")
+    with pytest.raises(StoreError, match=r"must not carry credentials \(query parameter secret\)") as err:
         open_store(f"s3://farm/x?endpoint_url={s3_server.endpoint}&secret=hunter2")
     assert "hunter2" not in str(err.value)
     with pytest.raises(StoreError, match="max_attempts must be a positive integer"):

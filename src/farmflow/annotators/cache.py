@@ -33,8 +33,16 @@ OPENAI_URL = "https://api.openai.com/v1"
 
 
 def resolve_base_url(annotator: ApiAnnotatorConfig, cfg: AnnotatorConfig) -> str:
-    """The annotator's endpoint: its own, the pool's, $OPENAI_BASE_URL, or OpenAI's."""
-    return (annotator.base_url or cfg.base_url or os.environ.get("OPENAI_BASE_URL") or OPENAI_URL).rstrip("/")
+    """The annotator's endpoint: its own, the pool's, $OPENAI_BASE_URL, or OpenAI's (never one with credentials in it)."""
+    from farmflow.config import CredentialsInValue, refuse_credentials
+
+    env = os.environ.get("OPENAI_BASE_URL")
+    if env and not (annotator.base_url or cfg.base_url):
+        try:
+            refuse_credentials(env, "the API key comes from api_key_env or api_key_secret")
+        except CredentialsInValue as err:
+            raise ValueError(f"$OPENAI_BASE_URL {err}") from None
+    return (annotator.base_url or cfg.base_url or env or OPENAI_URL).rstrip("/")
 
 
 def max_tokens(annotator: ApiAnnotatorConfig) -> int:

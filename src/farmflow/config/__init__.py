@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -194,6 +194,40 @@ def _default_pool() -> list[OracleAnnotatorConfig]:
     ]
 
 
+class CredentialsInValue(ValueError):
+    """A setting that carries credentials; its error message never repeats the value."""
+
+
+SECRET_QUERY_PARAMS = frozenset({
+    "key", "api_key", "apikey", "api-key", "token", "access_token", "auth", "secret", "password", "sig", "signature",
+    "x-amz-signature", "x-amz-credential", "x-amz-security-token", "aws_access_key_id", "aws_secret_access_key", "aws_session_token",
+})
+
+
+def refuse_credentials(url: str | None, where: str) -> str | None:
+    """`url` unchanged, or CredentialsInValue when it carries credentials (user:password@host, or a key, token or
+    signature query parameter): those would end up in logs, Prefect parameters and artifact records. `where` says
+    how to give them instead."""
+    if not url:
+        return url
+    from urllib.parse import parse_qsl, urlsplit
+
+    try:
+        parts = urlsplit(url)
+        userinfo = parts.username is not None or parts.password is not None
+    except ValueError:
+        return url  # not a URL: other checks say what is wrong with it
+    secret = sorted({k for k, _ in parse_qsl(parts.query) if k.lower() in SECRET_QUERY_PARAMS})
+    if userinfo:
+        raise CredentialsInValue(f"must not carry credentials (user:password@ in the URL); {where}")
+    if secret:
+        raise CredentialsInValue(f"must not carry credentials (query parameter {', '.join(secret)}); {where}")
+    for _, value in parse_qsl(parts.query):  # a URL inside, e.g. s3://bucket/prefix?endpoint_url=...
+        if "://" in value:
+            refuse_credentials(value, where)
+    return url
+
+
 class ApiAnnotatorConfig(Section):
     name: str = Field(description="Annotator id (appears in the preferences table and the annotations cache).")
     model: str = Field(description="Model name sent to the endpoint (e.g. gpt-4o-mini, a vLLM or Ollama model name).")
@@ -217,6 +251,11 @@ class ApiAnnotatorConfig(Section):
     )
     base_url: str | None = Field(None, description="Endpoint of this annotator; None: the pool's base_url.")
     paper_name: str | None = Field(None, description="The AlpacaFarm annotator this one stands in for (informational, e.g. 'gpt4_1: gpt-4-0314, CoT JSON, batch 4').")
+
+    @field_validator("base_url")
+    @classmethod
+    def _no_credentials(cls, v: str | None) -> str | None:
+        return refuse_credentials(v, "the API key comes from the pool's api_key_env or api_key_secret")
 
     @model_validator(mode="after")
     def _logprobs_single(self) -> "ApiAnnotatorConfig":
@@ -326,6 +365,11 @@ class AnnotatorConfig(Section):
         None, gt=0, json_schema_extra={"stage_key": False}, description="Stop sending new requests once the run has spent this much (requests in flight still finish); None: no cap."
     )
     prices: dict[str, ModelPrice] = Field(default_factory=_default_prices, json_schema_extra={"stage_key": False}, description="Model name -> token prices, for cost per annotation and run totals.")
+
+    @field_validator("base_url")
+    @classmethod
+    def _no_credentials(cls, v: str | None) -> str | None:
+        return refuse_credentials(v, "the API key comes from api_key_env or api_key_secret")
 
     @model_validator(mode="before")
     @classmethod
@@ -459,6 +503,11 @@ class StoreConfig(Section):
     cache_dir: str | None = Field(
         None, description="s3:// only: local cache of downloaded models and checkpoints, one copy per artifact (default $FARMFLOW_CACHE or ~/.cache/farmflow)."
     )
+
+    @field_validator("uri", "endpoint_url")
+    @classmethod
+    def _no_credentials(cls, v: str | None) -> str | None:
+        return refuse_credentials(v, "S3 credentials come from profile, credentials_block or the AWS environment")
 
     @model_validator(mode="after")
     def _s3_options_need_s3(self) -> "StoreConfig":
@@ -787,8 +836,9 @@ def _format_validation_error(err: ValidationError, prefix: str = "") -> str:
         if e["type"] == "extra_forbidden":
             lines.append(f"unknown field {loc!r}")
         else:
-            got = e.get("input")  # a whole section is not repeated back: the message says what is wrong with it
-            lines.append(f"invalid value for {loc!r}: {e['msg']}" + ("" if isinstance(got, dict) else f" (got {got!r})"))
+            got = e.get("input")  # a whole section, or a value with credentials in it, is not repeated back
+            quiet = isinstance(got, dict) or isinstance((e.get("ctx") or {}).get("error"), CredentialsInValue)
+            lines.append(f"invalid value for {loc!r}: {e['msg']}" + ("" if quiet else f" (got {got!r})"))
     return "; ".join(lines)
 
 
@@ -870,7 +920,7 @@ def validate_config(data: dict | FarmConfig) -> FarmConfig:
 
 
 __all__ = [
-    "ANNOTATOR_PRESETS", "AnnotatorConfig", "FLOW_NAMES", "METHODS", "ApiAnnotatorConfig", "BestOfNConfig", "CheckpointConfig", "ConfigError", "DPOConfig", "DataConfig", "EvaluationConfig", "ExecutionConfig", "GPU_STAGES", "ExpertIterationConfig", "FarmConfig",
+    "ANNOTATOR_PRESETS", "AnnotatorConfig", "CredentialsInValue", "FLOW_NAMES", "METHODS", "refuse_credentials", "ApiAnnotatorConfig", "BestOfNConfig", "CheckpointConfig", "ConfigError", "DPOConfig", "DataConfig", "EvaluationConfig", "ExecutionConfig", "GPU_STAGES", "ExpertIterationConfig", "FarmConfig",
     "LoraConfig", "ModelConfig", "ModelPrice", "OracleAnnotatorConfig", "PPOConfig", "PRESETS", "QuarkConfig", "RewardConditioningConfig", "RewardConfig", "SFTConfig", "SampleConfig",
     "StoreConfig", "load_config", "preset", "validate_config",
 ]

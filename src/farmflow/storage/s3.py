@@ -58,6 +58,12 @@ ACCESS_CODES = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "
 
 def parse_s3_uri(uri: str) -> tuple[str, str, dict[str, str]]:
     """``s3://bucket/prefix?opt=value`` → (bucket, prefix, options); unknown options are an error."""
+    from farmflow.config import CredentialsInValue, refuse_credentials
+
+    try:
+        refuse_credentials(uri, "S3 credentials come from profile, credentials_block or the AWS environment")
+    except CredentialsInValue as err:
+        raise StoreError(f"store URI: {err}") from None
     parts = urlsplit(uri)
     if parts.scheme != "s3" or not parts.netloc:
         raise StoreError(f"store URI {uri.split('?')[0]!r}: expected s3://bucket/prefix")
