@@ -128,6 +128,9 @@ def test_split_files_and_edited_file_is_a_new_stage_key(tmp_path):
     table = open_store(store).read_table(ref)
     assert [r["instruction"] for r in split_rows(table, "pref")] == ["Say 3.", "Say 4.", "Say 5."]
     assert ref.metrics["rows_eval"] == 4 and ref.metrics["rows_sft"] == 3
+    assert not any(k.endswith("_rows_unused") for k in ref.metrics)
+    smaller = data_task.fn(store, cfg.model_copy(update={"sft_size": 2}))  # rows a split leaves out are counted, not lost silently
+    assert smaller.metrics["rows_sft"] == 2 and smaller.metrics["sft_rows_unused"] == 1
     assert data_task.fn(store, DataConfig(source="local", split_paths=files, eval_path=ev)).key == ref.key  # same bytes: reused
     write(tmp_path / "eval.json", EVAL_ROWS[:3])  # edit the file
     ref2 = data_task.fn(store, cfg)  # the same config object: stage keys re-validate it, so the file is hashed again
@@ -167,7 +170,7 @@ def test_more_file_errors(tmp_path):
 
 def test_duplicate_instructions_across_splits(tmp_path):
     files = {"sft": write(tmp_path / "sft.json", ROWS[:3]), "pref": write(tmp_path / "pref.json", ROWS[3:6]),
-             "val": write(tmp_path / "val.json", [ROWS[7], ROWS[1]])}
+             "unlabeled": write(tmp_path / "unlabeled.json", [ROWS[6]]), "val": write(tmp_path / "val.json", [ROWS[7], ROWS[1]])}
     cfg = DataConfig(source="local", split_paths=files, eval_path=write(tmp_path / "eval.json", EVAL_ROWS))
     with pytest.raises(DataError, match=r"val\.json: row 1: column 'instruction' duplicates .*sft\.json row 1 \(splits 'sft' and 'val'"):
         build_real_farm(cfg)
@@ -182,8 +185,12 @@ def test_config_errors():
         load_config("synthetic-micro", ["data.source=local"])
     with pytest.raises(ConfigError, match="unknown split"):
         validate_config({"data": {"split_paths": {"train": "x.json"}}})
-    cfg = load_config("synthetic-micro", ['data.split_paths={"sft": "x.json"}'])  # a dict field set from the command line
-    assert cfg.data.split_paths == {"sft": "x.json"}
+    four = {s: f"{s}.json" for s in ("sft", "pref", "unlabeled", "val")}
+    cfg = load_config("synthetic-micro", [f"data.split_paths={json.dumps(four)}"])  # a dict field set from the command line
+    assert cfg.data.split_paths == four
+    # review finding: with only some splits given, the others were silently empty
+    with pytest.raises(ConfigError, match=r"split_paths: no file for split\(s\) \['pref', 'unlabeled', 'val'\]"):
+        load_config("synthetic-micro", ['data.split_paths={"sft": "x.json"}'])
 
 
 def test_hub_without_datasets_is_one_clear_error():

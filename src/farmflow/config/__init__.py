@@ -40,7 +40,7 @@ class DataConfig(Section):
     split_paths: dict[str, str] = Field(
         default_factory=dict,
         description="source 'local': one file per split instead (keys sft, pref, unlabeled, val), e.g. the hub's splits exported; "
-        "each split keeps its first *_size rows.",
+        "all four are needed; each split keeps its first *_size rows (the rows left out are counted in the data stage's metrics).",
     )
     eval_path: str | None = Field(
         None, description="source 'local': the evaluation set in AlpacaEval format (instruction, output = reference, generator, dataset)."
@@ -76,6 +76,10 @@ class DataConfig(Section):
         unknown = sorted(set(self.split_paths) - {"sft", "pref", "unlabeled", "val"})
         if unknown:
             raise ValueError(f"split_paths: unknown split {unknown}; known: sft, pref, unlabeled, val")
+        missing = [s for s in ("sft", "pref", "unlabeled", "val") if self.split_paths and s not in self.split_paths]
+        if missing:
+            raise ValueError(f"split_paths: no file for split(s) {missing}; give one file for each of sft, pref, unlabeled and val, "
+                             "or one file in instructions_path to split")
         if self.source != "local":
             return self
         if not self.eval_path or not (self.instructions_path or self.split_paths):

@@ -210,9 +210,10 @@ def build_real_farm(cfg: DataConfig) -> tuple[pa.Table, dict[str, float]]:
             raise DataError("data.eval_path: the real farm needs an evaluation file (AlpacaEval format: instruction, output, generator, dataset)")
         if cfg.split_paths:
             sources = dict(cfg.split_paths)
-            splits = {s: load_instructions(p) for s, p in cfg.split_paths.items()}
+            loaded = {s: load_instructions(p) for s, p in cfg.split_paths.items()}
             sizes = {"sft": cfg.sft_size, "pref": cfg.pref_size, "unlabeled": cfg.unlabeled_size, "val": cfg.val_size}
-            splits = {s: splits.get(s, [])[: sizes[s]] for s in TRAIN_SPLITS}
+            splits = {s: loaded[s][: sizes[s]] for s in TRAIN_SPLITS}
+            counts = {f"{s}_rows_unused": len(loaded[s]) - len(splits[s]) for s in TRAIN_SPLITS if len(loaded[s]) > len(splits[s])}
         else:
             if cfg.instructions_path is None:
                 raise DataError("data.instructions_path (one file to split) or data.split_paths (one file per split) is needed for data.source='local'")
