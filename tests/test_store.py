@@ -95,6 +95,26 @@ def test_get_unknown_and_list(tmp_path):
     assert r2.rows == 1
 
 
+def test_a_damaged_commit_record_is_one_clear_error_not_a_missing_artifact(tmp_path):
+    """Review finding: an unreadable record was left out of `list` silently, a truncated one gave a bare JSONDecodeError."""
+    from farmflow.storage import StoreError
+
+    store = LocalStore(tmp_path)
+    ref = store.put_table("pairs", "k1", pairs_table(), "pairs")
+    store.put_table("pairs", "k2", pairs_table(tag="b"), "pairs")
+    record = tmp_path / "pairs" / "k1" / COMMIT_FILE
+    record.write_text(record.read_text()[:40])  # truncated
+    for call in (lambda: store.get("pairs", "k1"), store.list, lambda: store.read_table(ref)):
+        with pytest.raises(StoreError, match=r"pairs/k1/_COMMIT\.json: unreadable commit record .*move that artifact folder away"):
+            call()
+    record.unlink()
+    record.mkdir()  # a record that cannot be read at all (here: a folder) is an error too, not an artifact left out
+    with pytest.raises((StoreError, IsADirectoryError)):
+        store.list()
+    record.rmdir()
+    assert [r.key for r in store.list()] == ["k2"]  # an uncommitted folder is simply not an artifact
+
+
 def test_file_uri_and_open_store(tmp_path):
     store = open_store(f"file://{tmp_path}/s")
     assert store.root == tmp_path / "s" and store.root.is_dir()

@@ -99,7 +99,17 @@ class Store:
                 raw = self.fs.cat_file(self._p(stage, key, COMMIT_FILE))
         except FileNotFoundError:
             return None
-        return json.loads(raw)
+        return self._parse_record(self._p(stage, key, COMMIT_FILE), raw)
+
+    def _parse_record(self, path: str, raw: bytes) -> dict:
+        try:
+            record = json.loads(raw)
+            if not isinstance(record, dict) or not isinstance(record.get("ref"), dict):
+                raise ValueError("no 'ref' object")
+            return record
+        except ValueError as err:  # json.JSONDecodeError is a ValueError
+            raise StoreError(f"{self.url(path)}: unreadable commit record ({str(err)[:120]}); move that artifact folder away "
+                             "to have its stage run again") from None
 
     def _folder(self, stage: str, key: str, record: dict) -> str:
         """The folder with the artifact's data: the artifact folder itself, or the attempt it names."""
@@ -131,11 +141,16 @@ class Store:
         with self._io():
             paths = self.fs.glob(self._p("*", "*", COMMIT_FILE))
             paths = [p for p in paths if not p.split("/")[-3].startswith((".", "_"))]  # not .staging, _rows, ...
-            raw = self.fs.cat(paths, on_error="omit") if paths else {}
+            raw = self.fs.cat(paths, on_error="return") if paths else {}
+            for data in raw.values():  # a record that cannot be read is an error, not an artifact left out of the listing
+                if isinstance(data, Exception) and not isinstance(data, FileNotFoundError):  # (not found: removed since the glob)
+                    raise data
         out = []
         for path, data in raw.items():
+            if isinstance(data, FileNotFoundError):
+                continue
             stage, key = path.split("/")[-3:-1]
-            record = json.loads(data)
+            record = self._parse_record(path, data)
             record["ref"] = self._ref(stage, key, record).model_dump(mode="json")
             out.append(record)
         return sorted(out, key=lambda r: r["ref"]["created"])
