@@ -251,6 +251,16 @@ def test_unreachable_endpoint_is_one_clear_error(s3_server):
     assert time.monotonic() - start < 30
 
 
+def test_a_connection_dropped_by_the_http_client_counts_as_cannot_connect():
+    """Review finding: botocore's HTTPClientError (e.g. a refused or reset connection) was reported as a failed request."""
+    from botocore.exceptions import ClientError, HTTPClientError
+
+    from farmflow.storage.s3 import _is_connection_error
+
+    assert _is_connection_error(HTTPClientError(error=ConnectionRefusedError(111, "Connection refused")))
+    assert not _is_connection_error(ClientError({"Error": {"Code": "AccessDenied"}}, "ListObjectsV2"))
+
+
 def test_missing_bucket_is_one_clear_error(s3_server):
     with pytest.raises(StoreError) as err:
         open_store(f"s3://no-such-bucket/x?endpoint_url={s3_server.endpoint}")

@@ -316,9 +316,10 @@ class S3Store(Store):
 
 def _is_connection_error(err: BaseException) -> bool:
     from botocore.exceptions import ConnectionError as BotoConnectionError
-    from botocore.exceptions import ConnectTimeoutError, EndpointConnectionError
+    from botocore.exceptions import ConnectTimeoutError, EndpointConnectionError, HTTPClientError
 
-    kinds: tuple[type, ...] = (BotoConnectionError, ConnectTimeoutError, EndpointConnectionError, ConnectionError, asyncio.TimeoutError)
+    kinds: tuple[type, ...] = (BotoConnectionError, ConnectTimeoutError, EndpointConnectionError, HTTPClientError, ConnectionError,
+                               asyncio.TimeoutError)
     try:
         import aiohttp
 
