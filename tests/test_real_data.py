@@ -168,6 +168,19 @@ def test_more_file_errors(tmp_path):
         load_instructions(tmp_path / "missing.json")
 
 
+def test_jsonl_errors_name_the_line_and_bad_encodings_are_one_error(tmp_path):
+    """Review finding: a JSONL row error said "row 1" for line 3 (0-based, blank lines skipped)."""
+    (tmp_path / "a.jsonl").write_text('{"instruction": "a", "input": "", "output": "x"}\n\n{"instruction": "b", "input": ""}\n')
+    with pytest.raises(DataError, match=r"a\.jsonl: line 3: missing column 'output'"):
+        load_instructions(tmp_path / "a.jsonl")
+    (tmp_path / "e.jsonl").write_text('{"instruction": "q", "output": "r", "generator": "g", "dataset": "d"}\n{"instruction": "q2", "output": 5}\n')
+    with pytest.raises(DataError, match=r"e\.jsonl: line 2: column 'output' must be str"):
+        load_eval(tmp_path / "e.jsonl")
+    (tmp_path / "latin1.json").write_bytes('[{"instruction": "caf\u00e9", "input": "", "output": "x"}]'.encode("latin-1"))
+    with pytest.raises(DataError, match=r"latin1\.json: .*utf-8"):
+        load_instructions(tmp_path / "latin1.json")
+
+
 def test_duplicate_instructions_across_splits(tmp_path):
     files = {"sft": write(tmp_path / "sft.json", ROWS[:3]), "pref": write(tmp_path / "pref.json", ROWS[3:6]),
              "unlabeled": write(tmp_path / "unlabeled.json", [ROWS[6]]), "val": write(tmp_path / "val.json", [ROWS[7], ROWS[1]])}
@@ -201,3 +214,16 @@ def test_hub_without_datasets_is_one_clear_error():
             load_hub(DataConfig(source="hub"))
     else:
         pytest.skip("datasets is installed; the hub route needs a network")
+
+
+def test_the_other_json_readers_report_a_bad_encoding_by_file(tmp_path):
+    """Review finding: a file that is not UTF-8 raised a bare UnicodeDecodeError."""
+    from farmflow.cli.annotators import read_alpaca_eval
+    from farmflow.evaluation.analysis import load_labels
+
+    bad = tmp_path / "latin1.json"
+    bad.write_bytes('[{"instruction": "caf\u00e9", "output_1": "a", "output_2": "b"}]'.encode("latin-1"))
+    for reader in (load_labels, lambda p: read_alpaca_eval(Path(p))):
+        with pytest.raises(ValueError, match=r"cannot read .*latin1\.json: .*utf-8") as err:
+            reader(str(bad))
+        assert not isinstance(err.value, UnicodeDecodeError)

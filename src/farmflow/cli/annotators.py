@@ -88,8 +88,8 @@ def _annotator_config(name: str, base_url: Optional[str], max_cost_usd: Optional
 def read_alpaca_eval(path: Path) -> list[dict]:
     """AlpacaEval-format pairs: a JSON list of objects with instruction, output_1, output_2 (input optional)."""
     try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ValueError(f"cannot read {path}: {err}") from None
     if not isinstance(data, list):
         raise ValueError(f"{path}: expected a JSON list of objects")

@@ -50,47 +50,57 @@ def file_sha256(path: str | Path) -> str:
 
 def read_records(path: str | Path) -> list[dict]:
     """Rows of a .json (a list of objects), .jsonl or .parquet file."""
+    return _read_records(path)[0]
+
+
+def _read_records(path: str | Path) -> tuple[list, list[str] | None]:
+    """(rows, how error messages name them): JSONL rows by their line in the file (blank lines skipped), None: "row i"."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: no such file")
     suffix = path.suffix.lower()
     try:
         if suffix == ".parquet":
-            return pq.read_table(path).to_pylist()
+            return pq.read_table(path).to_pylist(), None
         text = path.read_text(encoding="utf-8")
         if suffix == ".jsonl":
-            rows = []
+            rows, lines = [], []
             for i, line in enumerate(text.splitlines()):
                 if line.strip():
                     try:
                         rows.append(json.loads(line))
                     except json.JSONDecodeError as e:
                         raise DataError(f"{path}: line {i + 1} is not valid JSON ({e.msg})") from None
-            return rows
+                    lines.append(f"line {i + 1}")
+            return rows, lines
         if suffix == ".json":
             if not text.strip():
-                return []
+                return [], None
             try:
                 data = json.loads(text)
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
             if not isinstance(data, list):
                 raise DataError(f"{path}: expected a JSON list of objects, got a {type(data).__name__}")
-            return data
+            return data, None
     except (OSError, UnicodeDecodeError, pa.ArrowException) as e:
         raise DataError(f"{path}: cannot be read ({type(e).__name__}: {e})") from None
     raise DataError(f"{path}: unknown file type {suffix!r}; use .json, .jsonl or .parquet")
 
 
-def check_records(rows: list, path: str | Path, required: dict[str, Any], optional: dict[str, Any] | None = None) -> list[dict]:
-    """Rows with every required column of the right type; `input` may be missing or null (then "")."""
+def check_records(rows: list, path: str | Path, required: dict[str, Any], optional: dict[str, Any] | None = None,
+                  names: list[str] | None = None) -> list[dict]:
+    """Rows with every required column of the right type; `input` may be missing or null (then "").
+
+    Errors name the row as "row i" (from 0), or as `names[i]` (a JSONL file's "line n")."""
     if not rows:
         raise DataError(f"{path}: the file has no rows")
     optional = optional or {}
     out = []
     for i, row in enumerate(rows):
+        where = names[i] if names else f"row {i}"
         if not isinstance(row, dict):
-            raise DataError(f"{path}: row {i} is a {type(row).__name__}, not an object with columns {sorted(required)}")
+            raise DataError(f"{path}: {where} is a {type(row).__name__}, not an object with columns {sorted(required)}")
         clean = dict(row)
         for col, kind in {**required, **optional}.items():
             value = row.get(col)
@@ -99,25 +109,27 @@ def check_records(rows: list, path: str | Path, required: dict[str, Any], option
                 continue
             if col not in row or value is None:
                 if col in required:
-                    raise DataError(f"{path}: row {i}: missing column {col!r}" if col not in row else f"{path}: row {i}: column {col!r} is null")
+                    raise DataError(f"{path}: {where}: missing column {col!r}" if col not in row else f"{path}: {where}: column {col!r} is null")
                 continue
             if isinstance(value, bool) or not isinstance(value, kind):
                 want = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
-                raise DataError(f"{path}: row {i}: column {col!r} must be {want}, got {type(value).__name__} {str(value)[:40]!r}")
+                raise DataError(f"{path}: {where}: column {col!r} must be {want}, got {type(value).__name__} {str(value)[:40]!r}")
         if not clean["instruction"].strip():
-            raise DataError(f"{path}: row {i}: column 'instruction' is empty")
+            raise DataError(f"{path}: {where}: column 'instruction' is empty")
         out.append(clean)
     return out
 
 
 def load_instructions(path: str | Path) -> list[dict]:
     """AlpacaFarm-format rows: instruction, input, output (optionally output_1, output_2, preference)."""
-    return check_records(read_records(path), path, INSTRUCTION_COLUMNS, OPTIONAL_INSTRUCTION_COLUMNS)
+    rows, names = _read_records(path)
+    return check_records(rows, path, INSTRUCTION_COLUMNS, OPTIONAL_INSTRUCTION_COLUMNS, names)
 
 
 def load_eval(path: str | Path) -> list[dict]:
     """AlpacaEval-format rows: instruction, output (the reference), generator, dataset; `input` optional."""
-    return check_records(read_records(path), path, EVAL_COLUMNS, {"input": str})
+    rows, names = _read_records(path)
+    return check_records(rows, path, EVAL_COLUMNS, {"input": str}, names)
 
 
 def split_sizes(total: int, weights: dict[str, int]) -> dict[str, int]:

@@ -297,8 +297,8 @@ def load_labels(path: str) -> list[dict]:
             raise ValueError(f"cannot read {p}: {err}") from None
     else:
         try:
-            rows = json.loads(p.read_text())
-        except (OSError, json.JSONDecodeError) as err:
+            rows = json.loads(p.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
             raise ValueError(f"cannot read {p}: {err}") from None
         if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
             raise ValueError(f"{p}: expected a JSON list of annotation objects")
