@@ -381,6 +381,24 @@ def test_prefect_secret_and_global_rate_limit(prefect_harness, monkeypatch, tmp_
     assert elapsed >= 1.0  # 10 requests, a burst of 4 then 4 per second
 
 
+def test_a_json_secret_gives_its_api_key_and_a_key_is_not_taken_for_a_variable_name(prefect_harness):
+    """Review finding: a JSON Secret block became str(dict) as the key; api_key_env=<the key> was echoed in errors."""
+    from prefect.blocks.system import Secret
+
+    from farmflow.annotators.api import AnnotationError, api_key
+    from farmflow.config import AnnotatorConfig, ConfigError, load_config
+
+    Secret(value={"api_key": KEY}).save("farmflow-test-json-key", overwrite=True)
+    assert api_key(AnnotatorConfig(api_key_secret="farmflow-test-json-key")) == KEY
+    Secret(value={"token": KEY}).save("farmflow-test-no-key", overwrite=True)
+    with pytest.raises(AnnotationError, match="must hold the key as a string") as err:
+        api_key(AnnotatorConfig(api_key_secret="farmflow-test-no-key"))
+    assert KEY not in str(err.value)
+    with pytest.raises(ConfigError, match="name of an environment variable") as err:
+        load_config("synthetic-micro", ["annotation.api_key_env=sk-proj-SECRETVALUE"])
+    assert "SECRETVALUE" not in str(err.value)
+
+
 def test_annotate_task_uses_the_row_cache_across_flows(server, tmp_path):
     """Two stages (another key, same pairs) pay once: the second reads every row from the cache."""
     from farmflow.tasks import annotate_task

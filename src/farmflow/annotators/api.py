@@ -87,7 +87,12 @@ def api_key(cfg: AnnotatorConfig) -> str:
             value = Secret.load(cfg.api_key_secret).get()
         except Exception as err:  # noqa: BLE001  (block missing, no Prefect API...)
             raise AnnotationError(f"annotation.api_key_secret: cannot load Prefect Secret block {cfg.api_key_secret!r} ({type(err).__name__})") from None
-        return str(value)
+        if isinstance(value, dict):  # a JSON Secret: the key is its api_key field
+            value = value.get("api_key")
+        if not isinstance(value, str) or not value:
+            raise AnnotationError(f"annotation.api_key_secret: Prefect Secret block {cfg.api_key_secret!r} must hold the key as a string "
+                                  "(or JSON with an api_key field)")
+        return value
     value = os.environ.get(cfg.api_key_env)
     if not value:
         raise AnnotationError(f"annotation.api_key_env: environment variable {cfg.api_key_env} is not set (the API annotators' key)")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -374,6 +375,13 @@ class AnnotatorConfig(Section):
     @classmethod
     def _no_credentials(cls, v: str | None) -> str | None:
         return refuse_credentials(v, "the API key comes from api_key_env or api_key_secret")
+
+    @field_validator("api_key_env")
+    @classmethod
+    def _a_variable_name(cls, v: str) -> str:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", v):  # not the key itself: the value would be logged and stored
+            raise CredentialsInValue("must be the name of an environment variable (letters, digits and _), not the key itself")
+        return v
 
     @model_validator(mode="before")
     @classmethod
