@@ -140,6 +140,28 @@ KILL_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.parametrize("code, status", [("ConditionalRequestConflict", 409), ("PreconditionFailed", 412)])
+def test_a_lost_commit_race_in_any_phrasing_returns_the_winner(s3_server, s3_uri, monkeypatch, code, status):
+    """Review finding: only the answer s3fs maps to FileExistsError counted as a lost race; AWS also answers a
+    conditional PUT with 409 ConditionalRequestConflict (and 412 without the Condition field)."""
+    from botocore.exceptions import ClientError
+
+    winner = open_store(s3_uri).put_table("pairs", f"race-{status}", pairs_table(tag="w"), "pairs")
+    loser = open_store(s3_uri)
+    real_pipe = loser.fs.pipe_file
+
+    def conditional_put(path, data, mode="overwrite", **kw):
+        if mode == "create" and path.endswith(COMMIT_FILE):  # what such a server answers: the object exists
+            raise OSError(f"conditional PUT refused ({status})") from ClientError(
+                {"Error": {"Code": code, "Message": "At least one of the pre-conditions you specified did not hold"},
+                 "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject")
+        return real_pipe(path, data, mode=mode, **kw)
+
+    monkeypatch.setattr(loser.fs, "pipe_file", conditional_put)
+    assert loser.put_table("pairs", f"race-{status}", pairs_table(tag="l"), "pairs") == winner
+    assert all(r["instruction"].startswith("Sort w") for r in loser.read_table(winner).to_pylist())  # the winner's rows
+
+
 def test_writer_killed_before_its_commit_leaves_nothing_visible(s3_server, s3_uri, tmp_path):
     ready = tmp_path / "ready"
     run_and_kill_when([KILL_SCRIPT, s3_uri, str(ready)], ready.exists, "the upload before the commit", timeout=60)

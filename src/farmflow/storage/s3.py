@@ -53,6 +53,9 @@ OPTIONS = {
 }
 COMPLETE = "_COMPLETE"  # marker written last into a checkpoint folder
 CONNECT_TIMEOUT_S = 10
+LOST_RACE_CODES = {"PreconditionFailed", "ConditionalRequestConflict"}
+"""Answers to a conditional PUT (If-None-Match: *) whose object exists or is being written: AWS sends 412
+PreconditionFailed or 409 ConditionalRequestConflict; s3fs maps only some of them to FileExistsError."""
 ACCESS_CODES = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken", "403"}
 
 
@@ -213,7 +216,12 @@ class S3Store(Store):
         body = json.dumps(record, indent=2, sort_keys=True).encode()
         try:
             with self._io():
-                self.fs.pipe_file(self._p(ref.stage, ref.key, COMMIT_FILE), body, mode="create")
+                try:
+                    self.fs.pipe_file(self._p(ref.stage, ref.key, COMMIT_FILE), body, mode="create")
+                except Exception as err:  # noqa: BLE001 - only the lost-race codes are translated; the rest go on to _io
+                    if _error_code(err) in LOST_RACE_CODES:  # the conditional PUT lost, however the server phrases it
+                        raise FileExistsError(ref.key) from None
+                    raise
         except FileExistsError:  # another writer committed first: theirs is the artifact
             self._remove(folder)
         committed = self.get(ref.stage, ref.key)
