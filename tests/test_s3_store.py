@@ -227,6 +227,14 @@ def test_s3_checkpoints_keep_latest_and_download(s3_server, s3_uri, tmp_path):
     (tmp_path / "c30" / "state.json").write_text(json.dumps({"step": 30, "again": True}))
     store.save_checkpoint("sft", "k", 30, tmp_path / "c30")
     assert json.loads((worker.latest_checkpoint("sft", "k")[1] / "state.json").read_text()) == {"step": 30, "again": True}
+    # review finding: a re-save whose old files cannot be removed went on and mixed the two checkpoints' files
+    (tmp_path / "c30" / "other.json").write_text("{}")
+    real_rm = store.fs.rm
+    store.fs.rm = lambda *a, **k: (_ for _ in ()).throw(PermissionError("AccessDenied"))
+    with pytest.raises(StoreError, match="access denied"):
+        store.save_checkpoint("sft", "k", 30, tmp_path / "c30")
+    store.fs.rm = real_rm
+    assert "other.json" not in {k.rsplit("/", 1)[1] for k in keys_under(s3_server, s3_uri, "farm/_checkpoints/sft/k/step-000000030/")}
     worker.clear_checkpoints("sft", "k")
     assert store.latest_checkpoint("sft", "k") is None and keys_under(s3_server, s3_uri, "farm/_checkpoints/") == []
     assert not local.exists()

@@ -439,3 +439,15 @@ def test_row_log_appends_chunks_and_reads_them_back_in_order(tmp_path):
         store.append_rows("annotations/x", pa.table({"id": ["z"]}), "outputs")
     with pytest.raises(ValueError, match="namespace"):
         store.read_rows("../escape", "outputs")
+
+
+def test_local_checkpoint_saved_again_replaces_the_old_one_without_a_half_deleted_window(tmp_path):
+    store = LocalStore(tmp_path / "store")
+    for content in ("first", "second"):
+        folder = tmp_path / content
+        folder.mkdir()
+        (folder / "state.json").write_text(json.dumps({"v": content}))
+        store.save_checkpoint("sft", "k", 10, folder)
+    step, local = store.latest_checkpoint("sft", "k")
+    assert step == 10 and json.loads((local / "state.json").read_text()) == {"v": "second"}
+    assert [p.name for p in local.parent.iterdir()] == ["step-000000010"]  # no temporary or old copies left

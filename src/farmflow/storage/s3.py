@@ -280,8 +280,10 @@ class S3Store(Store):
     def _put_folder(self, local: Path, dest: str) -> None:
         # A checkpoint is complete once its marker exists; the marker's content (a fresh
         # id) becomes part of the folder name in the download cache, so a re-saved step is
-        # never served from a stale copy.
-        self._remove(dest)
+        # never served from a stale copy. Whatever an interrupted save left there goes first, and
+        # if it cannot be removed the save fails (new files over old ones would mix two checkpoints).
+        if self.fs.find(dest):
+            self.fs.rm(dest, recursive=True)
         self._upload(local, dest)
         self.fs.pipe_file(f"{dest}/{COMPLETE}", uuid.uuid4().hex.encode())
 

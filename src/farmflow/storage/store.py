@@ -379,9 +379,13 @@ class LocalStore(Store):
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = final.parent / f".{final.name}-{uuid.uuid4().hex[:8]}"
         shutil.copytree(local, tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.rename(tmp, final)
+        if final.exists():  # a re-saved step: move the old copy out of sight first, so `final` is never half deleted
+            old = final.parent / f".{final.name}-old-{uuid.uuid4().hex[:8]}"
+            os.rename(final, old)
+            os.rename(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
 
     def _complete_folders(self, pattern: str) -> list[str]:
         return sorted(p for p in self.fs.glob(pattern) if Path(p).is_dir())
