@@ -318,6 +318,15 @@ class Store:
         return {name: size for name, size in files.items() if name != COMMIT_FILE}
 
 
+def _fsync(path: Path) -> None:
+    """Flush a file's (or a folder's entries') data to the disk: a committed artifact survives a power loss."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 class LocalStore(Store):
     """The embedded default store: a folder (``./.farmflow/store`` or ``$FARMFLOW_STORE``).
 
@@ -355,6 +364,9 @@ class LocalStore(Store):
             shutil.rmtree(staging, ignore_errors=True)
 
     def _finish(self, folder: str, ref: ArtifactRef, record: dict) -> ArtifactRef:
+        for path in Path(folder).rglob("*"):  # the data reaches the disk before the record that vouches for it
+            if path.is_file():
+                _fsync(path)
         with open(Path(folder) / COMMIT_FILE, "w") as f:
             f.write(json.dumps(record, indent=2, sort_keys=True))
             f.flush()
@@ -363,6 +375,7 @@ class LocalStore(Store):
         final.parent.mkdir(parents=True, exist_ok=True)
         try:
             os.rename(folder, final)
+            _fsync(final.parent)  # the rename itself survives a power loss
         except OSError:
             if not (final / COMMIT_FILE).is_file():  # not a lost race: a real failure
                 raise
@@ -398,4 +411,6 @@ class LocalStore(Store):
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = final.parent / f".{final.name}.tmp"
         pq.write_table(table, tmp)
+        _fsync(tmp)
         os.rename(tmp, final)
+        _fsync(final.parent)
