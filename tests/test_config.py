@@ -340,3 +340,11 @@ def test_store_endpoint_and_direct_store_uris_with_credentials_are_refused(monke
     assert load_config("synthetic-micro", ["store.uri=s3://bucket/p?endpoint_url=http://127.0.0.1:9000"]).store.uri.startswith("s3://bucket/p")
     monkeypatch.setenv("OPENAI_BASE_URL", "http://127.0.0.1:9/v1/")
     assert resolve_base_url(ApiAnnotatorConfig(name="x", model="m"), AnnotatorConfig()) == "http://127.0.0.1:9/v1"
+
+
+def test_evaluation_has_no_temperature_that_nothing_reads():
+    """Review finding: evaluation.temperature was never read (generation.temperature samples the evaluated outputs),
+    so setting it silently kept the cached outputs. It is gone; setting it is an error that names it."""
+    with pytest.raises(ConfigError, match="unknown field 'evaluation.temperature'"):
+        load_config("synthetic-micro", ["evaluation.temperature=1.0"])
+    assert load_config("synthetic-tiny").generation.temperature == 0.7

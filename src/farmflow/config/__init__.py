@@ -482,7 +482,8 @@ class ExpertIterationConfig(Section):
 
 
 class EvaluationConfig(Section):
-    temperature: float = Field(0.7, gt=0, description="Sampling temperature of evaluated outputs (paper: 0.7).")
+    """How outputs are judged. How they are sampled (paper: temperature 0.7) is `generation`."""
+
     annotator: AnnotatorConfig = Field(
         default_factory=AnnotatorConfig, description="Evaluation annotator (p_sim^eval: the pool without label noise)."
     )
