@@ -24,7 +24,7 @@ def reward_report_flow(config: FarmConfig | None = None, preset: PresetName = "s
     cfg = _cfg(config, preset, overrides)
     run = StageRunner(cfg.store.location, cfg.execution, cfg.name)
     up = Upstream(run, cfg)
-    config = {"annotation": cfg.annotation.model_dump(mode="json"), "title": f"Reward model ({cfg.name}), held-out val pairs"}
+    config = {"annotation": cfg.annotation, "title": f"Reward model ({cfg.name}), held-out val pairs"}  # keyed without its operational fields
     ref = run(reward_report_task, config, preferences=up.preferences, sft=up.sft, reward=up.reward, batch_size=cfg.generation.batch_size)
     return {
         "preset": cfg.name,

@@ -95,7 +95,7 @@ def reward_report_task(
     labels came from the oracle pool, ``pool_bayes`` (the Bayes-optimal guess,
     `farmflow.annotators.oracle.pool_preference`).
 
-    config: {"annotation": AnnotatorConfig as a dict, "title": str}. `batch_size` is an
+    config: {"annotation": AnnotatorConfig (or its dict), "title": str}. `batch_size` is an
     option (memory only).
     """
     store, key, hit = lookup("reward_report", store_uri, config, preferences=preferences, sft=sft, reward=reward)
