@@ -23,6 +23,24 @@ def test_operational_annotator_settings_do_not_change_the_key():
         assert _annotate_key([override]) != base, override
 
 
+def test_an_api_judge_from_the_environment_or_a_new_prompt_version_is_a_new_key(monkeypatch):
+    """Key audit finding: annotate/evaluate keys ignored $OPENAI_BASE_URL (every preset leaves base_url unset) and
+    the prompt version, so switching judges or prompts reused the old labels."""
+    from farmflow.annotators import prompts
+
+    def key():
+        return _annotate_key(["annotation=p_sim_ann", "annotation.max_in_flight=3"])
+
+    monkeypatch.delenv("OPENAI_BASE_URL", raising=False)
+    openai_judges = key()
+    monkeypatch.setenv("OPENAI_BASE_URL", "http://127.0.0.1:8000/v1")
+    local_judges = key()
+    assert local_judges != openai_judges
+    monkeypatch.setattr(prompts, "PROMPT_VERSION", prompts.PROMPT_VERSION + "-next")
+    assert key() != local_judges
+    assert "judges" not in key_config(load_config("synthetic-micro").annotation)  # the offline oracle: unchanged
+
+
 def test_key_config_is_the_plain_dump_when_nothing_is_excluded():
     cfg = load_config("synthetic-micro")
     assert canonical_json(key_config(cfg.data)) == canonical_json(cfg.data)

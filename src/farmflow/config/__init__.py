@@ -376,6 +376,17 @@ class AnnotatorConfig(Section):
     def _no_credentials(cls, v: str | None) -> str | None:
         return refuse_credentials(v, "the API key comes from api_key_env or api_key_secret")
 
+    def stage_key_extra(self) -> dict:
+        """Part of the key of every stage that uses this config (`farmflow.tasks.core.key_config`): for API annotators,
+        each judge's identity as the row cache hashes it (resolved endpoint, $OPENAI_BASE_URL included, model, prompt
+        format and version, batch size, temperature, token cap), so another judge never reuses these labels. Nothing
+        for the oracle."""
+        if self.kind != "api":
+            return {}
+        from farmflow.annotators.cache import annotator_hash, resolve_base_url
+
+        return {"judges": [annotator_hash(a, resolve_base_url(a, self)) for a in self.api_pool]}
+
     @field_validator("api_key_env")
     @classmethod
     def _a_variable_name(cls, v: str) -> str:
