@@ -35,7 +35,8 @@ averaged by DDP. The statistics that span the rollout are computed over all proc
 (`global_mean`: reward whitening, advantage whitening, the logged reward, KL and entropy),
 so they equal a one-process computation over the union of the shares. One process runs
 exactly as before; N processes draw other (equally distributed) samples, since each share
-has its own random stream. FSDP and DeepSpeed are refused (`refuse_sharded`).
+has its own random stream. The process count is not in the stage key: an artifact trained on
+N processes is reused by a run on M (change `seed` to train again; docs/real-farm.md). FSDP and DeepSpeed are refused (`refuse_sharded`).
 
 The `synthetic-tiny` preset scales the batches and steps down and raises the learning rate
 for a 0.6M-parameter model: rollout 128, step batch 64, 23 steps (3/8 of a pass), lr 1e-4,
