@@ -64,3 +64,26 @@ def test_unvalidated_copies_make_the_same_key():
     assert stage_key("dpo", "1", key_config(copied)) == stage_key("dpo", "1", key_config(cfg.dpo.model_copy(update={"epochs": 2.0})))
     wrapped = {"sample": cfg.generation.model_copy(update={"temperature": 1}), "generator": "sft"}
     assert canonical_json(key_config(wrapped)) == canonical_json(key_config({"sample": cfg.generation.model_copy(update={"temperature": 1.0}), "generator": "sft"}))
+
+
+def test_a_local_pretrained_folder_is_keyed_by_its_contents(tmp_path):
+    """Key audit finding: a base model saved again into the same folder reused the cached one (keyed by path only)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_models import CFG, PROMPTS, RESPONSES
+
+    from farmflow.config import ModelConfig
+    from farmflow.models import build_policy, save, train_tokenizer
+
+    tok = train_tokenizer(PROMPTS + RESPONSES, vocab_size=384)
+    folder = tmp_path / "base"
+    save(build_policy(CFG, tok), tok, folder)
+    cfg = ModelConfig(pretrained=str(folder))
+    first = key_config(cfg)
+    assert key_config(cfg) == first and "pretrained_files" in first  # deterministic
+    save(build_policy(CFG.model_copy(update={"seed": 1}), tok), tok, folder)  # other weights, same folder and shapes
+    assert key_config(cfg) != first
+    assert key_config(ModelConfig(pretrained="org/model", revision="abc123")) != key_config(ModelConfig(pretrained="org/model"))
+    assert "pretrained_files" not in key_config(ModelConfig())  # the synthetic farm's model: unchanged

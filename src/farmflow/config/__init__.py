@@ -109,11 +109,36 @@ class LoraConfig(Section):
     )
 
 
+def folder_digest(folder: Path) -> str:
+    """A cheap content digest of a model folder: every file's name and size, the full bytes of files under 1 MB
+    (config, tokenizer), and each safetensors file's header (tensor names, dtypes, shapes, offsets) plus its first
+    and last MB of data, so rewritten weights read as new without hashing gigabytes."""
+    h = hashlib.sha256()
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and not p.name.startswith(".")):
+        size = path.stat().st_size
+        h.update(f"{path.relative_to(folder).as_posix()}\0{size}\0".encode())
+        with open(path, "rb") as f:
+            if size < 1 << 20:
+                h.update(f.read())
+            elif path.suffix == ".safetensors":
+                header = int.from_bytes(f.read(8), "little")
+                h.update(f.read(min(header, 100 << 20)))
+                h.update(f.read(1 << 20))
+                f.seek(max(0, size - (1 << 20)))
+                h.update(f.read())
+    return h.hexdigest()
+
+
 class ModelConfig(Section):
     pretrained: str | None = Field(
         None,
         description="Start from this causal LM (Hugging Face hub name or local folder; tokenizer from the same place) instead of "
         "training a tokenizer and a tiny model from scratch (None). The size fields below then do not apply, except max_seq_len.",
+    )
+    revision: str | None = Field(
+        None,
+        description="Hub revision (commit, tag or branch) of `pretrained`; a commit pins the weights and so the stage keys. "
+        "None: the newest, keyed by name only. (A local folder is keyed by its files' contents instead.)",
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="Weights dtype of a pretrained model, kept by every stage after it (bfloat16 on GPUs that have it; paper: bf16/fp32 mixed)."
@@ -137,6 +162,13 @@ class ModelConfig(Section):
         "policy; not the reward or value model): less GPU memory, the saved checkpoint is the merged model. None: full fine-tuning "
         "(the paper). Recorded in the checkpoint's config, so every later policy-training stage applies it.",
     )
+
+    def stage_key_extra(self) -> dict:
+        """Part of the base model's key (`farmflow.tasks.core.key_config`): a local `pretrained` folder's contents, so
+        weights saved again into the same folder are a new base model, not a stale cache hit."""
+        if not self.pretrained or not Path(self.pretrained).is_dir():
+            return {}
+        return {"pretrained_files": folder_digest(Path(self.pretrained))}
 
     @model_validator(mode="after")
     def _heads_divide(self) -> "ModelConfig":
@@ -944,7 +976,7 @@ def validate_config(data: dict | FarmConfig) -> FarmConfig:
 
 
 __all__ = [
-    "ANNOTATOR_PRESETS", "AnnotatorConfig", "CredentialsInValue", "FLOW_NAMES", "METHODS", "refuse_credentials", "ApiAnnotatorConfig", "BestOfNConfig", "CheckpointConfig", "ConfigError", "DPOConfig", "DataConfig", "EvaluationConfig", "ExecutionConfig", "GPU_STAGES", "ExpertIterationConfig", "FarmConfig",
+    "ANNOTATOR_PRESETS", "AnnotatorConfig", "CredentialsInValue", "folder_digest", "FLOW_NAMES", "METHODS", "refuse_credentials", "ApiAnnotatorConfig", "BestOfNConfig", "CheckpointConfig", "ConfigError", "DPOConfig", "DataConfig", "EvaluationConfig", "ExecutionConfig", "GPU_STAGES", "ExpertIterationConfig", "FarmConfig",
     "LoraConfig", "ModelConfig", "ModelPrice", "OracleAnnotatorConfig", "PPOConfig", "PRESETS", "QuarkConfig", "RewardConditioningConfig", "RewardConfig", "SFTConfig", "SampleConfig",
     "StoreConfig", "load_config", "preset", "validate_config",
 ]

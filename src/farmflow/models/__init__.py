@@ -89,8 +89,9 @@ def load_pretrained(cfg: ModelConfig) -> tuple[torch.nn.Module, PreTrainedTokeni
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(cfg.pretrained, padding_side="right")
-    model = AutoModelForCausalLM.from_pretrained(cfg.pretrained, dtype=getattr(torch, cfg.dtype), attn_implementation=cfg.attn_implementation)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.pretrained, padding_side="right", revision=cfg.revision)
+    model = AutoModelForCausalLM.from_pretrained(cfg.pretrained, dtype=getattr(torch, cfg.dtype), attn_implementation=cfg.attn_implementation,
+                                                 revision=cfg.revision)
     if tokenizer.eos_token is None:
         raise ValueError(f"model.pretrained {cfg.pretrained!r}: the tokenizer has no EOS token")
     if tokenizer.bos_token is None:
