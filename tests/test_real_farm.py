@@ -54,6 +54,26 @@ def test_pretrained_by_path_adds_pad_and_keeps_working(tmp_path):
     assert len(out) == 2 and all(len(o) == 2 for o in out)
 
 
+def test_the_chosen_attention_kernel_survives_every_later_load(tmp_path):
+    """Key audit finding: model.attn_implementation only applied to the base-model stage's own load; config.json does
+    not keep it, so SFT, the reward and value models all came back with the default kernel."""
+    from farmflow.models import load_reward, reward_from_policy, save, value_from_reward
+
+    path = tiny_llama_without_pad(tmp_path / "hub-model")
+    model, tokenizer = load_pretrained(ModelConfig(pretrained=str(path), attn_implementation="eager", max_seq_len=96))
+    assert model.config._attn_implementation == "eager"
+    save(model, tokenizer, tmp_path / "base")
+    assert load_policy(tmp_path / "base")[0].config._attn_implementation == "eager"
+    rm = reward_from_policy(tmp_path / "base")
+    assert rm.config._attn_implementation == "eager"
+    save(rm, tokenizer, tmp_path / "rm")
+    assert load_reward(tmp_path / "rm")[0].config._attn_implementation == "eager"
+    assert value_from_reward(tmp_path / "rm").backbone.config._attn_implementation == "eager"
+    default, tok = load_pretrained(ModelConfig(pretrained=str(path), max_seq_len=96))
+    save(default, tok, tmp_path / "default")
+    assert load_policy(tmp_path / "default")[0].config._attn_implementation == "sdpa"
+
+
 def test_base_model_task_dispatches_on_pretrained(tmp_path):
     from farmflow.config import DataConfig
     from farmflow.tasks import base_model_task, data_task

@@ -23,7 +23,7 @@ import json
 import math
 import random
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -103,14 +103,23 @@ def load_pretrained(cfg: ModelConfig) -> tuple[torch.nn.Module, PreTrainedTokeni
     model.config.pad_token_id, model.config.bos_token_id, model.config.eos_token_id = tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id
     model.config.max_position_embeddings = min(cfg.max_seq_len, getattr(model.config, "max_position_embeddings", cfg.max_seq_len))
     model.config.farmflow_gradient_checkpointing = cfg.gradient_checkpointing
+    model.config.farmflow_attn_implementation = cfg.attn_implementation  # config.json does not keep it; every later load applies it
     model.config.farmflow_lora = cfg.lora.model_dump() if cfg.lora else None  # policy training applies it (runtime.adapt)
     return model, tokenizer
+
+
+def _from_pretrained(cls, path: str | Path, **kwargs: Any):
+    """`cls.from_pretrained(path)` with the attention kernel `model.attn_implementation` chose for the base model
+    (recorded as farmflow_attn_implementation: Hugging Face's config.json does not keep it)."""
+    config = Path(path) / "config.json"
+    attn = json.loads(config.read_text()).get("farmflow_attn_implementation") if config.is_file() else None
+    return cls.from_pretrained(str(path), **({"attn_implementation": attn} if attn else {}), **kwargs)
 
 
 def load_policy(path: str | Path) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(path))
+    model = _from_pretrained(AutoModelForCausalLM, path)
     if getattr(model.config, "farmflow_gradient_checkpointing", False):
         model.activation_checkpointing_enable()
     return model.to(default_device()), load_tokenizer(path)
@@ -122,13 +131,13 @@ def reward_from_policy(path: str | Path, seed: int = 0) -> LlamaForSequenceClass
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # the "newly initialized score head" warning is expected here
     try:
-        return AutoModelForSequenceClassification.from_pretrained(str(path), num_labels=1).to(default_device())
+        return _from_pretrained(AutoModelForSequenceClassification, path, num_labels=1).to(default_device())
     finally:
         hf_logging.set_verbosity(level)
 
 
 def load_reward(path: str | Path) -> tuple[LlamaForSequenceClassification, PreTrainedTokenizerFast]:
-    return AutoModelForSequenceClassification.from_pretrained(str(path)).to(default_device()), load_tokenizer(path)
+    return _from_pretrained(AutoModelForSequenceClassification, path).to(default_device()), load_tokenizer(path)
 
 
 class ValueModel(torch.nn.Module):
@@ -152,7 +161,7 @@ class ValueModel(torch.nn.Module):
 
 def value_from_reward(path: str | Path) -> ValueModel:
     """Value model initialized from a reward model: its backbone, a fresh zero-initialized head."""
-    reward = AutoModelForSequenceClassification.from_pretrained(str(path))
+    reward = _from_pretrained(AutoModelForSequenceClassification, path)
     return ValueModel(reward.base_model, reward.config.hidden_size).to(default_device())
 
 
