@@ -127,10 +127,10 @@ def _start_temporary_api():
 
 
 def _run(preset: str, overrides: list[str], store: Optional[str], as_json: bool, flow: str = "compare", methods: Optional[list[str]] = None,
-         api_ready=lambda: None) -> None:
+         api_ready=lambda: None, cfg=None) -> None:
     import time
 
-    cfg = _config(preset, overrides, store)
+    cfg = cfg or _config(preset, overrides, store)
     from farmflow.flows import FLOWS
 
     api_ready()
@@ -168,14 +168,14 @@ def demo(
     if annotator not in ("oracle", "api-local"):
         console.print(f"[red]unknown annotator {annotator!r}[/red]; use oracle or api-local")
         raise typer.Exit(2)
-    _config(preset, [], store)
+    cfg = _config(preset, [], store)
     api_ready = _start_temporary_api()
     if annotator == "api-local":
         from farmflow.cli.annotators import local_judge
 
         with local_judge(store) as overrides:
             return _run(preset, overrides, store, as_json, methods=chosen, api_ready=api_ready)
-    _run(preset, [], store, as_json, methods=chosen, api_ready=api_ready)
+    _run(preset, [], store, as_json, methods=chosen, api_ready=api_ready, cfg=cfg)
 
 
 @app.command()
@@ -198,9 +198,9 @@ def run(
     if chosen and flow != "compare":
         console.print("[red]--method only applies to the compare flow[/red]")
         raise typer.Exit(2)
-    _config(preset, set_, store)
+    cfg = _config(preset, set_, store)
     api_ready = _start_temporary_api()
-    _run(preset, set_, store, as_json, flow=flow, methods=chosen, api_ready=api_ready)
+    _run(preset, set_, store, as_json, flow=flow, methods=chosen, api_ready=api_ready, cfg=cfg)
 
 
 @app.command()
