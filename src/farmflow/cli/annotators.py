@@ -175,7 +175,7 @@ def local_judge(store: Optional[str] = None, port: int = LOCAL_JUDGE_PORT) -> It
             raise RuntimeError(f"the local judge server did not start on port {port}: {err.strip()[-300:]}")
         url = line.rsplit(" ", 1)[1].strip()
         os.environ.setdefault("OPENAI_API_KEY", "local-judge")  # the loopback server accepts any key
-        if store:  # evaluation's annotations use the default store's row cache
+        if store:  # anything that falls back to the default store uses this one too
             os.environ["FARMFLOW_STORE"] = store
         console.print(f"local judge server at {url}")
         yield [f'annotation={json.dumps({"preset": "p_sim_ann", "base_url": url})}',
