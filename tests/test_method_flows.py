@@ -56,6 +56,14 @@ def test_compare_runs_each_method_once_over_shared_upstream(micro_config):
     assert {s["stage"] for s in changed["stages"] if not s["cached"]} == {
         "dpo", "generate dpo", "evaluate dpo", "proxy_reward dpo", "overoptimization"}
 
+    # expert iteration, 2 rounds: round 1 comes from the cache; round 2 samples its candidates with its own seed
+    # (review finding: every round reused round 1's sample streams)
+    two = load_config("synthetic-micro", [f"store.uri={micro_config.store.uri}", "expert_iteration.rounds=2"])
+    _, executed = _run(compare_flow, two, methods=["expert_iteration"])
+    assert executed["best_of_n"] == 1 and executed["expert_iteration"] == 1
+    seeds = sorted(store.record(r)["config"]["best_of_n"]["seed"] for r in store.list() if r.stage == "best_of_n")
+    assert seeds == [0, 1_000_003]
+
 
 def test_method_flow_shares_the_cache_with_compare(micro_config):
     _run(compare_flow, micro_config, methods=["dpo"])

@@ -255,7 +255,10 @@ def method_outputs(up: Upstream, method: str) -> ArtifactRef:
         bon = BestOfNConfig(n=ei.n, temperature=ei.temperature, top_p=ei.top_p, seed=ei.seed)
         policy = up.sft
         for r in range(1, ei.rounds + 1):
-            selections = _best_of_n(up, policy, bon, "unlabeled", f"expert_iteration select {r}", ei.max_prompts)
+            # each round its own sample streams (round 1 keeps the seed): with the same seed, round r's policy would
+            # redraw from round 1's random numbers and largely re-propose its candidates
+            round_bon = bon if r == 1 else bon.model_copy(update={"seed": round_seed(ei.seed, r)})
+            selections = _best_of_n(up, policy, round_bon, "unlabeled", f"expert_iteration select {r}", ei.max_prompts)
             policy = run(expert_iteration_task, ei.train, f"expert_iteration train {r}", sft=up.sft, selections=selections, checkpoints=ck)
         return _generate(up, policy, "expert_iteration")
     if method in ("ppo", "quark"):
@@ -265,6 +268,11 @@ def method_outputs(up: Upstream, method: str) -> ArtifactRef:
         policy = run(task, getattr(cfg, method), data=up.data, sft=up.sft, reward=up.reward, checkpoints=ck)
         return _generate(up, policy, method)
     raise ValueError(f"unknown method {method!r}; known: {', '.join(BASELINES + METHODS)}")
+
+
+def round_seed(seed: int, r: int) -> int:
+    """The candidate sampler's seed in expert-iteration round `r` (1-based): `seed` itself in round 1."""
+    return seed if r == 1 else seed + 1_000_003 * (r - 1)
 
 
 def method_label(cfg: FarmConfig, method: str) -> str:
