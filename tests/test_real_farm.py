@@ -74,6 +74,26 @@ def test_the_chosen_attention_kernel_survives_every_later_load(tmp_path):
     assert load_policy(tmp_path / "default")[0].config._attn_implementation == "sdpa"
 
 
+def test_a_pad_token_that_is_also_eos_gets_a_token_of_its_own(tmp_path):
+    """Review finding: with pad == EOS (Qwen2.5, SmolLM2-Instruct), sampling dropped every EOS as padding, so every
+    PPO/Quark response looked unfinished and got the no-EOS penalty."""
+    from transformers import AutoTokenizer
+
+    path = tiny_llama_without_pad(tmp_path / "hub-model")
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.pad_token = tok.eos_token
+    tok.save_pretrained(path)
+    model, tokenizer = load_pretrained(ModelConfig(pretrained=str(path), max_seq_len=96))
+    assert tokenizer.pad_token == "<pad>" and tokenizer.pad_token_id != tokenizer.eos_token_id
+    assert model.get_input_embeddings().weight.shape[0] == len(tokenizer) and model.config.pad_token_id == tokenizer.pad_token_id
+    from farmflow.models import sample_ids
+
+    eos = tokenizer.eos_token_id
+    model.lm_head.register_forward_hook(lambda m, i, out: out.index_fill(-1, torch.tensor([eos]), 100.0))  # EOS every time
+    out = sample_ids(model, tokenizer, ["Write a"], n=2, max_new_tokens=4, seed=0)
+    assert out[0] == [[eos], [eos]]  # kept: sampling drops only padding
+
+
 def test_base_model_task_dispatches_on_pretrained(tmp_path):
     from farmflow.config import DataConfig
     from farmflow.tasks import base_model_task, data_task

@@ -82,7 +82,7 @@ def build_policy(cfg: ModelConfig, tokenizer: PreTrainedTokenizerFast) -> LlamaF
 def load_pretrained(cfg: ModelConfig) -> tuple[torch.nn.Module, PreTrainedTokenizerFast]:
     """Any causal LM by hub name or local folder, ready for our encode/sample functions.
 
-    A missing pad token is added (new embedding rows set to the mean of the others); a
+    A missing pad token, or one that is also EOS, gets a token of its own (new embedding rows set to the mean of the others); a
     missing BOS reuses EOS, since every sequence starts with BOS here. Padding side is
     right (training; sampling left-pads by itself). The context is capped at
     cfg.max_seq_len; gradient checkpointing is recorded in the config (`load_policy`).
@@ -96,7 +96,10 @@ def load_pretrained(cfg: ModelConfig) -> tuple[torch.nn.Module, PreTrainedTokeni
         raise ValueError(f"model.pretrained {cfg.pretrained!r}: the tokenizer has no EOS token")
     if tokenizer.bos_token is None:
         tokenizer.bos_token = tokenizer.eos_token
-    if tokenizer.pad_token is None:
+    if tokenizer.pad_token is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+        # a pad token of its own: sampling drops padding by id, so a pad that is also EOS would drop every EOS
+        # (each response then looks unfinished and gets PPO's no-EOS penalty)
+        tokenizer.pad_token = None
         tokenizer.add_special_tokens({"pad_token": PAD})
         if len(tokenizer) > model.get_input_embeddings().num_embeddings:
             model.resize_token_embeddings(len(tokenizer), mean_resizing=True)
