@@ -189,6 +189,24 @@ def test_step_batch_larger_than_rollout_is_refused():
     policy, ref, value, tok = toy_models()
     with pytest.raises(ValueError, match="step_batch_size \\(64\\) must not exceed ppo.rollout_batch_size \\(32\\)"):
         ppo.train_ppo(policy, ref, value, digit_reward, tok, TOY_PROMPTS, PPOConfig(rollout_batch_size=32, step_batch_size=64))
+    # review finding: fewer prompts than step_batch_size made a rollout too small for any update (then a KeyError)
+    with pytest.raises(ValueError, match=r"ppo.step_batch_size \(64\) is larger than a rollout: there are only 40 prompts"):
+        ppo.train_ppo(policy, ref, value, digit_reward, tok, TOY_PROMPTS[:40], PPOConfig(rollout_batch_size=128, step_batch_size=64, max_new_tokens=8))
+
+
+def test_ppo_trains_without_dropout_so_the_first_ratio_is_one():
+    """Review finding: under LoRA (dropout 0.05) or any model with dropout, the old log-probs (eval mode) and the new
+    ones (train mode) differed by dropout noise, so the ratio did not start at 1."""
+    policy, ref, value, tok = toy_models()
+    policy.model.layers[0].mlp.act_fn = torch.nn.Sequential(policy.model.layers[0].mlp.act_fn, torch.nn.Dropout(0.5))
+    policy.config.attention_dropout = 0.3
+    for layer in policy.model.layers:
+        layer.self_attn.attention_dropout = 0.3
+    cfg = PPOConfig(epochs=1, rollout_batch_size=30, step_batch_size=30, micro_batch_size=30, lr=1e-12, warmup_steps=0,
+                    ppo_epochs=1, max_new_tokens=6)
+    summary, history = ppo.train_ppo(policy, ref, value, digit_reward, tok, TOY_PROMPTS[:30], cfg)
+    assert history[0]["clipfrac"] == 0.0 and abs(history[0]["approx_kl"]) < 1e-6  # ratio 1 on the first (only) minibatch
+    assert all(m.p == 0.0 for m in policy.modules() if isinstance(m, torch.nn.Dropout))
 
 
 def test_responses_longer_than_the_context_are_refused():

@@ -263,6 +263,18 @@ def refuse_sharded(rt: Runtime, section: str) -> None:
             "every GPU holds the policy, value, reference and reward models) or one process (model.lora for a large policy)")
 
 
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Dropout off in `model` (its modules and attention-dropout rates; LoRA's dropout too) while it stays in train mode.
+
+    PPO takes the old log-probs and values in eval mode and the new ones in train mode; with dropout
+    on, the ratio would not start at 1 and the clipping would react to dropout noise (TRL does the same)."""
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+        if isinstance(getattr(m, "attention_dropout", None), float):
+            m.attention_dropout = 0.0
+
+
 def share_seed(seed: int, rank: int) -> int:
     """Sampling/shuffling seed of process `rank`'s share: `seed` itself for rank 0 (and a one-process run), else a
     32-bit hash of (seed, rank) (torch's CPU generator keeps only the low 32 bits of a seed)."""
@@ -337,10 +349,15 @@ def train_ppo(
     ref_policy.eval().requires_grad_(False)
     steps = total_steps(len(prompts), cfg.epochs, cfg.rollout_batch_size)
     prompt_batches = batch_order(len(prompts), cfg.rollout_batch_size, steps, cfg.seed)
+    if cfg.step_batch_size > len(prompt_batches[0]):  # a rollout is min(rollout_batch_size, prompts) rows: no update would run
+        raise ValueError(f"ppo.step_batch_size ({cfg.step_batch_size}) is larger than a rollout: there are only {len(prompts)} prompts; "
+                         "lower ppo.step_batch_size")
     check_shares("ppo", num_processes(), rollout_batch_size=len(prompt_batches[0]), step_batch_size=cfg.step_batch_size)
     rt = Runtime(policy, cfg.step_batch_size, cfg.micro_batch_size, "ppo")
     refuse_sharded(rt, "ppo")
     trained = rt.adapt(policy)
+    for m in (trained, value_model):  # the old log-probs and values come from eval mode: the ratio must start at 1
+        disable_dropout(m)
     params = [p for m in (trained, value_model) for p in m.parameters() if p.requires_grad]
     params = list({id(p): p for p in params}.values())
     opt = torch.optim.AdamW(params, lr=cfg.lr, eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
