@@ -119,7 +119,7 @@ def test_prompt_encoding_matches_the_hf_sampler(tok):
     hi = tok("Hi", add_special_tokens=False)["input_ids"]
     assert prompt_token_ids(tok, ["Hi"], 64) == [[tok.bos_token_id] + hi]
     long = prompt_token_ids(tok, [prompts[2]], 5)[0]
-    assert len(long) == 5 and long == tok(prompts[2], add_special_tokens=False)["input_ids"][-5:]  # cut from the left, <s> too
+    assert len(long) == 5 and long == [tok.bos_token_id] + tok(prompts[2], add_special_tokens=False)["input_ids"][-4:]  # <s> kept
 
 
 class _RecordingEngine:

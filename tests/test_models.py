@@ -448,3 +448,16 @@ def test_dpo_and_ppo_log_probs_on_the_response_window_equal_full_logits(policy, 
              "position_ids": (attention.cumsum(-1) - 1).clamp(min=0), "tokens": tokens}
     everything = policy(input_ids=batch["input_ids"], attention_mask=attention, position_ids=batch["position_ids"]).logits
     assert torch.allclose(response_logits(policy, batch, 0.7), everything[:, 4:7].float() / 0.7, atol=1e-5)
+
+
+def test_an_over_long_prompt_keeps_its_bos_when_cut_to_fit():
+    """Review finding: sampling cut [BOS] + prompt from the left, dropping BOS, where training keeps it."""
+    from farmflow.generation import prompt_token_ids
+    from farmflow.models import prompt_ids
+
+    tok = train_tokenizer(PROMPTS + RESPONSES, vocab_size=384)
+    full = tok([PROMPTS[0]], add_special_tokens=False)["input_ids"][0]
+    assert len(full) > 6
+    assert prompt_ids(tok, [PROMPTS[0]], 6) == [[tok.bos_token_id] + full[-5:]]
+    assert prompt_ids(tok, [PROMPTS[0]], 1000) == [[tok.bos_token_id] + full]  # fits: unchanged
+    assert prompt_token_ids(tok, [PROMPTS[0]], 6) == prompt_ids(tok, [PROMPTS[0]], 6)  # the vLLM requests encode the same way

@@ -43,9 +43,10 @@ def require_vllm(field: str) -> Any:
 
 
 def prompt_token_ids(tokenizer, prompts: Sequence[str], max_prompt_len: int) -> list[list[int]]:
-    """``<s>`` + each prompt's tokens, cut from the left to `max_prompt_len` (the hf sampler's encoding)."""
-    ids = tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
-    return [([tokenizer.bos_token_id] + x)[-max_prompt_len:] for x in ids]
+    """The hf sampler's encoding (`farmflow.models.prompt_ids`): ``<s>`` + each prompt's tokens, cut to fit."""
+    from farmflow.models import prompt_ids
+
+    return prompt_ids(tokenizer, prompts, max_prompt_len)
 
 
 def texts_from_vllm(request_outputs: Sequence[Any], n: int, decode: Callable[[Sequence[int]], str]) -> list[list[str]]:

@@ -256,9 +256,14 @@ def response_window(
     return ids, mask, labels, positions, width - first + 1
 
 
+def prompt_ids(tokenizer: PreTrainedTokenizerFast, prompts: Sequence[str], max_prompt_len: int) -> list[list[int]]:
+    """``<s>`` + each prompt's tokens, the prompt cut from the left to fit `max_prompt_len` (BOS kept, as in training)."""
+    ids = tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
+    return [[tokenizer.bos_token_id] + x[len(x) - min(len(x), max(0, max_prompt_len - 1)):] for x in ids]
+
+
 def _left_pad(tokenizer: PreTrainedTokenizerFast, prompts: Sequence[str], max_prompt_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    ids = [[tokenizer.bos_token_id] + x for x in tokenizer(list(prompts), add_special_tokens=False)["input_ids"]]
-    ids = [x[-max_prompt_len:] for x in ids]
+    ids = prompt_ids(tokenizer, prompts, max_prompt_len)
     width = max(len(x) for x in ids)
     input_ids = torch.full((len(ids), width), tokenizer.pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(ids), width), dtype=torch.long)
@@ -269,7 +274,7 @@ def _left_pad(tokenizer: PreTrainedTokenizerFast, prompts: Sequence[str], max_pr
 
 
 # ------------------------------------------------------------------- sampling
-SAMPLER_VERSION = "2"
+SAMPLER_VERSION = "3"  # 3: an over-long prompt keeps its BOS when cut to fit (was cut from the left, BOS too)
 """Bump when the samples drawn for a given seed change; part of the key of every stage that samples."""
 
 
