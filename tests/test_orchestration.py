@@ -289,3 +289,18 @@ def test_stage_timings_separate_waiting_for_another_model_stage(tmp_path):
     timing = {t["stage"]: t for t in runner.timings}
     assert timing["data"]["waited_seconds"] == 0.0
     assert 0.8 <= timing["base_model"]["waited_seconds"] <= timing["base_model"]["seconds"]
+
+
+def test_a_full_config_from_the_ui_still_gets_the_deployments_overrides_and_operational_settings_keep_the_config_key():
+    """Orchestration review: a config filled in the UI of a deployment made with --set failed ('not both'), and the
+    config key in run names and history changed with memory-only settings."""
+    from farmflow.flows import _cfg, config_key
+
+    ui = load_config("synthetic-micro", ["best_of_n.n=3"])
+    cfg = _cfg(ui.model_dump(mode="json"), "synthetic-tiny", ["store.uri=/data/farm", "dpo.beta=0.2"])
+    assert (cfg.name, cfg.best_of_n.n, cfg.dpo.beta, cfg.store.uri) == ("synthetic-micro", 3, 0.2, "/data/farm")
+    assert _cfg(ui, "synthetic-tiny") is ui
+    base = load_config("synthetic-micro")
+    for memory_only in (["generation.batch_size=7"], ["sft.micro_batch_size=2"], ["annotation.max_in_flight=3"], ["pairs.backend=vllm"]):
+        assert config_key(load_config("synthetic-micro", memory_only)) == config_key(base), memory_only
+    assert config_key(load_config("synthetic-micro", ["dpo.beta=0.2"])) != config_key(base)

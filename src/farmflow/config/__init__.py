@@ -663,8 +663,8 @@ class CheckpointConfig(Section):
 
 
 GPU_STAGES = (
-    "sft", "sample_pairs", "train_reward", "generate", "best_of_n", "reference_logps", "proxy_reward",
-    "feedme", "reward_conditioning", "dpo", "expert_iteration", "ppo", "quark",
+    "sft", "sample_pairs", "train_reward", "generate", "best_of_n", "best_of_n_rescore", "reference_logps", "proxy_reward",
+    "reward_report", "feedme", "reward_conditioning", "dpo", "expert_iteration", "ppo", "quark",
 )
 """Stages that load a model on an accelerator: SFT, generation, reward and policy training (the GPU pool's work)."""
 
@@ -911,13 +911,13 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
     return path.strip().split("."), value
 
 
-def load_config(preset_name: str = "synthetic-tiny", overrides: list[str] | dict | None = None) -> FarmConfig:
-    """A preset with overrides applied, validated as a whole.
+def load_config(preset_name: str = "synthetic-tiny", overrides: list[str] | dict | None = None, base: FarmConfig | None = None) -> FarmConfig:
+    """A preset (or the config `base`) with overrides applied, validated as a whole.
 
     `overrides` is either a nested dict or a list of ``section.field=value`` strings whose
     values are parsed as JSON when possible (``best_of_n.n=8``, ``data.families=["sort"]``).
     """
-    base = preset(preset_name).model_dump()
+    base = (base or preset(preset_name)).model_dump()
     if isinstance(overrides, dict):
         items = [(k.split("."), v) for k, v in overrides.items()]
     else:

@@ -152,8 +152,12 @@ def _created_before(ref: ArtifactRef, epoch: float) -> bool:
 
 
 def config_key(cfg: FarmConfig) -> str:
-    """Short content hash of what a farm computes (not its name, store, checkpoints or execution)."""
-    payload = canonical_json(cfg.model_dump(exclude={"name", "store", "checkpoints", "execution"}))
+    """Short content hash of what a farm computes: the stage-key view of its sections (no operational fields such as
+    batch sizes, backends or API limits), not its name, store, checkpoints or execution."""
+    from farmflow.tasks.core import key_config
+
+    sections = {name: getattr(cfg, name) for name in type(cfg).model_fields if name not in ("name", "store", "checkpoints", "execution")}
+    payload = canonical_json(key_config(sections))
     return hashlib.sha256(payload.encode()).hexdigest()[:8]
 
 
@@ -413,12 +417,16 @@ def _summary_title(cfg: FarmConfig, methods) -> str:
 
 
 def _cfg(config: FarmConfig | dict | None, preset: str, overrides: list[str] | None = None) -> FarmConfig:
-    """The flow's farm config: `config` when given (a full config), else the preset with `overrides`."""
+    """The flow's farm config: `config` when given (a full config, `overrides` applied on top), else the preset with `overrides`.
+
+    A deployment made with `farmflow deploy --set ...` carries its overrides in every run, so a full config
+    filled in the UI gets them too (they are the deployment's own settings, e.g. its store)."""
     if config is None:
         return load_config(preset, list(overrides or []))
-    if overrides:
-        raise ConfigError("give either a full config or a preset with overrides, not both")
-    return config if isinstance(config, FarmConfig) else validate_config(config)
+    cfg = config if isinstance(config, FarmConfig) else validate_config(config)
+    if not overrides:
+        return cfg
+    return load_config(preset, list(overrides), base=cfg)
 
 
 PresetName = Literal[tuple(PRESETS)]  # type: ignore[valid-type] - the UI renders a drop-down of the presets
@@ -427,7 +435,7 @@ MethodName = Literal[METHODS]  # type: ignore[valid-type]
 FLOW_ARGS = """
 
 Args:
-    config: The whole farm configuration (every field described). When given, it replaces the preset and overrides.
+    config: The whole farm configuration (every field described). When given, it replaces the preset; the overrides still apply on top.
     preset: Named farm configuration to start from (synthetic-tiny: the demo; synthetic-micro: tests).
     overrides: Changes to the preset, one per item, as section.field=value (values parsed as JSON), e.g. dpo.beta=0.2 or execution.mode=distributed.
 """

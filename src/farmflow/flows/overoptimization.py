@@ -135,7 +135,7 @@ def overoptimization_flow(
     cfg = _cfg(config, preset)
     chosen = list(evaluating_annotators(cfg, tuple(dict.fromkeys(labellers or DEFAULT_LABELLERS))))  # unknown names fail here, before any stage
     evaluators = evaluating_annotators(cfg, tuple(annotators)) if annotators else None
-    run = StageRunner(cfg.store.location)
+    run = StageRunner(cfg.store.location, cfg.execution, cfg.name)  # its execution settings, like every other flow
     configs, models, sampled = [], {}, None
     for i, labeller in enumerate(chosen):
         up = labelled_upstream(run, cfg, labeller)
