@@ -304,3 +304,27 @@ def test_a_full_config_from_the_ui_still_gets_the_deployments_overrides_and_oper
     for memory_only in (["generation.batch_size=7"], ["sft.micro_batch_size=2"], ["annotation.max_in_flight=3"], ["pairs.backend=vllm"]):
         assert config_key(load_config("synthetic-micro", memory_only)) == config_key(base), memory_only
     assert config_key(load_config("synthetic-micro", ["dpo.beta=0.2"])) != config_key(base)
+
+
+@pytest.mark.parametrize("parallel", [1, 3])
+def test_a_failing_branch_does_not_skip_the_others(parallel, prefect_harness):
+    """Orchestration review: with max_parallel_methods=1 the first failure skipped every later method."""
+    from prefect import flow
+
+    from farmflow.flows import fan_out
+
+    ran = []
+
+    def work(branch):
+        ran.append(branch)
+        if branch == "b":
+            raise RuntimeError("b broke")
+        return branch.upper()
+
+    @flow
+    def branches():
+        return fan_out(["a", "b", "c"], work, ExecutionConfig(max_parallel_methods=parallel))
+
+    with pytest.raises(RuntimeError, match="b broke"):
+        branches()
+    assert sorted(ran) == ["a", "b", "c"]

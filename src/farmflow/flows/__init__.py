@@ -311,8 +311,17 @@ def fan_out(branches: list[str], work: Callable[[str], Any], execution: Executio
     Every branch finishes (and its artifacts are committed) before the first error is raised.
     """
     parallel = min(execution.max_parallel_methods, len(branches))
-    if parallel <= 1:
-        return {b: work(b) for b in branches}
+    if parallel <= 1:  # one at a time, with the same promise: a failure does not skip the branches after it
+        results, errors = {}, {}
+        for b in branches:
+            try:
+                results[b] = work(b)
+            except Exception as err:  # noqa: BLE001 - raised below, once every branch has run
+                errors[b] = err
+        if errors:
+            log("methods failed: %s; the others finished and are cached", ", ".join(errors))
+            raise next(iter(errors.values()))
+        return results
     from prefect.task_runners import ThreadPoolTaskRunner
 
     with ThreadPoolTaskRunner(max_workers=parallel) as runner:
