@@ -242,3 +242,52 @@ def test_a_child_stage_commits_its_extra_tables_and_files(tmp_path):
     assert (Path(ref.uri) / "notes.md").read_bytes() == b"# hi"
     with pytest.raises(ValueError, match="candidates"):  # extra tables are validated in the child too
         child.put_table("best_of_n", "k2", outputs, "outputs", extra_tables={"candidates.parquet": (outputs, "candidates")})
+
+
+WATCHED_CHILD = """
+import os, time
+from farmflow.tasks.launch import exit_with_parent
+exit_with_parent(int(os.environ["FARMFLOW_PARENT_PID"]), every_s=0.2)
+print("watching", flush=True)
+time.sleep(120)
+"""
+PARENT = """
+import os, subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1]], env=os.environ | {"FARMFLOW_PARENT_PID": str(os.getpid())},
+                         stdout=subprocess.PIPE, text=True)
+assert child.stdout.readline().strip() == "watching"
+print(child.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_launched_child_exits_when_its_flow_process_is_killed_and_its_folder_is_swept(tmp_path):
+    """Orchestration review: a cancelled flow run (SIGKILL to its process) left the stage's child, and every
+    accelerate worker, running on the GPU, and its launch folder behind."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from procs import python_env
+
+    from farmflow.tasks.launch import PARENT_FILE, _alive, sweep_orphans
+
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, WATCHED_CHILD], stdout=subprocess.PIPE, text=True, env=python_env())
+    try:
+        child = int(parent.stdout.readline())
+        assert _alive(child)
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(timeout=10)
+        deadline = time.monotonic() + 20
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _alive(child)
+    finally:
+        parent.kill()
+    dead, live = tmp_path / "launch-sft-dead", tmp_path / "launch-sft-live"
+    for folder, pid in ((dead, parent.pid), (live, os.getpid())):
+        (folder / "out").mkdir(parents=True)
+        (folder / PARENT_FILE).write_text(str(pid))
+    sweep_orphans(tmp_path)
+    assert not dead.exists() and live.exists()

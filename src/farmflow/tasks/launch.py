@@ -106,17 +106,20 @@ def run_in_child(stage: str, store, key: str, store_uri: str, config: Any, param
     scratch = scratch / ".staging" if isinstance(scratch, Path) else None  # local store: commit by rename, no copy
     if scratch is not None:
         scratch.mkdir(parents=True, exist_ok=True)
+    sweep_orphans(Path(scratch or tempfile.gettempdir()))
     with tempfile.TemporaryDirectory(prefix=f"launch-{stage}-{key[:8]}-", dir=scratch) as tmp:
         spec, out, log_path = Path(tmp) / "spec.json", Path(tmp) / "out", Path(tmp) / "child.log"
         out.mkdir()
+        (Path(tmp) / PARENT_FILE).write_text(str(os.getpid()))
         spec.write_text(json.dumps({"stage": stage, "store_uri": store_uri, "config": to_jsonable_python(config),
                                     "inputs": inputs, "options": options, "out": str(out)}))
         argv = command(stage, spec, execution)
         how = "accelerate launch" if "accelerate.commands.launch" in argv else "a child process"
         log("%s: running in %s", stage, how)
         started = time.perf_counter()
+        env = os.environ | {PARENT_ENV: str(os.getpid())}  # the child (each process under accelerate) exits when this one is gone
         with open(log_path, "wb") as f:
-            code = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL).returncode
+            code = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env).returncode
         if code != 0:
             tail, errors = _tail(log_path), sorted(out.glob("error-*.txt"))  # error-<rank>.txt: what the stage raised
             cause = errors[0].read_text() if errors else ""
@@ -130,6 +133,50 @@ def run_in_child(stage: str, store, key: str, store_uri: str, config: Any, param
     if ref is None:
         raise StageLaunchError(f"stage {stage}: the child exited cleanly but wrote no {stage}/{key[:12]} artifact")
     return ref
+
+
+PARENT_ENV = "FARMFLOW_PARENT_PID"
+PARENT_FILE = "parent.pid"
+
+
+def _alive(pid: int) -> bool:
+    """Is process `pid` running (a zombie, dead but not yet reaped, is not)?"""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, someone else's
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):  # no /proc (macOS): os.kill said it exists
+        return True
+
+
+def exit_with_parent(pid: int, every_s: float = 2.0) -> None:
+    """In a launched child: a daemon thread that ends this process when the flow process `pid` is gone.
+
+    A cancelled or killed flow run takes only its own process down; without this, a stage's child (and every
+    worker of an `accelerate launch`) would go on holding its GPU."""
+    import threading
+
+    def watch() -> None:
+        while _alive(pid):
+            time.sleep(every_s)
+        os._exit(3)
+
+    threading.Thread(target=watch, name="farmflow-parent-watch", daemon=True).start()
+
+
+def sweep_orphans(scratch: Path) -> None:
+    """Remove launch folders (spec, outbox, weights) left by flow processes that died mid-stage."""
+    for folder in scratch.glob("launch-*"):
+        try:
+            pid = int((folder / PARENT_FILE).read_text())
+        except (OSError, ValueError):
+            continue  # being created, or not ours
+        if not _alive(pid):
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def commit_outbox(store, out: Path) -> list[ArtifactRef]:
@@ -234,6 +281,8 @@ def child_main(spec_path: str) -> None:
     from farmflow.tasks import core
 
     spec = json.loads(Path(spec_path).read_text())
+    if os.environ.get(PARENT_ENV):
+        exit_with_parent(int(os.environ[PARENT_ENV]))
     from farmflow.models.runtime import _state, is_main_process
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
