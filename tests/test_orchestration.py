@@ -328,3 +328,16 @@ def test_a_failing_branch_does_not_skip_the_others(parallel, prefect_harness):
     with pytest.raises(RuntimeError, match="b broke"):
         branches()
     assert sorted(ran) == ["a", "b", "c"]
+
+
+def test_a_gpu_worker_runs_its_stage_with_the_calling_flows_retries_and_launcher():
+    """Orchestration review: the stage flow rebuilt ExecutionConfig from the launcher fields alone, so the caller's
+    retries, retry delay and gpu_stages fell back to the defaults on the worker."""
+    from farmflow.flows.distributed import worker_execution
+
+    ex = ExecutionConfig(mode="distributed", launcher="accelerate", accelerate_config="fsdp", num_processes=4, retries=0,
+                         retry_delay_s=7.0, gpu_stages=["sft", "dpo"])
+    on_worker = ExecutionConfig.model_validate(worker_execution(ex))
+    assert on_worker.mode == "local"  # the worker runs the stage itself
+    for name in ("launcher", "accelerate_config", "num_processes", "retries", "retry_delay_s", "gpu_stages"):
+        assert getattr(on_worker, name) == getattr(ex, name), name

@@ -69,7 +69,7 @@ def run_remote(runner, task: Task, config: Any, label: str, inputs: dict[str, An
         return hit, True
     refs = {k: v.model_dump(mode="json") for k, v in inputs.items() if isinstance(v, ArtifactRef)}
     options = {k: to_jsonable_python(v) for k, v in inputs.items() if not isinstance(v, ArtifactRef)}
-    launcher = {"launcher": ex.launcher, "accelerate_config": ex.accelerate_config, "num_processes": ex.num_processes}
+    launcher = worker_execution(ex)
     parameters = {"stage": stage, "store_uri": runner.store_uri, "config": to_jsonable_python(config), "inputs": refs,
                   "options": options, "label": label, "launcher": launcher}
     name = f"{label.replace(' ', ':')}/{runner.preset or 'custom'}/{key[:8]}"
@@ -97,6 +97,15 @@ def run_remote(runner, task: Task, config: Any, label: str, inputs: dict[str, An
     return ref, False
 
 
+WORKER_FIELDS = ("launcher", "accelerate_config", "num_processes", "retries", "retry_delay_s", "gpu_stages")
+"""The calling flow's execution settings a GPU worker runs its stage with (it runs it locally: mode stays 'local')."""
+
+
+def worker_execution(ex: Any) -> dict[str, Any]:
+    """What `stage_flow` gets as `launcher`: the calling flow's launcher, its retries and which stages it launches."""
+    return {name: to_jsonable_python(getattr(ex, name)) for name in WORKER_FIELDS}
+
+
 @flow(name="stage", log_prints=True)  # run name: given by run_remote (label/preset/key)
 def stage_flow(
     stage: str, store_uri: str, config: Any = None, inputs: dict[str, ArtifactRef] | None = None,
@@ -111,8 +120,9 @@ def stage_flow(
         inputs: The stage's input artifacts (refs).
         options: Other keyword arguments of the stage task (e.g. checkpoints).
         label: Name of the stage in the calling flow (e.g. 'generate dpo').
-        launcher: How the worker runs the stage: execution.launcher / accelerate_config / num_processes of the calling
-            flow (e.g. {"launcher": "accelerate", "accelerate_config": "fsdp", "num_processes": 8}); None: inline.
+        launcher: How the worker runs the stage: the calling flow's execution.launcher, accelerate_config, num_processes,
+            retries, retry_delay_s and gpu_stages (e.g. {"launcher": "accelerate", "accelerate_config": "fsdp",
+            "num_processes": 8}); None: inline with the defaults.
     """
     from farmflow.config import ExecutionConfig
     from farmflow.flows import StageRunner
