@@ -12,7 +12,10 @@ One `Runtime` per training loop wraps an `accelerate.Accelerator`:
   (`farmflow.models.batch_order` is a pure function of the step), takes its contiguous share
   and splits it into micro-batches (`micro_batches`). Each micro-batch's loss is weighted by
   its share of the global batch (`backward`), so one optimizer step equals the unaccumulated
-  single-process step up to float rounding;
+  single-process step up to float rounding. (SFT's share is its share of the response tokens,
+  the reward model's and DPO's of the pairs. PPO and Quark weight a micro-batch by its share
+  of the rows, as alpaca_farm does, so there splitting a minibatch whose responses differ in
+  length changes its token-mean loss slightly; one micro-batch per minibatch is exact.)
 * ``accelerator.prepare`` for model and optimizer, ``accelerator.backward``, gradient clipping
   through the accelerator (DDP, FSDP and DeepSpeed each clip their own way), and only the
   main process writes: `finish` leaves the model as `farmflow.models.save` should write it
