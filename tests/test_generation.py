@@ -15,7 +15,8 @@ import pytest
 from farmflow import tasks
 from farmflow.config import PRESETS, ConfigError, SampleConfig, load_config
 from farmflow.flows.distributed import stage_key_of
-from farmflow.generation import prompt_token_ids, require_vllm, sample_texts, texts_from_vllm
+from farmflow.generation import require_vllm, sample_texts, texts_from_vllm
+from farmflow.models import prompt_ids
 from farmflow.methods.best_of_n import pick_best
 from farmflow.models import _left_pad, decode_response, load_policy, load_tokenizer, sample
 from farmflow.storage import open_store
@@ -115,10 +116,10 @@ def test_prompt_encoding_matches_the_hf_sampler(tok):
     for max_len in (64, 5):
         ids, mask = _left_pad(tok, prompts, max_len)
         hf = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
-        assert prompt_token_ids(tok, prompts, max_len) == hf
+        assert prompt_ids(tok, prompts, max_len) == hf
     hi = tok("Hi", add_special_tokens=False)["input_ids"]
-    assert prompt_token_ids(tok, ["Hi"], 64) == [[tok.bos_token_id] + hi]
-    long = prompt_token_ids(tok, [prompts[2]], 5)[0]
+    assert prompt_ids(tok, ["Hi"], 64) == [[tok.bos_token_id] + hi]
+    long = prompt_ids(tok, [prompts[2]], 5)[0]
     assert len(long) == 5 and long == [tok.bos_token_id] + tok(prompts[2], add_special_tokens=False)["input_ids"][-4:]  # <s> kept
 
 
@@ -150,7 +151,7 @@ def test_vllm_requests_one_seeded_sample_each_so_candidates_nest(micro, tok, mon
     sent = _RecordingEngine.requests
     assert len(sent) == 12 and all(p.n == 1 and p.temperature == 1.0 and p.top_p == 0.9 and p.max_tokens == 6 for _, p in sent)
     assert [p.seed for _, p in sent] == [sample_seed(7, i, j) for i in range(3) for j in range(4)]  # the hf sampler's streams
-    assert [ids for ids, _ in sent] == [x for x in prompt_token_ids(tok, prompts, 128 - 6) for _ in range(4)]
+    assert [ids for ids, _ in sent] == [x for x in prompt_ids(tok, prompts, 128 - 6) for _ in range(4)]
     two = vllm_sample(folder, prompts, n=2, temperature=1.0, top_p=0.9, max_new_tokens=6, seed=7)
     assert [len(c) for c in four] == [4, 4, 4] and two == [c[:2] for c in four]  # best-of-2's candidates are best-of-4's first two
     assert len({c for cs in four for c in cs}) > 3

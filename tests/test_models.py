@@ -452,7 +452,6 @@ def test_dpo_and_ppo_log_probs_on_the_response_window_equal_full_logits(policy, 
 
 def test_an_over_long_prompt_keeps_its_bos_when_cut_to_fit():
     """Review finding: sampling cut [BOS] + prompt from the left, dropping BOS, where training keeps it."""
-    from farmflow.generation import prompt_token_ids
     from farmflow.models import prompt_ids
 
     tok = train_tokenizer(PROMPTS + RESPONSES, vocab_size=384)
@@ -460,4 +459,3 @@ def test_an_over_long_prompt_keeps_its_bos_when_cut_to_fit():
     assert len(full) > 6
     assert prompt_ids(tok, [PROMPTS[0]], 6) == [[tok.bos_token_id] + full[-5:]]
     assert prompt_ids(tok, [PROMPTS[0]], 1000) == [[tok.bos_token_id] + full]  # fits: unchanged
-    assert prompt_token_ids(tok, [PROMPTS[0]], 6) == prompt_ids(tok, [PROMPTS[0]], 6)  # the vLLM requests encode the same way

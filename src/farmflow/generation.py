@@ -42,13 +42,6 @@ def require_vllm(field: str) -> Any:
     return vllm
 
 
-def prompt_token_ids(tokenizer, prompts: Sequence[str], max_prompt_len: int) -> list[list[int]]:
-    """The hf sampler's encoding (`farmflow.models.prompt_ids`): ``<s>`` + each prompt's tokens, cut to fit."""
-    from farmflow.models import prompt_ids
-
-    return prompt_ids(tokenizer, prompts, max_prompt_len)
-
-
 def texts_from_vllm(request_outputs: Sequence[Any], n: int, decode: Callable[[Sequence[int]], str]) -> list[list[str]]:
     """vLLM's `RequestOutput`s, one per sample in (prompt, sample) order → n response texts per prompt.
 
@@ -84,13 +77,13 @@ def vllm_sample(
     vllm = require_vllm(field)
     from transformers import AutoConfig
 
-    from farmflow.models import decode_response, load_tokenizer, sample_seed
+    from farmflow.models import decode_response, load_tokenizer, prompt_ids, sample_seed
 
     tokenizer = load_tokenizer(model_dir)
     context = AutoConfig.from_pretrained(str(model_dir)).max_position_embeddings
     if max_new_tokens >= context:
         raise ConfigError(f"max_new_tokens ({max_new_tokens}) must be smaller than the model's context ({context} tokens)")
-    ids = prompt_token_ids(tokenizer, prompts, context - max_new_tokens)
+    ids = prompt_ids(tokenizer, prompts, context - max_new_tokens)  # the hf sampler's encoding
     llm = vllm.LLM(model=str(model_dir), dtype=dtype, seed=seed, max_model_len=context)
     try:
         requests = [(i, j) for i in range(len(prompts)) for j in range(n)]
