@@ -23,7 +23,7 @@ from farmflow.evaluation.lc import instruction_difficulty, lc_of_rows, length_co
 from farmflow.evaluation.leaderboard import annotator_label, leaderboard_markdown, leaderboard_rows, method_family, plot_leaderboard
 from farmflow.storage.schemas import SCHEMAS
 
-VERSION = "4"  # 3: LC win rate (difficulty from this evaluation alone) in the metrics; 4: gold_standard_error
+VERSION = "5"  # 3: LC win rate in the metrics; 4: gold_standard_error; 5: LC without the run's own labels in its difficulty
 
 
 def evaluate_outputs(
@@ -34,7 +34,7 @@ def evaluate_outputs(
     `outputs` rows: id, instruction, input, output, generator, task. `references` rows: id,
     output (the eval split of the instructions table). Returns the ``evaluation`` table
     and the summary statistics (`win_rate_stats`, the reference's mean gold reward, and the
-    LC win rate with instruction difficulty from this evaluation alone). API annotators
+    LC win rate: the length term alone, since a run's own labels never set its difficulty). API annotators
     use the row cache of the store at `store_uri`.
     """
     ref_by_id = {r["id"]: r["output"] for r in references}
@@ -57,7 +57,7 @@ def evaluate_outputs(
     stats = win_rate_stats([r["preference"] for r in rows], [r["output_2"] for r in rows], [r["gold_2"] for r in rows])
     ref_gold = [r["gold_1"] for r in rows if r["gold_1"] is not None]
     stats["reference_mean_gold"] = sum(ref_gold) / len(ref_gold) if ref_gold else float("nan")
-    lc = lc_of_rows(rows)  # instruction difficulty from this evaluation alone; leaderboards pool runs
+    lc = lc_of_rows(rows)  # no other runs here: the length term alone; leaderboards pool the other runs
     stats.update({k: lc[k] for k in ("lc_win_rate", "lc_standard_error", "lc_length_coef")})
     return table, stats
 

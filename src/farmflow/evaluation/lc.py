@@ -21,7 +21,11 @@ against the same references): logit P(y_rx = 1) = θ_r + φ_r · tanh(Δlen_rx /
 with L2 penalties on φ_r (`penalty`) and γ'_x (`difficulty_penalty`, default 1: prior sd 1
 logit). The per-instruction effects are standardized to mean 0 and sd 1 over instructions
 (γ_x = −z(γ'_x) enters the run's model, so ψ is in logits per sd of difficulty);
-instructions outside the table get γ_x = 0 (average difficulty).
+instructions outside the table get γ_x = 0 (average difficulty). A run's own labels never
+enter its difficulty table (leave-one-run-out): with one label per instruction, γ_x fitted on
+the run itself is a shrunk copy of its own outcome, and ψ · γ_x then hands the outcome back,
+undoing most of the length control (a simulated run whose true LC is 41 came out at 55, near
+its raw 56.5). Without other runs, γ = 0: the length term alone.
 
 Standard error: the delta method with influence functions. The estimate is a mean of
 per-row predictions at the fitted parameters, so its per-row influence is the row's
@@ -148,8 +152,8 @@ def length_controlled_winrate(
 ) -> dict[str, float]:
     """LC win rate and its standard error for one run (module doc).
 
-    `difficulty`: instruction → standardized difficulty (`instruction_difficulty`); None
-    estimates it from this run alone. Rows with an unusable preference are left out (as in
+    `difficulty`: instruction → standardized difficulty (`instruction_difficulty`) from other
+    runs; None: no difficulty term (never from this run's own labels, module doc). Rows with an unusable preference are left out (as in
     `win_rate_stats`). Returns lc_win_rate, lc_standard_error and the fitted coefficients
     lc_intercept (θ), lc_length_coef (φ), lc_difficulty_coef (ψ) and lc_length_sd.
     """
@@ -157,9 +161,7 @@ def length_controlled_winrate(
     n = len(y)
     if n == 0:
         raise ValueError("no valid preferences to compute a length-controlled win rate from")
-    if difficulty is None:
-        difficulty = instruction_difficulty([{"instructions": xs, "preferences": y + 1.0, "delta_len": d}], penalty)
-    gam = np.array([difficulty.get(x, 0.0) for x in xs])
+    gam = np.array([(difficulty or {}).get(x, 0.0) for x in xs])
     out = {"lc_length_sd": float(d.std()) if n > 1 else 0.0}
     if np.all(y == y[0]):  # all wins, all losses or all ties: nothing to adjust
         return out | {"lc_win_rate": 100.0 * float(y[0]), "lc_standard_error": 0.0 if n > 1 else math.nan,
@@ -195,13 +197,13 @@ def instruction_key(row: dict) -> str:
 
 
 def lc_of_rows(rows: Sequence[dict], difficulty_runs: Sequence[dict] = (), penalty: float = PENALTY) -> dict[str, float]:
-    """LC win rate of one run's rows; difficulty from `difficulty_runs` plus this run.
+    """LC win rate of one run's rows; difficulty from the other runs in `difficulty_runs` (leave-one-run-out).
 
-    `difficulty_runs` are other runs (`run_of_rows`) judged against the same references;
-    the run itself is included once (pass it in difficulty_runs or not, it is not doubled).
+    `difficulty_runs` are runs (`run_of_rows`) judged by the same annotator against the same
+    references; this run is left out of them if it is there. None left: no difficulty term.
     """
     run = run_of_rows(rows)
     others = [r for r in difficulty_runs if r is not run and r != run]
-    difficulty = instruction_difficulty([run, *others], penalty)
+    difficulty = instruction_difficulty(others, penalty) if others else None
     out = length_controlled_winrate(run["instructions"], run["preferences"], run["delta_len"], difficulty, penalty)
-    return out | {"lc_difficulty_runs": float(1 + len(others))}
+    return out | {"lc_difficulty_runs": float(len(others))}

@@ -4,9 +4,10 @@
 rows: win rate ± SE, discrete win rate, LC win rate ± SE, mean gold reward ± SE (synthetic
 farm; NaN in the real farm, which has no gold reward), average length, n, annotator and
 reference (`reference_label`). The LC win rate's instruction
-difficulty is pooled over every run judged by the same annotator against the same
+difficulty is pooled over the other runs judged by the same annotator against the same
 references (the evaluations on the board plus any `peer_runs`, e.g. the other
-evaluations in the store), so it is comparable across the board's rows.
+evaluations in the store), leaving out the row's own run (`farmflow.evaluation.lc`: a
+run's own labels in its difficulty undo the length control).
 """
 
 from __future__ import annotations
@@ -74,14 +75,13 @@ def leaderboard_rows(entries: Sequence[dict], peer_runs: dict[str, list[dict]] |
     evaluation_key. `peer_runs[group]`: more runs (`lc.run_of_rows`) for the difficulty.
     """
     runs = [run_of_rows(e["rows"]) for e in entries]
-    difficulty: dict[str, dict[str, float]] = {}
-    for group in dict.fromkeys(e["group"] for e in entries):
-        pooled = [r for r, e in zip(runs, entries) if e["group"] == group] + list((peer_runs or {}).get(group, []))
-        difficulty[group] = instruction_difficulty(pooled)
     out = []
     for e, run in zip(entries, runs):
         m = e["metrics"]
-        lc = length_controlled_winrate(run["instructions"], run["preferences"], run["delta_len"], difficulty[e["group"]])
+        pooled = [r for r, other in zip(runs, entries) if other["group"] == e["group"]] + list((peer_runs or {}).get(e["group"], []))
+        others = [r for r in pooled if r is not run and r != run]  # leave-one-run-out
+        lc = length_controlled_winrate(run["instructions"], run["preferences"], run["delta_len"],
+                                       instruction_difficulty(others) if others else None)
         out.append({
             "method": e["method"], "family": method_family(e["method"]),
             "win_rate": m["win_rate"], "standard_error": m["standard_error"], "discrete_win_rate": _nan(m.get("discrete_win_rate")),
