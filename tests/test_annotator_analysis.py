@@ -159,3 +159,9 @@ def test_cli_rankings(tmp_path):
     result = CliRunner().invoke(app, ["eval", "rankings", str(tmp_path / "a.json"), str(tmp_path / "b.json")])
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["spearman"] == pytest.approx(-1.0)
+
+
+def test_ranking_correlation_leaves_out_methods_without_a_finite_score():
+    """Review finding: a NaN score got the top rank (Spearman 0.8 here, Pearson NaN)."""
+    c = ranking_correlation({"a": 1, "b": 2, "c": math.nan, "d": 3}, {"a": 1, "b": 2, "c": 5, "d": 3})
+    assert c["n"] == 3 and c["spearman"] == pytest.approx(1.0) and c["pearson"] == pytest.approx(1.0)

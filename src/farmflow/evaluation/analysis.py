@@ -168,8 +168,10 @@ def _preference_rates(labelled: Sequence[tuple[float, dict]]) -> dict[str, float
 
 
 def ranking_correlation(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
-    """Spearman (Pearson on average ranks) and Pearson correlation of two evaluators' scores of the same methods."""
-    common = sorted(set(a) & set(b))
+    """Spearman (Pearson on average ranks) and Pearson correlation of two evaluators' scores of the same methods.
+
+    Methods without a finite score on both sides are left out (`n` counts the rest): a NaN would otherwise be ranked."""
+    common = sorted(k for k in set(a) & set(b) if math.isfinite(float(a[k])) and math.isfinite(float(b[k])))
     x, y = np.array([a[k] for k in common], float), np.array([b[k] for k in common], float)
 
     def pearson(u: np.ndarray, v: np.ndarray) -> float:

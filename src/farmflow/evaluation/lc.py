@@ -16,11 +16,11 @@ preference y in [0, 1] (preference − 1: 1 = the evaluated output wins) on inst
 The LC win rate is the model's prediction with the length difference set to zero,
 averaged over the run's instructions: 100 · mean_x sigmoid(θ + ψ · γ_x).
 
-Instruction difficulty comes from every annotated run available (several models judged
-against the same references): logit P(y_rx = 1) = θ_r + φ_r · tanh(Δlen_rx / sd_r) − γ'_x,
-with L2 penalties on φ_r (`penalty`) and γ'_x (`difficulty_penalty`, default 1: prior sd 1
+Instruction difficulty comes from the other annotated runs available (several models judged
+against the same references): logit P(y_rx = 1) = θ_r + φ_r · tanh(Δlen_rx / sd_r) + u_x,
+with L2 penalties on φ_r (`penalty`) and u_x (`difficulty_penalty`, default 1: prior sd 1
 logit). The per-instruction effects are standardized to mean 0 and sd 1 over instructions
-(γ_x = −z(γ'_x) enters the run's model, so ψ is in logits per sd of difficulty);
+and negated (γ_x = −z(u_x) enters the run's model: higher = harder; ψ is in logits per sd of difficulty);
 instructions outside the table get γ_x = 0 (average difficulty). A run's own labels never
 enter its difficulty table (leave-one-run-out): with one label per instruction, γ_x fitted on
 the run itself is a shrunk copy of its own outcome, and ψ · γ_x then hands the outcome back,
