@@ -160,3 +160,8 @@ def test_cli_winrate_reports_lc_and_uses_extra_files_for_difficulty(tmp_path):
     out2 = json.loads(pooled.stdout[pooled.stdout.index("{"):])
     assert out2["lc_difficulty_runs"] == 2 and out2["win_rate"] == out["win_rate"]
     assert out2["lc_win_rate"] != out["lc_win_rate"]
+    # review finding: a --difficulty file without references was used silently (its length differences = whole outputs)
+    bare = tmp_path / "bare.json"
+    bare.write_text(json.dumps([{k: v for k, v in r.items() if k != "output_1"} for r in json.loads(files[1].read_text())]))
+    refused = runner.invoke(app, ["eval", "winrate", str(files[0]), "--difficulty", str(bare)])
+    assert refused.exit_code == 2 and "--difficulty files need 'output_1'" in " ".join(refused.output.split())

@@ -410,14 +410,20 @@ def winrate(
     """Win rate, standard error, counts, discrete win rate, average length and length-controlled win rate, as JSON.
 
     The LC win rate (docs/evaluation.md) needs 'instruction', 'output_1' and 'output_2'; its
-    instruction difficulty comes from PATH plus every --difficulty file.
+    instruction difficulty comes from the --difficulty files (never from PATH's own labels;
+    none: the length term alone).
     """
     from farmflow.evaluation import alpaca_eval_winrate, lc_of_rows, run_of_rows
 
     rows = _annotation_rows(path)
+    peers = {p: _annotation_rows(p) for p in difficulty}
+    for p, peer in peers.items():  # a peer without references would read as a huge length difference
+        if not all("output_1" in r for r in peer):
+            console.print(f"[red]{p}: --difficulty files need 'output_1' (the reference output) in every row[/red]")
+            raise typer.Exit(2)
     try:
         stats = alpaca_eval_winrate(rows, where=str(path))
-        lc = lc_of_rows(rows, [run_of_rows(_annotation_rows(p)) for p in difficulty]) if all("output_1" in r for r in rows) else {}
+        lc = lc_of_rows(rows, [run_of_rows(peer) for peer in peers.values()]) if all("output_1" in r for r in rows) else {}
     except ValueError as err:
         console.print(f"[red]{err}[/red]")
         raise typer.Exit(2)
