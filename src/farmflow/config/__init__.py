@@ -8,6 +8,7 @@ the CLI, the flows and the tests; it turns any validation problem into one `Conf
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import re
@@ -112,9 +113,16 @@ class LoraConfig(Section):
 def folder_digest(folder: Path) -> str:
     """A cheap content digest of a model folder: every file's name and size, the full bytes of files under 1 MB
     (config, tokenizer), and each safetensors file's header (tensor names, dtypes, shapes, offsets) plus its first
-    and last MB of data, so rewritten weights read as new without hashing gigabytes."""
+    and last MB of data, so rewritten weights read as new without hashing gigabytes. Read once per state of the
+    folder (files, sizes, modification times): a flow computes the base model's key several times."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and not p.name.startswith("."))
+    return _folder_digest(folder, tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files))
+
+
+@functools.lru_cache(maxsize=32)
+def _folder_digest(folder: Path, state: tuple) -> str:
     h = hashlib.sha256()
-    for path in sorted(p for p in folder.rglob("*") if p.is_file() and not p.name.startswith(".")):
+    for path in (Path(name) for name, _, _ in state):
         size = path.stat().st_size
         h.update(f"{path.relative_to(folder).as_posix()}\0{size}\0".encode())
         with open(path, "rb") as f:
