@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
@@ -17,6 +19,7 @@ from farmflow.config import load_config
 from farmflow.flows import best_of_n_flow
 
 pytestmark = [pytest.mark.usefixtures("prefect_harness"), pytest.mark.slow]
+sys.path.insert(0, str(Path(__file__).parent))  # test_real_farm's tiny hub-style model
 
 ALL_STAGES = {"data", "base_model", "sft", "sample_pairs", "annotate", "train_reward", "generate", "best_of_n", "evaluate"}
 
@@ -72,6 +75,32 @@ def test_flow_end_to_end_then_fully_cached_then_only_best_of_n(micro_config):
     assert executed == {}
     same = lambda board: [(r["method"], r["win_rate"], r["mean_gold"], r["evaluation_key"]) for r in board]  # noqa: E731
     assert same(resized["leaderboard"]) == same(summary["leaderboard"])  # (LC win rates now pool best_of_3's evaluation too)
+
+
+def test_a_change_to_one_split_reruns_only_the_stages_that_read_it(micro_config, tmp_path):
+    """Known limit until session 10: the data artifact was one input, so a new evaluation set retrained SFT.
+
+    With a pretrained base model (the real farm's case: SFT is the expensive stage), SFT is
+    keyed on the SFT split's content, pairs on PREF and val, evaluation on eval.
+    """
+    from test_real_farm import tiny_llama_without_pad
+
+    folder = tiny_llama_without_pad(tmp_path / "hub-model")
+    overrides = [f"store.uri={micro_config.store.uri}", f"model.pretrained={folder}"]
+    _, executed = _run(load_config("synthetic-micro", overrides))
+    assert set(executed) == ALL_STAGES
+    eval_size = micro_config.data.eval_size + 2
+    changed, executed = _run(load_config("synthetic-micro", [*overrides, f"data.eval_size={eval_size}"]))
+    assert executed == {"data": 1, "generate": 2, "best_of_n": 1, "evaluate": 3}  # no SFT, pairs, labels or reward model
+    assert all(r["n"] == eval_size for r in changed["leaderboard"])
+    _, executed = _run(load_config("synthetic-micro", [*overrides, f"data.eval_size={eval_size}", "data.val_size=5"]))
+    assert executed == {"data": 1, "sample_pairs": 1, "annotate": 1, "train_reward": 1, "best_of_n": 1, "evaluate": 1}
+    _, executed = _run(load_config("synthetic-micro", [*overrides, "data.sft_size=30"]))
+    assert executed["sft"] == 1 and "base_model" not in executed  # a pretrained base model reads no data
+    # the synthetic farm's own tokenizer is trained on every split's text: a new evaluation set is a new base model
+    _, executed = _run(micro_config)
+    _, executed = _run(load_config("synthetic-micro", [f"store.uri={micro_config.store.uri}", f"data.eval_size={eval_size}"]))
+    assert executed["base_model"] == 1 and executed["sft"] == 1
 
 
 def test_deleted_artifact_is_recomputed_not_trusted(micro_config):

@@ -1,7 +1,9 @@
 """What enters a stage key: operational settings (limits, prices, secrets' locations) do not."""
 
+import pytest
+
 from farmflow.config import load_config
-from farmflow.storage import canonical_json, stage_key
+from farmflow.storage import canonical_json, open_store, stage_key
 from farmflow.tasks.core import key_config
 
 
@@ -87,3 +89,40 @@ def test_a_local_pretrained_folder_is_keyed_by_its_contents(tmp_path):
     assert key_config(cfg) != first
     assert key_config(ModelConfig(pretrained="org/model", revision="abc123")) != key_config(ModelConfig(pretrained="org/model"))
     assert "pretrained_files" not in key_config(ModelConfig())  # the synthetic farm's model: unchanged
+
+
+def test_part_key_narrows_an_input_to_the_parts_a_stage_reads():
+    from farmflow.storage import ArtifactRef, part_key
+
+    ref = ArtifactRef(uri="", stage="data", key="k" * 32, kind="table", format="instructions", created="now", parts={"sft": "a", "eval": "b"})
+    assert part_key(ref, None) == ref.key  # the whole artifact
+    assert part_key(ref, ("sft",)) == part_key(ref.model_copy(update={"key": "other", "parts": {"sft": "a", "eval": "c"}}), ("sft",))
+    assert part_key(ref, ("sft",)) != part_key(ref.model_copy(update={"parts": {"sft": "z", "eval": "b"}}), ("sft",))
+    assert part_key(ref, ("eval", "sft")) == part_key(ref, ("sft", "eval")) != part_key(ref, ("sft",))
+    assert part_key(ref, ()) == part_key(ref.model_copy(update={"parts": {"sft": "x"}}), ())  # reads nothing of it
+    old = ref.model_copy(update={"parts": {}})  # committed before part digests: keyed as a whole, as then
+    assert part_key(old, ("sft",)) == part_key(old, ()) == old.key
+    with pytest.raises(ValueError, match="no part 'unlabeled'"):
+        part_key(ref, ("unlabeled",))
+
+
+def test_split_digests_change_only_with_their_split(tmp_path):
+    from farmflow import tasks
+    from farmflow.config import DataConfig
+
+    store = str(tmp_path / "store")
+    small = tasks.data_task.fn(store, DataConfig(sft_size=8, pref_size=8, unlabeled_size=4, val_size=2, eval_size=2))
+    more_eval = tasks.data_task.fn(store, DataConfig(sft_size=8, pref_size=8, unlabeled_size=4, val_size=2, eval_size=3))
+    assert set(small.parts) == {"sft", "pref", "unlabeled", "val", "eval"}
+    assert small.key != more_eval.key and open_store(store).get("data", small.key).parts == small.parts  # kept in the commit record
+    assert {s for s in small.parts if small.parts[s] != more_eval.parts[s]} == {"eval"}
+    # a stage that reads the sft split keeps its key; one that reads eval does not; the synthetic tokenizer reads them all
+    sft_key = lambda data: stage_key("sft", "1", {}, tasks.core.keyed_inputs("sft", {}, {"data": data}))  # noqa: E731
+    eval_key = lambda data: stage_key("evaluate", "1", {}, tasks.core.keyed_inputs("evaluate", {}, {"data": data}))  # noqa: E731
+    assert sft_key(small) == sft_key(more_eval) and eval_key(small) != eval_key(more_eval)
+    base = lambda cfg, data: tasks.core.keyed_inputs("base_model", cfg, {"data": data})["data"]  # noqa: E731
+    from farmflow.config import ModelConfig
+
+    assert base(ModelConfig(), small) == small.key and base(ModelConfig(), more_eval) == more_eval.key
+    assert base(ModelConfig(pretrained="org/model"), small) == base(ModelConfig(pretrained="org/model"), more_eval)
+    assert base({"pretrained": "org/model"}, small) == base(ModelConfig(pretrained="org/model"), small)  # a config from JSON

@@ -16,6 +16,7 @@ import pyarrow as pa
 from farmflow.config import DataConfig
 from farmflow.data import synthetic
 from farmflow.data.prompts import format_prompt
+from farmflow.storage.refs import digest
 
 SPLITS = ("sft", "pref", "unlabeled", "val", "eval")
 
@@ -51,6 +52,14 @@ def build_synthetic_farm(cfg: DataConfig) -> pa.Table:
     return pa.table(columns)
 
 
+def split_digests(table: pa.Table) -> dict[str, str]:
+    """Split → content digest of its rows (in order): what a stage reading only some splits is keyed on."""
+    rows: dict[str, list[dict]] = {split: [] for split in SPLITS}
+    for r in table.to_pylist():
+        rows.setdefault(r["split"], []).append(r)
+    return {split: digest(rs) for split, rs in rows.items()}
+
+
 def split_rows(table: pa.Table, split: str) -> list[dict]:
     """Rows of one split as dicts (order preserved)."""
     if split not in SPLITS:
@@ -70,4 +79,4 @@ def prompts_of(rows: list[dict]) -> list[str]:
     return [format_prompt(r["instruction"], r["input"]) for r in rows]
 
 
-__all__ = ["SPLITS", "build_synthetic_farm", "format_prompt", "gold_reward", "prompts_of", "split_rows"]
+__all__ = ["SPLITS", "build_synthetic_farm", "format_prompt", "gold_reward", "prompts_of", "split_digests", "split_rows"]

@@ -22,7 +22,7 @@ over canonical JSON, so it is the same on every machine and in every process.
 
 from __future__ import annotations
 
-from farmflow.storage.refs import COMMIT_FILE, ArtifactRef, canonical_json, stage_key
+from farmflow.storage.refs import COMMIT_FILE, ArtifactRef, canonical_json, digest, part_key, stage_key
 from farmflow.storage.schemas import SCHEMAS, conform
 from farmflow.storage.store import LocalStore, Store, StoreError
 
@@ -44,5 +44,5 @@ def open_store(uri: str) -> Store:
 
 
 __all__ = [
-    "COMMIT_FILE", "ArtifactRef", "LocalStore", "SCHEMAS", "Store", "StoreError", "canonical_json", "conform", "open_store", "stage_key",
+    "COMMIT_FILE", "ArtifactRef", "LocalStore", "SCHEMAS", "Store", "StoreError", "canonical_json", "conform", "digest", "open_store", "part_key", "stage_key",
 ]

@@ -24,6 +24,11 @@ class ArtifactRef(BaseModel):
     rows: int | None = Field(None, description="Rows of a table; None for models.")
     created: str = Field(description="UTC time of the commit, ISO 8601.")
     metrics: dict[str, float] = Field(default_factory=dict, description="Scalars the stage reported (loss, accuracy, seconds...).")
+    parts: dict[str, str] = Field(
+        default_factory=dict,
+        description="Content digests of named parts of a table (a data artifact's splits): a stage that reads only some "
+        "parts is keyed on theirs (`part_key`), so a change elsewhere in the table does not rerun it.",
+    )
 
 
 def canonical_json(obj: Any) -> str:
@@ -31,11 +36,29 @@ def canonical_json(obj: Any) -> str:
     return json.dumps(to_jsonable_python(obj), sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=True)
 
 
+def digest(obj: Any) -> str:
+    """sha256 of the canonical JSON of `obj` (hex)."""
+    return hashlib.sha256(canonical_json(obj).encode()).hexdigest()
+
+
+def part_key(ref: ArtifactRef, parts: tuple[str, ...] | None) -> str:
+    """What a stage that reads only `parts` of `ref` is keyed on: the digests of those parts.
+
+    ``None`` means the whole artifact (its key), and so does an artifact committed without
+    part digests (older stores keep their keys); ``()`` means the stage reads none of it.
+    """
+    if parts is None or not ref.parts:
+        return ref.key
+    unknown = sorted(set(parts) - set(ref.parts))
+    if unknown:
+        raise ValueError(f"artifact {ref.stage}/{ref.key[:12]} has no part {unknown[0]!r}; it has {sorted(ref.parts)}")
+    return "parts:" + digest({"stage": ref.stage, "parts": {p: ref.parts[p] for p in sorted(set(parts))}})[:32]
+
+
 def stage_key(stage: str, version: str | int, config: Any, inputs: dict[str, "ArtifactRef | str"] | None = None) -> str:
     """Content address of a stage output: same inputs and config ⇒ same key, anywhere."""
     input_keys = {name: (ref.key if isinstance(ref, ArtifactRef) else str(ref)) for name, ref in (inputs or {}).items()}
-    payload = canonical_json({"stage": stage, "version": str(version), "config": config, "inputs": input_keys})
-    return hashlib.sha256(payload.encode()).hexdigest()[:32]
+    return digest({"stage": stage, "version": str(version), "config": config, "inputs": input_keys})[:32]
 
 
 def utc_now() -> str:

@@ -176,13 +176,14 @@ class Store:
     def put_table(
         self, stage: str, key: str, table: pa.Table, format: str, *, config: Any = None,
         inputs: dict | None = None, metrics: dict[str, float] | None = None, extra_files: dict[str, bytes] | None = None,
-        extra_tables: dict[str, tuple[pa.Table, str]] | None = None,
+        extra_tables: dict[str, tuple[pa.Table, str]] | None = None, parts: dict[str, str] | None = None,
     ) -> ArtifactRef:
         """Validate `table` against the schema of `format` and commit it atomically.
 
         `extra_files` (name → bytes) are committed in the same folder, e.g. a rendered
         Markdown table or plot of the data; `extra_tables` (name.parquet → (table, format))
         likewise, each validated against its own schema (read back with `read_table(ref, name)`).
+        `parts` (name → content digest) go into the ref for stages that read only some parts.
         """
         table = conform(table, format, where=f"stage {stage!r}")
         extra = {name: conform(t, fmt, where=f"stage {stage!r} {name}") for name, (t, fmt) in (extra_tables or {}).items()}
@@ -201,7 +202,7 @@ class Store:
                     pq.write_table(t, f"{folder}/{name}", filesystem=self.arrow_fs)
             ref = ArtifactRef(
                 uri="", stage=stage, key=key, kind="table", format=format, rows=table.num_rows,
-                created=utc_now(), metrics=dict(metrics or {}),
+                created=utc_now(), metrics=dict(metrics or {}), parts=dict(parts or {}),
             )
             return self._finish(folder, ref, self._record_of(ref, config, inputs))
 

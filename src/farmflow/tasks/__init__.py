@@ -29,7 +29,7 @@ from prefect.context import TaskRunContext
 
 from farmflow.annotators import annotate
 from farmflow.config import AnnotatorConfig, BestOfNConfig, CheckpointConfig, DataConfig, ModelConfig, RewardConfig, SampleConfig, SFTConfig
-from farmflow.data import alpaca, build_synthetic_farm, prompts_of, split_rows, synthetic
+from farmflow.data import alpaca, build_synthetic_farm, prompts_of, split_digests, split_rows, synthetic
 from farmflow.evaluation import VERSION as EVAL_VERSION
 from farmflow.evaluation import evaluate_outputs, leaderboard_markdown, leaderboard_rows, plot_leaderboard, run_of_rows
 from farmflow.evaluation.leaderboard import annotator_label, reference_label
@@ -46,7 +46,7 @@ from farmflow.models import (
 from farmflow.progress import progress
 from farmflow.storage import ArtifactRef, canonical_json, open_store, stage_key
 from farmflow.storage.schemas import SCHEMAS
-from farmflow.tasks.core import EXECUTED, VERSIONS, checkpointer, log, lookup, stage_task  # noqa: F401 (re-exported)
+from farmflow.tasks.core import EXECUTED, VERSIONS, checkpointer, config_get, log, lookup, stage_task  # noqa: F401 (re-exported)
 
 # ----------------------------------------------------------------------- stages
 @stage_task("data", version=f"1+synthetic{synthetic.VERSION}")
@@ -61,10 +61,10 @@ def data_task(store_uri: str, config: DataConfig) -> ArtifactRef:
         table, counts = alpaca.build_real_farm(config)
         log("data: %s", ", ".join(f"{k} {v:.0f}" for k, v in counts.items()) or "every row used")
     counts |= {f"rows_{split}": float(n) for split, n in Counter(table.column("split").to_pylist()).items()}
-    return store.put_table("data", key, table, "instructions", config=config, metrics=counts)
+    return store.put_table("data", key, table, "instructions", config=config, metrics=counts, parts=split_digests(table))
 
 
-@stage_task("base_model", version="1")
+@stage_task("base_model", version="1", reads=lambda c: {"data": () if config_get(c, "pretrained") else None})
 def base_model_task(store_uri: str, config: ModelConfig, data: ArtifactRef) -> ArtifactRef:
     """A pretrained causal LM (model.pretrained), or a tokenizer trained on the farm's text and a randomly initialized tiny Llama."""
     store, key, hit = lookup("base_model", store_uri, config, data=data)
@@ -83,7 +83,7 @@ def base_model_task(store_uri: str, config: ModelConfig, data: ArtifactRef) -> A
     return store.get("base_model", key)
 
 
-@stage_task("sft", version=sft.VERSION)
+@stage_task("sft", version=sft.VERSION, reads=lambda c: {"data": ("sft",)})
 def sft_task(store_uri: str, config: SFTConfig, data: ArtifactRef, base: ArtifactRef, checkpoints: CheckpointConfig | None = None) -> ArtifactRef:
     """Supervised fine-tuning of the base model on the SFT split's demonstrations (resumable)."""
     store, key, hit = lookup("sft", store_uri, config, data=data, base=base)
@@ -104,7 +104,7 @@ def sft_task(store_uri: str, config: SFTConfig, data: ArtifactRef, base: Artifac
     return store.get("sft", key)
 
 
-@stage_task("sample_pairs", version=f"1+sampler{SAMPLER_VERSION}")
+@stage_task("sample_pairs", version=f"1+sampler{SAMPLER_VERSION}", reads=lambda c: {"data": ("pref", "val")})
 def sample_pairs_task(store_uri: str, config: SampleConfig, data: ArtifactRef, policy: ArtifactRef) -> ArtifactRef:
     """Two samples of the policy per PREF and val instruction (paper: temperature 1.0)."""
     store, key, hit = lookup("sample_pairs", store_uri, config, data=data, policy=policy)
@@ -197,7 +197,7 @@ def generate_config(config: dict) -> dict:
     return {**config, "sample": SampleConfig.model_validate(config["sample"])}
 
 
-@stage_task("generate", version=f"1+sampler{SAMPLER_VERSION}", typed=generate_config)
+@stage_task("generate", version=f"1+sampler{SAMPLER_VERSION}", typed=generate_config, reads=lambda c: {"data": ("eval",)})
 def generate_task(store_uri: str, config: dict, data: ArtifactRef, policy: ArtifactRef) -> ArtifactRef:
     """One sample per evaluation instruction.
 
@@ -219,7 +219,7 @@ def generate_task(store_uri: str, config: dict, data: ArtifactRef, policy: Artif
                            config=config, inputs={"data": data, "policy": policy})
 
 
-@stage_task("best_of_n", version=f"{bon.VERSION}+sampler{SAMPLER_VERSION}")
+@stage_task("best_of_n", version=f"{bon.VERSION}+sampler{SAMPLER_VERSION}", reads=lambda c: {"data": (config_get(c, "split", "eval"),)})
 def best_of_n_task(
     store_uri: str, config: dict, data: ArtifactRef, policy: ArtifactRef, reward: ArtifactRef, backend: Literal["hf", "vllm"] = "hf",
     batch_size: int = 64,
@@ -317,7 +317,7 @@ def best_of_n_rescore_task(store_uri: str, config: dict, best_of_n: ArtifactRef,
     return _scored_outputs(store, "best_of_n_rescore", key, rows, every, big, big, config, {"best_of_n": best_of_n, "reward": reward}, rewards)
 
 
-@stage_task("evaluate", version=EVAL_VERSION)
+@stage_task("evaluate", version=EVAL_VERSION, reads=lambda c: {"data": ("eval",)})
 def evaluate_task(store_uri: str, config: AnnotatorConfig, outputs: ArtifactRef, data: ArtifactRef) -> ArtifactRef:
     """Win rate of the outputs against the reference outputs (p_sim^eval)."""
     store, key, hit = lookup("evaluate", store_uri, config, outputs=outputs, data=data)

@@ -27,7 +27,7 @@ from pydantic import BaseModel
 from prefect.exceptions import MissingContextError
 
 from farmflow.models.checkpoint import Checkpointer
-from farmflow.storage import ArtifactRef, LocalStore, open_store, stage_key
+from farmflow.storage import ArtifactRef, LocalStore, open_store, part_key, stage_key
 
 EXECUTED: Counter[str] = Counter()
 """Per stage, how often its computation actually ran in this process (tests count these)."""
@@ -106,6 +106,25 @@ def _inputs(params: dict[str, Any]) -> dict[str, ArtifactRef]:
     return {k: v for k, v in params.items() if isinstance(v, ArtifactRef)}
 
 
+READS: dict[str, Callable[[Any], dict[str, tuple[str, ...] | None]]] = {}
+"""Stage → config → {input name: the parts of that input the stage reads} (`stage_task(reads=...)`)."""
+
+
+def keyed_inputs(stage: str, config: Any, inputs: dict[str, ArtifactRef]) -> dict[str, ArtifactRef | str]:
+    """The inputs as the stage key sees them: an input the stage reads only parts of counts by those parts' digests.
+
+    So SFT, which reads the data artifact's ``sft`` split, keeps its key when only the
+    evaluation split changes (`farmflow.storage.part_key`).
+    """
+    reads = READS[stage](config) if stage in READS else {}
+    return {name: part_key(ref, reads[name]) if name in reads else ref for name, ref in inputs.items()}
+
+
+def config_get(config: Any, name: str, default: Any = None) -> Any:
+    """A field of a config that is a pydantic model or (from JSON) a dict."""
+    return config.get(name, default) if isinstance(config, dict) else getattr(config, name, default)
+
+
 TYPED: dict[str, Callable[[Any], Any]] = {}
 """Stage → the function that types its config when it can arrive as plain JSON (a dict config with sections inside)."""
 
@@ -117,15 +136,15 @@ def typed_config(stage: str, config: Any) -> Any:
 
 def _cache_key(stage: str):
     def key_fn(_ctx: Any, params: dict[str, Any]) -> str:
-        config = key_config(typed_config(stage, params["config"]))
-        return f"{stage}-{stage_key(stage, VERSIONS[stage], config, _inputs(params))}"
+        config = typed_config(stage, params["config"])
+        return f"{stage}-{stage_key(stage, VERSIONS[stage], key_config(config), keyed_inputs(stage, config, _inputs(params)))}"
 
     return key_fn
 
 
 def lookup(stage: str, store_uri: str, config: Any, **inputs: ArtifactRef) -> tuple[LocalStore, str, ArtifactRef | None]:
     """The store, the stage key and the committed artifact for it (None: compute it now)."""
-    key = stage_key(stage, VERSIONS[stage], key_config(config), inputs)
+    key = stage_key(stage, VERSIONS[stage], key_config(config), keyed_inputs(stage, config, inputs))
     if OUTBOX is not None:  # a launched child: the parent found no artifact; write to the outbox
         return OUTBOX, key, None
     store = open_store(store_uri)
@@ -138,16 +157,24 @@ def lookup(stage: str, store_uri: str, config: Any, **inputs: ArtifactRef) -> tu
     return store, key, hit
 
 
-def stage_task(stage: str, version: str, typed: Callable[[Any], Any] | None = None, **options: Any):
+def stage_task(
+    stage: str, version: str, typed: Callable[[Any], Any] | None = None,
+    reads: Callable[[Any], dict[str, tuple[str, ...] | None]] | None = None, **options: Any,
+):
     """A Prefect task for `stage`: cached by its stage key, result persisted as JSON.
 
     The task's first two parameters must be ``store_uri`` and ``config``; every
     `ArtifactRef` parameter is an input whose key enters the stage key. `typed` turns a
     config that arrived as JSON (a GPU worker's stage flow) into the typed one the stage
     uses, so operational fields inside it stay out of every key (`typed_config`).
+    `reads(config)` names the parts of an input the stage reads (the data artifact's
+    splits, ``()`` for none): those parts' digests replace the input's key (`keyed_inputs`).
+    It must name every split the stage's body reads, or a change there would be missed.
     """
     if typed is not None:
         TYPED[stage] = typed
+    if reads is not None:
+        READS[stage] = reads
     if VERSIONS.get(stage, version) != version:
         raise ValueError(f"stage {stage!r} declared twice with versions {VERSIONS[stage]!r} and {version!r}")
     VERSIONS[stage] = version

@@ -199,7 +199,8 @@ def commit_outbox(store, out: Path) -> list[ArtifactRef]:
             tables = {name: (pq.read_table(folder / name), fmt) for name, fmt in rec.get("extra_tables", {}).items()}
             extra = {p.name: p.read_bytes() for p in folder.iterdir() if p.name not in (RECORD, "data.parquet", *tables)}
             store.put_table(stage, key, pq.read_table(folder / "data.parquet"), rec["format"], config=rec["config"],
-                            inputs=rec["inputs"], metrics=rec["metrics"], extra_files=extra, extra_tables=tables)
+                            inputs=rec["inputs"], metrics=rec["metrics"], extra_files=extra, extra_tables=tables,
+                            parts=rec.get("parts"))
         refs.append(store.get(stage, key))
     return refs
 
@@ -226,7 +227,7 @@ class OutboxStore:
 
     def _record(self, folder: Path, ref: ArtifactRef, config: Any, inputs: dict | None, extra_tables: dict[str, str] | None = None) -> None:
         record = {"stage": ref.stage, "key": ref.key, "kind": ref.kind, "format": ref.format, "metrics": ref.metrics,
-                  "extra_tables": extra_tables or {},
+                  "parts": ref.parts, "extra_tables": extra_tables or {},
                   "config": json.loads(canonical_json(config)) if config is not None else None,
                   "inputs": {k: (v.key if isinstance(v, ArtifactRef) else v) for k, v in (inputs or {}).items()}}
         (folder / RECORD).write_text(json.dumps(record))
@@ -237,12 +238,12 @@ class OutboxStore:
 
     def put_table(self, stage: str, key: str, table: pa.Table, format: str, *, config: Any = None, inputs: dict | None = None,
                   metrics: dict[str, float] | None = None, extra_files: dict[str, bytes] | None = None,
-                  extra_tables: dict[str, tuple[pa.Table, str]] | None = None) -> ArtifactRef:
+                  extra_tables: dict[str, tuple[pa.Table, str]] | None = None, parts: dict[str, str] | None = None) -> ArtifactRef:
         """As `Store.put_table`; the parent commits it (`commit_outbox`), extra tables validated again there."""
         table = conform(table, format, where=f"stage {stage!r}")
         extra = {name: (conform(t, fmt, where=f"stage {stage!r} {name}"), fmt) for name, (t, fmt) in (extra_tables or {}).items()}
         ref = ArtifactRef(uri="", stage=stage, key=key, kind="table", format=format, rows=table.num_rows, created=utc_now(),
-                          metrics=dict(metrics or {}))
+                          metrics=dict(metrics or {}), parts=dict(parts or {}))
         if self.writer:
             folder = self._folder(stage, key)
             pq.write_table(table, folder / "data.parquet")

@@ -62,7 +62,7 @@ def ppo_snapshots(store_uri: str, ppo_ref: ArtifactRef) -> dict[int, ArtifactRef
     return dict(sorted(out.items()))
 
 
-@stage_task("ppo", version=f"{ppo.VERSION}+sampler{SAMPLER_VERSION}")
+@stage_task("ppo", version=f"{ppo.VERSION}+sampler{SAMPLER_VERSION}", reads=lambda c: {"data": ("unlabeled",)})
 def ppo_task(
     store_uri: str, config: PPOConfig, data: ArtifactRef, sft: ArtifactRef, reward: ArtifactRef, checkpoints: CheckpointConfig | None = None,
 ) -> ArtifactRef:
@@ -92,7 +92,7 @@ def ppo_task(
 
 
 # ------------------------------------------------------------------------------ Quark
-@stage_task("quark", version=f"{quark.VERSION}+sampler{SAMPLER_VERSION}")
+@stage_task("quark", version=f"{quark.VERSION}+sampler{SAMPLER_VERSION}", reads=lambda c: {"data": ("unlabeled",)})
 def quark_task(
     store_uri: str, config: QuarkConfig, data: ArtifactRef, sft: ArtifactRef, reward: ArtifactRef, checkpoints: CheckpointConfig | None = None,
 ) -> ArtifactRef:
