@@ -118,3 +118,34 @@ def test_farmflow_deploy_registers_everything_on_the_server(tmp_path):
 
     bad = CliRunner().invoke(app, ["deploy", "--timezone", "Mars/Olympus"])
     assert bad.exit_code == 2 and "deploy failed" in bad.output
+
+    # the unresponsive-run automation: one, updated by a second deploy, removed when switched off
+    from farmflow.deployments import UNRESPONSIVE
+
+    def automations():
+        with get_client(sync_client=True) as client:
+            return client.read_automations_by_name(UNRESPONSIVE)
+
+    (auto,) = automations()
+    assert auto.trigger.within.total_seconds() == 300 and auto.trigger.posture == "Proactive"
+    assert auto.actions[0].state == "CRASHED" and "prefect.tag.farmflow" in str(auto.trigger.match_related)
+    again = CliRunner().invoke(app, ["deploy", "--preset", "synthetic-micro", "--store", store, "--set", "execution.unresponsive_after_s=600"])
+    assert again.exit_code == 0 and "silent for 600 s" in again.output, again.output
+    (updated,) = automations()
+    assert updated.id == auto.id and updated.trigger.within.total_seconds() == 600
+    off = CliRunner().invoke(app, ["deploy", "--preset", "synthetic-micro", "--store", store, "--set", "execution.unresponsive_after_s=null"])
+    assert off.exit_code == 0 and automations() == [] and "silent for" not in off.output
+
+
+def test_deployed_runs_send_heartbeats_and_the_automation_waits_longer(deps):
+    from farmflow.deployments import unresponsive_automation
+
+    for name, dep in deps.items():
+        assert dep.job_variables["env"]["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"] == "60" and "farmflow" in dep.tags, name
+    auto = unresponsive_automation(300)
+    assert auto.trigger.after == {"prefect.flow-run.heartbeat"} and "prefect.flow-run.Completed" in auto.trigger.expect
+    assert auto.trigger.for_each == {"prefect.resource.id"}  # one countdown per flow run
+    with pytest.raises(ConfigError, match="unresponsive_after_s"):
+        deployments(overrides=["execution.heartbeat_s=120", "execution.unresponsive_after_s=100"])
+    with pytest.raises(ConfigError, match="heartbeat_s"):
+        deployments(overrides=["execution.heartbeat_s=10"])

@@ -215,7 +215,7 @@ def deploy(
     cpu_slots: Optional[int] = typer.Option(None, min=0, help="Concurrency limit of the CPU pool when it is created (default: unlimited)."),
     create_pools: bool = typer.Option(True, help="Create the work pools (execution.cpu_pool, execution.gpu_pool; process type) when missing."),
 ) -> None:
-    """Register a deployment per flow, the nightly comparison and the GPU stage runner on the Prefect server at PREFECT_API_URL."""
+    """Register a deployment per flow, the nightly comparison, the GPU stage runner and the unresponsive-run automation on the Prefect server at PREFECT_API_URL."""
     _prefect_env()
     from farmflow.config import ConfigError
     from farmflow.deployments import deploy as register
@@ -230,9 +230,13 @@ def deploy(
     for col in ("deployment", "work pool", "id"):
         table.add_column(col)
     for d in registered:
-        table.add_row(d["name"], d["pool"], d["id"])
+        if "pool" in d:
+            table.add_row(d["name"], d["pool"], d["id"])
     console.print(table)
-    pools = sorted({d["pool"] for d in registered})
+    for d in registered:
+        if "pool" not in d:
+            console.print(f"{d['name']} ({d['id']})", soft_wrap=True, highlight=False)
+    pools = sorted({d["pool"] for d in registered if "pool" in d})
     console.print("start a worker per pool: " + "; ".join(f"prefect worker start --pool {p}" for p in pools), soft_wrap=True, highlight=False)
 
 

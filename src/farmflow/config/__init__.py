@@ -708,6 +708,17 @@ class ExecutionConfig(Section):
         "transient error; the stage resumes from its cached inputs (and the annotations row cache).",
     )
     retry_delay_s: float = Field(10.0, ge=0, description="Delay before the first retry; doubles on each further retry (exponential backoff).")
+    heartbeat_s: int = Field(
+        60, ge=30,
+        description="Deployed flow runs (`farmflow deploy`) send a heartbeat event this often (Prefect's flows.heartbeat_frequency, "
+        "at least 30 s), so a run whose machine vanished can be told from a long one (`unresponsive_after_s`).",
+    )
+    unresponsive_after_s: int | None = Field(
+        300, ge=45,
+        description="`farmflow deploy` registers an automation that marks a farmflow flow run Crashed when no heartbeat or final "
+        "state arrived for this long (a GPU machine that vanished); the flow waiting for it then retries the stage (`retries`). "
+        "More than heartbeat_s; None: no automation (such a run stays Running until marked crashed by hand).",
+    )
     launcher: Literal["inline", "process", "accelerate"] = Field(
         "inline",
         description="How a GPU stage (gpu_stages) runs where it runs: 'inline' in the calling process; 'process' in a child Python "
@@ -726,6 +737,14 @@ class ExecutionConfig(Section):
         description="launcher 'accelerate': processes (GPUs) per training stage, passed as --num_processes (None: from the config "
         "file). Each stage's batch_size must divide evenly between them.",
     )
+
+
+    @model_validator(mode="after")
+    def _heartbeats_fit(self) -> "ExecutionConfig":
+        if self.unresponsive_after_s is not None and self.unresponsive_after_s < self.heartbeat_s + 15:
+            raise ValueError(f"execution.unresponsive_after_s ({self.unresponsive_after_s}) must exceed execution.heartbeat_s "
+                             f"({self.heartbeat_s}) by at least 15 s, or healthy runs would be marked crashed between two heartbeats")
+        return self
 
 
 class FarmConfig(Section):

@@ -11,7 +11,10 @@ when missing and registers the deployments on the Prefect server (``PREFECT_API_
   configurable) with ``history: true``, so each run appends its leaderboard to the
   store's ``leaderboard_history`` table;
 * ``stage/gpu``: `farmflow.flows.distributed.stage_flow` on the GPU pool, one stage per flow
-  run, for flows whose config says ``execution.mode: distributed``.
+  run, for flows whose config says ``execution.mode: distributed``;
+* the automation ``farmflow: crash unresponsive runs``: every deployed run sends a heartbeat
+  every ``execution.heartbeat_s``; a farmflow run silent for ``execution.unresponsive_after_s``
+  (its machine vanished) is marked Crashed, and the flow waiting on it retries the stage.
 
 Entrypoints are module paths (``farmflow.flows.compare_flow``): a worker needs farmflow
 installed, not a copy of this checkout. The flows' parameters are the pydantic config
@@ -28,6 +31,9 @@ DEPLOYMENT = "farmflow"
 """Name of every flow's deployment (``compare/farmflow``, ``dpo/farmflow``, ...)."""
 NIGHTLY = "nightly-compare"
 STAGE = "gpu"
+TAG = "farmflow"
+"""Tag of every deployment, so of every flow run they start (the unresponsive-run automation matches it)."""
+UNRESPONSIVE = "farmflow: crash unresponsive runs"
 
 
 def deployments(
@@ -55,7 +61,8 @@ def deployments(
     if flow_name != stage_flow.name or not stage_name:
         raise ValueError(f"execution.stage_deployment must be '{stage_flow.name}/<name>', got {cfg.execution.stage_deployment!r}")
     params: dict[str, Any] = {"preset": preset} | ({"overrides": list(overrides)} if overrides else {})
-    common = {"entrypoint_type": EntrypointType.MODULE_PATH, "tags": ["farmflow"]}
+    heartbeat = {"env": {"PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(cfg.execution.heartbeat_s)}}
+    common = {"entrypoint_type": EntrypointType.MODULE_PATH, "tags": [TAG], "job_variables": heartbeat}
     out = [fl.to_deployment(name=DEPLOYMENT, parameters=params, work_pool_name=cpu_pool, **common) for fl in FLOWS.values()]
     # the over-optimization flow takes no overrides: with overrides, its default is the whole config
     overopt = {"config": cfg.model_dump(mode="json")} if overrides else {"preset": preset}
@@ -96,6 +103,54 @@ def ensure_pools(pools: dict[str, int | None]) -> list[str]:
     return created
 
 
+def unresponsive_automation(after_s: int) -> Any:
+    """The automation that marks a farmflow flow run Crashed after `after_s` without a heartbeat or a final state.
+
+    Prefect's recipe for zombie runs (heartbeat events, a proactive trigger per flow run),
+    limited to runs tagged ``farmflow``. A crashed GPU stage run is retried by the flow that
+    waits on it (`farmflow.flows.distributed.run_remote`).
+    """
+    from datetime import timedelta
+
+    from prefect.client.schemas.objects import StateType
+    from prefect.events.actions import ChangeFlowRunState
+    from prefect.events.schemas.automations import AutomationCore, EventTrigger, Posture
+    from prefect.events.schemas.events import ResourceSpecification
+
+    final = {f"prefect.flow-run.{s}" for s in ("Completed", "Failed", "Cancelled", "Crashed")}
+    return AutomationCore(
+        name=UNRESPONSIVE,
+        description=f"A flow run tagged {TAG!r} that sent no heartbeat and reached no final state for {after_s} s: its machine "
+        "or process is gone. Marked Crashed, so the flow waiting on it retries the stage (execution.retries).",
+        trigger=EventTrigger(
+            match=ResourceSpecification({"prefect.resource.id": "prefect.flow-run.*"}),
+            match_related=ResourceSpecification({"prefect.resource.role": "tag", "prefect.resource.id": f"prefect.tag.{TAG}"}),
+            after={"prefect.flow-run.heartbeat"}, expect={"prefect.flow-run.heartbeat", *final},
+            for_each={"prefect.resource.id"}, posture=Posture.Proactive, threshold=1, within=timedelta(seconds=after_s),
+        ),
+        actions=[ChangeFlowRunState(state=StateType.CRASHED, message=f"no heartbeat for {after_s} s: the machine or process running it is gone")],
+    )
+
+
+def ensure_unresponsive_automation(after_s: int | None) -> str | None:
+    """Create or update the unresponsive-run automation (None: delete it); returns its id."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        existing = client.read_automations_by_name(UNRESPONSIVE)
+        if after_s is None:
+            for a in existing:
+                client.delete_automation(a.id)
+            return None
+        automation = unresponsive_automation(after_s)
+        if existing:
+            for a in existing[1:]:
+                client.delete_automation(a.id)
+            client.update_automation(existing[0].id, automation)
+            return str(existing[0].id)
+        return str(client.create_automation(automation))
+
+
 def deploy(
     preset: str = "synthetic-tiny", overrides: list[str] | None = None, nightly_cron: str = "0 3 * * *", timezone: str = "UTC",
     nightly_methods: list[str] | None = None, gpu_slots: int | None = 1, cpu_slots: int | None = None, create_pools: bool = True,
@@ -103,7 +158,8 @@ def deploy(
     """Register every deployment on the Prefect server (``PREFECT_API_URL``), creating the work pools first.
 
     `gpu_slots` / `cpu_slots`: concurrency limits of newly created pools (flow runs at once
-    across the pool's workers; None: unlimited). Returns name, id and pool per deployment.
+    across the pool's workers; None: unlimited). Returns name, id and pool per deployment, then
+    name and id of the unresponsive-run automation (when execution.unresponsive_after_s is set).
     """
     from prefect.settings import get_current_settings
 
@@ -119,7 +175,16 @@ def deploy(
     for dep in deps:
         dep_id = dep.apply(work_pool_name=dep.work_pool_name)
         registered.append({"name": f"{dep.flow_name}/{dep.name}", "id": str(dep_id), "pool": dep.work_pool_name})
+    from farmflow.config import load_config
+
+    after_s = load_config(preset, list(overrides or [])).execution.unresponsive_after_s
+    automation = ensure_unresponsive_automation(after_s)
+    if automation:
+        registered.append({"name": f"automation {UNRESPONSIVE!r}: a farmflow run silent for {after_s} s is marked Crashed", "id": automation})
     return registered
 
 
-__all__ = ["DEPLOYMENT", "NIGHTLY", "STAGE", "deploy", "deployments", "ensure_pools"]
+__all__ = [
+    "DEPLOYMENT", "NIGHTLY", "STAGE", "TAG", "UNRESPONSIVE", "deploy", "deployments", "ensure_pools", "ensure_unresponsive_automation",
+    "unresponsive_automation",
+]
