@@ -214,6 +214,26 @@ def test_overoptimization_flow_with_ppo_snapshots(micro_config):
     assert "| greedy | ppo_step_2 |" in summary["markdown"]
 
 
+@pytest.mark.slow
+@pytest.mark.usefixtures("prefect_harness")
+def test_ppo_curve_reuses_the_comparisons_ppo_run(micro_config):
+    """The ppo flow's run has no snapshots; the curve's PPO (same reward model) is the same artifact, trained again once
+    for its snapshots (Prefect's cached result is refreshed), then a hit."""
+    from farmflow import tasks
+    from farmflow.flows import FLOWS
+    from farmflow.flows.overoptimization import overoptimization_flow
+
+    tasks.EXECUTED.clear()
+    compared = FLOWS["ppo"](config=micro_config)
+    ppo_key = next(s["key"] for s in compared["stages"] if s["stage"] == "ppo")
+    assert tasks.EXECUTED["ppo"] == 1
+    summary = overoptimization_flow(config=micro_config, ns=[1], labellers=["p_sim^ann"], ppo_every=2)
+    assert tasks.EXECUTED["ppo"] == 2 and [s["key"] for s in summary["stages"] if s["stage"].startswith("ppo")] == [ppo_key]
+    assert [r["pressure"] for r in summary["curve"] if r["family"] == "ppo"] == [0, 2, 4]
+    overoptimization_flow(config=micro_config, ns=[1], labellers=["p_sim^ann"], ppo_every=2)
+    assert tasks.EXECUTED["ppo"] == 2
+
+
 def test_annotator_labels_accept_the_preset_spelling(micro_config):
     from farmflow.flows.overoptimization import evaluating_annotators
 

@@ -244,6 +244,30 @@ def test_ppo_task_end_to_end_on_micro_with_snapshots(micro):
     assert again.key == ref.key and tasks.EXECUTED["ppo"] == 1
 
 
+def test_snapshots_do_not_fork_the_ppo_run(micro):
+    """Known limit until session 10: snapshot_every was part of PPO's key, so the over-optimization curve trained its own PPO.
+
+    Now the run without snapshots is the same artifact; asking for snapshots it lacks trains it
+    again with the same seed, commits the missing ones and keeps the first commit of the policy.
+    """
+    first = rl.ppo_task.fn(micro["uri"], MICRO, micro["data"], micro["sft"], micro["reward"])  # snapshots at 2, 4
+    runs = tasks.EXECUTED["ppo"]
+    plain = rl.ppo_task.fn(micro["uri"], MICRO.model_copy(update={"snapshot_every": 0}), micro["data"], micro["sft"], micro["reward"])
+    assert plain == first and tasks.EXECUTED["ppo"] == runs  # a hit: nothing trained
+    every_step = MICRO.model_copy(update={"snapshot_every": 1})
+    assert not rl.snapshots_complete(open_store(micro["uri"]), first, every_step)
+    again = rl.ppo_task.fn(micro["uri"], every_step, micro["data"], micro["sft"], micro["reward"])
+    assert again == first and tasks.EXECUTED["ppo"] == runs + 1  # trained again for steps 1, 3, 5; the policy stays the first commit
+    snaps = rl.ppo_snapshots(micro["uri"], first)
+    assert sorted(snaps) == [1, 2, 3, 4, 5]
+    # the same seed replays the same run: the last step's snapshot is the committed policy, bit for bit
+    final, _ = load_policy(open_store(micro["uri"]).model_dir(first))
+    last, _ = load_policy(open_store(micro["uri"]).model_dir(snaps[5]))
+    assert all(torch.equal(a, b) for a, b in zip(final.parameters(), last.parameters()))
+    rl.ppo_task.fn(micro["uri"], every_step, micro["data"], micro["sft"], micro["reward"])
+    assert tasks.EXECUTED["ppo"] == runs + 1  # complete now: a hit
+
+
 def test_ppo_rolls_out_on_the_unlabeled_split_only(micro):
     store = open_store(micro["uri"])
     table = store.read_table(micro["data"])

@@ -627,7 +627,10 @@ class PPOConfig(Section):
     clip_range_value: float = Field(0.2, gt=0, description="Clip range of value predictions around the rollout's values (alpaca_farm cliprange_value: 0.2).")
     vf_coef: float = Field(0.1, ge=0, description="Weight of the value loss in the total loss (alpaca_farm vf_coef: 0.1).")
     snapshot_every: int = Field(
-        0, ge=0, description="Also commit the policy every this many PPO steps as a 'ppo_snapshot' artifact, for over-optimization curves (0: off)."
+        0, ge=0, json_schema_extra={"stage_key": False},
+        description="Also commit the policy every this many PPO steps as a 'ppo_snapshot' artifact, for over-optimization curves "
+        "(0: off). Not part of PPO's key: a committed PPO run without these snapshots is trained again with the same seed to add "
+        "them, and the over-optimization flow's PPO is the comparison's.",
     )
     seed: int = Field(0, description="Seed for prompt order, rollout sampling and minibatch order.")
 

@@ -44,7 +44,7 @@ from farmflow.tasks import (
     sample_pairs_task, sft_task, train_reward_task,
 )
 from farmflow.tasks.analysis import proxy_reward_task
-from farmflow.tasks.core import launching, log
+from farmflow.tasks.core import is_complete, launching, log
 from farmflow.tasks.methods import dpo_task, expert_iteration_task, feedme_task, reference_logps_task, reward_conditioning_task
 
 
@@ -140,7 +140,8 @@ class StageRunner:
         with launching(self.execution):  # GPU stages in a child process when execution.launcher says so
             state = bound(self.store_uri, config, return_state=True, **inputs)
             ref: ArtifactRef = state.result()
-            if not self.store.exists(ref):  # Prefect remembered a result the store no longer has
+            if not self.store.exists(ref) or not is_complete(task.name, self.store, ref, config):
+                # Prefect remembered a result the store no longer has, or one without what this config asks for
                 state = bound.with_options(refresh_cache=True)(self.store_uri, config, return_state=True, **inputs)
                 ref = state.result()
         started = time.time() - (time.perf_counter() - start)

@@ -29,7 +29,7 @@ from pydantic import TypeAdapter
 from pydantic_core import to_jsonable_python
 
 from farmflow.storage import ArtifactRef
-from farmflow.tasks.core import VERSIONS, _cache_key, log
+from farmflow.tasks.core import VERSIONS, _cache_key, is_complete, log
 
 
 class StageRunError(RuntimeError):
@@ -65,7 +65,7 @@ def run_remote(runner, task: Task, config: Any, label: str, inputs: dict[str, An
     stage = task.name
     key = stage_key_of(stage, config, inputs)
     hit = runner.store.get(stage, key)
-    if hit is not None:
+    if hit is not None and is_complete(stage, runner.store, hit, config):
         return hit, True
     refs = {k: v.model_dump(mode="json") for k, v in inputs.items() if isinstance(v, ArtifactRef)}
     options = {k: to_jsonable_python(v) for k, v in inputs.items() if not isinstance(v, ArtifactRef)}

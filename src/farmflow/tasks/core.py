@@ -106,6 +106,15 @@ def _inputs(params: dict[str, Any]) -> dict[str, ArtifactRef]:
     return {k: v for k, v in params.items() if isinstance(v, ArtifactRef)}
 
 
+COMPLETE: dict[str, Callable[[Any, ArtifactRef, Any], bool]] = {}
+"""Stage → (store, committed ref, config) → does that artifact hold all this config asks for (`stage_task(complete=...)`)."""
+
+
+def is_complete(stage: str, store: Any, ref: ArtifactRef, config: Any) -> bool:
+    """A committed artifact serves `config` unless the stage says something it asks for is missing (e.g. PPO snapshots)."""
+    return stage not in COMPLETE or COMPLETE[stage](store, ref, config)
+
+
 READS: dict[str, Callable[[Any], dict[str, tuple[str, ...] | None]]] = {}
 """Stage → config → {input name: the parts of that input the stage reads} (`stage_task(reads=...)`)."""
 
@@ -149,6 +158,9 @@ def lookup(stage: str, store_uri: str, config: Any, **inputs: ArtifactRef) -> tu
         return OUTBOX, key, None
     store = open_store(store_uri)
     hit = store.get(stage, key)
+    if hit is not None and not is_complete(stage, store, hit, config):
+        log("%s: %s is committed without something this run asks for; computing it again", stage, key[:12])
+        hit = None
     if hit is not None:
         log("%s: reusing %s from the store", stage, key[:12])
     else:
@@ -159,7 +171,8 @@ def lookup(stage: str, store_uri: str, config: Any, **inputs: ArtifactRef) -> tu
 
 def stage_task(
     stage: str, version: str, typed: Callable[[Any], Any] | None = None,
-    reads: Callable[[Any], dict[str, tuple[str, ...] | None]] | None = None, **options: Any,
+    reads: Callable[[Any], dict[str, tuple[str, ...] | None]] | None = None,
+    complete: Callable[[Any, ArtifactRef, Any], bool] | None = None, **options: Any,
 ):
     """A Prefect task for `stage`: cached by its stage key, result persisted as JSON.
 
@@ -170,11 +183,16 @@ def stage_task(
     `reads(config)` names the parts of an input the stage reads (the data artifact's
     splits, ``()`` for none): those parts' digests replace the input's key (`keyed_inputs`).
     It must name every split the stage's body reads, or a change there would be missed.
+    `complete(store, ref, config)` says whether a committed artifact holds everything an
+    operational setting asks for (PPO's snapshots): if not, the stage runs again under
+    the same key, adds what is missing, and the first commit of the artifact stays.
     """
     if typed is not None:
         TYPED[stage] = typed
     if reads is not None:
         READS[stage] = reads
+    if complete is not None:
+        COMPLETE[stage] = complete
     if VERSIONS.get(stage, version) != version:
         raise ValueError(f"stage {stage!r} declared twice with versions {VERSIONS[stage]!r} and {version!r}")
     VERSIONS[stage] = version

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Any
 
 from farmflow.config import CheckpointConfig, PPOConfig, QuarkConfig
 from farmflow.data import prompts_of, split_rows
 from farmflow.methods import ppo, quark
 from farmflow.models import SAMPLER_VERSION, load_policy, load_reward, save, value_from_reward
 from farmflow.storage import ArtifactRef, LocalStore, open_store, stage_key
-from farmflow.tasks.core import checkpointer, commit_policy, log, lookup, stage_task
+from farmflow.tasks.core import checkpointer, commit_policy, config_get, log, lookup, stage_task
 
 HISTORY_FILE = "history.json"
 SNAPSHOT_STAGE = "ppo_snapshot"
@@ -62,7 +63,14 @@ def ppo_snapshots(store_uri: str, ppo_ref: ArtifactRef) -> dict[int, ArtifactRef
     return dict(sorted(out.items()))
 
 
-@stage_task("ppo", version=f"{ppo.VERSION}+sampler{SAMPLER_VERSION}", reads=lambda c: {"data": ("unlabeled",)})
+def snapshots_complete(store, ref: ArtifactRef, config: Any) -> bool:
+    """Does the PPO artifact `ref` have a committed snapshot at every `snapshot_every` steps of its run?"""
+    every = config_get(config, "snapshot_every", 0)
+    steps = int(ref.metrics.get("steps", 0))
+    return not every or all(store.get(SNAPSHOT_STAGE, snapshot_key(ref.key, s)) is not None for s in range(every, steps + 1, every))
+
+
+@stage_task("ppo", version=f"{ppo.VERSION}+sampler{SAMPLER_VERSION}", reads=lambda c: {"data": ("unlabeled",)}, complete=snapshots_complete)
 def ppo_task(
     store_uri: str, config: PPOConfig, data: ArtifactRef, sft: ArtifactRef, reward: ArtifactRef, checkpoints: CheckpointConfig | None = None,
 ) -> ArtifactRef:
