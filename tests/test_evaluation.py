@@ -250,3 +250,17 @@ def test_leaderboard_task_writes_table_markdown_plot(tmp_path):
     assert result.exit_code == 0, result.output
     assert "Leaderboard (" in result.output and "annotator: oracle pool (5)" in result.output
     assert "win rate vs mean gold over 3 methods: Spearman" in result.output
+
+    # peers are grouped by the evaluation split's content: another data artifact with the same eval split counts
+    from farmflow.config import DataConfig
+    from farmflow.tasks import data_task
+
+    small = dict(pref_size=4, unlabeled_size=0, val_size=2, eval_size=2)
+    d_a, d_b = (data_task.fn(str(tmp_path / "store"), DataConfig(sft_size=n, **small)) for n in (4, 6))
+    d_c = data_task.fn(str(tmp_path / "store"), DataConfig(sft_size=4, **(small | {"eval_size": 3})))
+    assert d_a.key != d_b.key and d_a.parts["eval"] == d_b.parts["eval"] != d_c.parts["eval"]
+    for name, data in (("on-a", d_a), ("on-b", d_b), ("on-c", d_c)):
+        store.put_table("evaluate", name, table, "evaluation", config=AnnotatorConfig(), inputs={"data": data.key}, metrics=stats)
+    on_a = {"sft": store.put_table("evaluate", "board-a", table, "evaluation", config=AnnotatorConfig(), inputs={"data": d_a.key}, metrics=stats)}
+    assert leaderboard_task.fn(str(tmp_path / "store"), on_a, "Split board").metrics["difficulty_peer_runs"] == 2.0  # on-a, on-b
+

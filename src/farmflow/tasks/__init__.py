@@ -333,16 +333,19 @@ def leaderboard_task(store_uri: str, evaluations: dict[str, ArtifactRef], title:
     """One row per method from the evaluations (`evaluation.leaderboard_rows`); always rebuilt (it is cheap).
 
     The LC win rate's instruction difficulty is pooled over the board's evaluations plus
-    every other evaluation in the store with the same annotator config and reference data
-    (their keys enter the leaderboard's key). The artifact holds the Parquet table plus
+    every other evaluation in the store with the same annotator config and the same
+    evaluation split (its content digest; their keys enter the leaderboard's key). The artifact holds the Parquet table plus
     ``leaderboard.md`` and ``leaderboard.png``; inside a flow the table is also published
     as Prefect markdown and table artifacts.
     """
     store = open_store(store_uri)
     records = {r["ref"]["key"]: r for r in store.records() if r["ref"]["stage"] == "evaluate"}
+    data_refs = {r["ref"]["key"]: ArtifactRef.model_validate(r["ref"]) for r in store.records() if r["ref"]["stage"] == "data"}
 
-    def group(record: dict) -> str:  # same judge, same references: difficulties are comparable
-        return canonical_json([record["config"], record["inputs"].get("data")])
+    def group(record: dict) -> str:  # same judge, same references (the eval split's content): difficulties are comparable
+        data_key = record["inputs"].get("data")
+        data = data_refs.get(data_key)
+        return canonical_json([record["config"], data.parts.get("eval", data_key) if data else data_key])
 
     entries = []
     for method, ref in evaluations.items():
