@@ -741,7 +741,6 @@ class ExecutionConfig(Section):
         "file). Each stage's batch_size must divide evenly between them.",
     )
 
-
     @model_validator(mode="after")
     def _heartbeats_fit(self) -> "ExecutionConfig":
         if self.unresponsive_after_s is not None and self.unresponsive_after_s < self.heartbeat_s + 15:

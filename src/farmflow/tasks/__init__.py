@@ -339,8 +339,9 @@ def leaderboard_task(store_uri: str, evaluations: dict[str, ArtifactRef], title:
     as Prefect markdown and table artifacts.
     """
     store = open_store(store_uri)
-    records = {r["ref"]["key"]: r for r in store.records() if r["ref"]["stage"] == "evaluate"}
-    data_refs = {r["ref"]["key"]: ArtifactRef.model_validate(r["ref"]) for r in store.records() if r["ref"]["stage"] == "data"}
+    committed = store.records()
+    records = {r["ref"]["key"]: r for r in committed if r["ref"]["stage"] == "evaluate"}
+    data_refs = {r["ref"]["key"]: ArtifactRef.model_validate(r["ref"]) for r in committed if r["ref"]["stage"] == "data"}
 
     def group(record: dict) -> str:  # same judge, same references (the eval split's content): difficulties are comparable
         data_key = record["inputs"].get("data")
