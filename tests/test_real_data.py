@@ -153,32 +153,28 @@ def test_schema_errors_name_file_column_row(tmp_path, rows, message):
         load_instructions(write(tmp_path / "a.json", rows))
 
 
-def test_more_file_errors(tmp_path):
-    (tmp_path / "e.json").write_text("")
-    with pytest.raises(DataError, match=r"e\.json: the file has no rows"):
-        load_instructions(tmp_path / "e.json")
-    (tmp_path / "b.jsonl").write_text('{"instruction": "a", "input": "", "output": "x"}\n{oops\n')
-    with pytest.raises(DataError, match=r"b\.jsonl: line 2 is not valid JSON"):
-        load_instructions(tmp_path / "b.jsonl")
-    with pytest.raises(DataError, match=r"row 1: missing column 'generator'"):
-        load_eval(write(tmp_path / "ev.json", [EVAL_ROWS[0], {"instruction": "q", "output": "r", "dataset": "d"}]))
-    with pytest.raises(DataError, match="unknown file type '.csv'"):
-        load_instructions(write(tmp_path / "a.csv", ROWS))
-    with pytest.raises(DataError, match="no such file"):
-        load_instructions(tmp_path / "missing.json")
+ROW_JSON = '{"instruction": "a", "input": "", "output": "x"}'
+EVAL_JSON = '{"instruction": "q", "output": "r", "generator": "g", "dataset": "d"}'
 
 
-def test_jsonl_errors_name_the_line_and_bad_encodings_are_one_error(tmp_path):
-    """Review finding: a JSONL row error said "row 1" for line 3 (0-based, blank lines skipped)."""
-    (tmp_path / "a.jsonl").write_text('{"instruction": "a", "input": "", "output": "x"}\n\n{"instruction": "b", "input": ""}\n')
-    with pytest.raises(DataError, match=r"a\.jsonl: line 3: missing column 'output'"):
-        load_instructions(tmp_path / "a.jsonl")
-    (tmp_path / "e.jsonl").write_text('{"instruction": "q", "output": "r", "generator": "g", "dataset": "d"}\n{"instruction": "q2", "output": 5}\n')
-    with pytest.raises(DataError, match=r"e\.jsonl: line 2: column 'output' must be str"):
-        load_eval(tmp_path / "e.jsonl")
-    (tmp_path / "latin1.json").write_bytes('[{"instruction": "caf\u00e9", "input": "", "output": "x"}]'.encode("latin-1"))
-    with pytest.raises(DataError, match=r"latin1\.json: .*utf-8"):
-        load_instructions(tmp_path / "latin1.json")
+@pytest.mark.parametrize("name, content, loader, message", [
+    ("e.json", b"", load_instructions, r"e\.json: the file has no rows"),
+    ("b.jsonl", f"{ROW_JSON}\n{{oops\n".encode(), load_instructions, r"b\.jsonl: line 2 is not valid JSON"),
+    ("ev.json", json.dumps([EVAL_ROWS[0], {"instruction": "q", "output": "r", "dataset": "d"}]).encode(), load_eval,
+     r"row 1: missing column 'generator'"),
+    ("a.csv", json.dumps(ROWS).encode(), load_instructions, "unknown file type '.csv'"),
+    (None, None, load_instructions, "no such file"),
+    # review finding: a JSONL row error said "row 1" for line 3 (0-based, blank lines skipped)
+    ("a.jsonl", f'{ROW_JSON}\n\n{{"instruction": "b", "input": ""}}\n'.encode(), load_instructions, r"a\.jsonl: line 3: missing column 'output'"),
+    ("e.jsonl", f'{EVAL_JSON}\n{{"instruction": "q2", "output": 5}}\n'.encode(), load_eval, r"e\.jsonl: line 2: column 'output' must be str"),
+    ("latin1.json", '[{"instruction": "caf\u00e9", "input": "", "output": "x"}]'.encode("latin-1"), load_instructions, r"latin1\.json: .*utf-8"),
+])
+def test_file_errors_name_the_file_and_line(tmp_path, name, content, loader, message):
+    path = tmp_path / (name or "missing.json")
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(DataError, match=message):
+        loader(path)
 
 
 def test_duplicate_instructions_across_splits(tmp_path):
