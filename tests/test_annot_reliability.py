@@ -27,15 +27,17 @@ def test_twenty_percent_faults_of_every_kind(monkeypatch, tmp_path):
     """Every pair ends judged or failed with a reason; none lost, duplicated or paid twice."""
     monkeypatch.setenv("OPENAI_API_KEY", KEY)
     rows = make_rows(300, seed=11)
-    # no SDK retries here, so HTTP faults become failed rows too (retries: test_retry_after_is_honored)
-    opts = dict(max_in_flight=16, timeout_s=0.5, max_retries=0)
+    # no SDK retries here, so HTTP faults become failed rows too (retries: test_retry_after_is_honored).
+    # Runs without injected faults wait long: on a loaded 2-core machine the in-process server can
+    # stall past half a second (CI once timed out 22 of 300 fault-free pairs at timeout_s=0.5).
+    patient = dict(max_in_flight=16, timeout_s=30.0, max_retries=0)
     with JudgeServer(JudgeConfig(seed=1)) as clean_url:  # the reference: same judge, no faults
-        reference, _ = annotate(rows, mixed_pool(clean_url, **opts), str(tmp_path / "clean"))
+        reference, _ = annotate(rows, mixed_pool(clean_url, **patient), str(tmp_path / "clean"))
     reference = reference.column("preference").to_pylist()
 
-    srv = JudgeServer(JudgeConfig(seed=1, fault_rate=0.2, retry_after_s=0.05, timeout_sleep_s=1.5))
+    srv = JudgeServer(JudgeConfig(seed=1, fault_rate=0.2, retry_after_s=0.05, timeout_sleep_s=4.0))
     with srv as url:
-        cfg = mixed_pool(url, **opts)
+        cfg = mixed_pool(url, max_in_flight=16, timeout_s=2.0, max_retries=0)
         table, totals = annotate(rows, cfg, str(tmp_path), allow_incomplete=True)
         stats = dict(srv.state.stats)
         assert all(stats[f"fault_{k}"] > 0 for k in FAULTS), stats
@@ -59,10 +61,10 @@ def test_twenty_percent_faults_of_every_kind(monkeypatch, tmp_path):
         assert max(srv.state.pairs.values()) <= 2
         assert totals["reasks"] > 0
 
-        # the rerun, faults off, asks exactly the failed pairs again
+        # the rerun, faults off, asks exactly the failed pairs again (the timeout is not part of the key)
         srv.state.config.fault_rate = 0.0
         before = srv.state.stats["items_answered"]
-        table, totals = annotate(rows, cfg, str(tmp_path))
+        table, totals = annotate(rows, mixed_pool(url, **patient), str(tmp_path))
         assert srv.state.stats["items_answered"] - before == len(failed) == totals["judged"]
         assert totals["cached"] == 300 - len(failed)
     assert table.column("preference").to_pylist() == pytest.approx(reference)
