@@ -38,13 +38,14 @@ UNRESPONSIVE = "farmflow: crash unresponsive runs"
 
 def deployments(
     preset: str = "synthetic-tiny", overrides: list[str] | None = None, nightly_cron: str = "0 3 * * *", timezone: str = "UTC",
-    nightly_methods: list[str] | None = None, cpu_pool: str | None = None, gpu_pool: str | None = None,
+    nightly_methods: list[str] | None = None, cpu_pool: str | None = None, gpu_pool: str | None = None, cfg: Any = None,
 ) -> list[Any]:
     """Runner deployments: one per flow, the nightly comparison and the GPU stage runner.
 
     Every flow deployment's default parameters are ``preset`` and ``overrides`` (both
     editable in the UI per run). Pools default to the preset's ``execution.cpu_pool`` and
-    ``execution.gpu_pool``.
+    ``execution.gpu_pool``. `cfg`: the config ``preset`` and ``overrides`` load to, when the
+    caller has it already.
     """
     from prefect.schedules import Cron
     from prefect.types.entrypoint import EntrypointType
@@ -55,7 +56,8 @@ def deployments(
     from farmflow.flows.overoptimization import overoptimization_flow
     from farmflow.flows.reward_report import reward_report_flow
 
-    cfg = load_config(preset, list(overrides or []))  # fails early, naming the field, on a bad preset or override
+    if cfg is None:
+        cfg = load_config(preset, list(overrides or []))  # fails early, naming the field, on a bad preset or override
     cpu_pool, gpu_pool = cpu_pool or cfg.execution.cpu_pool, gpu_pool or cfg.execution.gpu_pool
     flow_name, _, stage_name = cfg.execution.stage_deployment.partition("/")
     if flow_name != stage_flow.name or not stage_name:
@@ -166,7 +168,10 @@ def deploy(
     if not get_current_settings().api.url:
         raise RuntimeError("PREFECT_API_URL is not set: start a server (`prefect server start`) and point PREFECT_API_URL at it "
                            "(e.g. http://127.0.0.1:4200/api)")
-    deps = deployments(preset, overrides, nightly_cron, timezone, nightly_methods)
+    from farmflow.config import load_config
+
+    cfg = load_config(preset, list(overrides or []))
+    deps = deployments(preset, overrides, nightly_cron, timezone, nightly_methods, cfg=cfg)
     gpu_pool = deps[-1].work_pool_name
     cpu_pool = deps[0].work_pool_name
     if create_pools:
@@ -175,9 +180,7 @@ def deploy(
     for dep in deps:
         dep_id = dep.apply(work_pool_name=dep.work_pool_name)
         registered.append({"name": f"{dep.flow_name}/{dep.name}", "id": str(dep_id), "pool": dep.work_pool_name})
-    from farmflow.config import load_config
-
-    after_s = load_config(preset, list(overrides or [])).execution.unresponsive_after_s
+    after_s = cfg.execution.unresponsive_after_s
     automation = ensure_unresponsive_automation(after_s)
     if automation:
         registered.append({"name": f"automation {UNRESPONSIVE!r}: a farmflow run silent for {after_s} s is marked Crashed", "id": automation})
