@@ -6,6 +6,7 @@ stages whose computation actually ran, Prefect's task states say which were cach
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import sys
@@ -153,6 +154,14 @@ def test_cli_in_a_fresh_process_starts_one_temporary_api_and_reuses_it(micro_con
     assert sorted(r["method"] for r in summary["leaderboard"]) == ["best_of_4", "sft", "untrained"]
     assert done.stderr.count("Starting temporary server") == 1, done.stderr[-3000:]
     assert done.stderr.index("Starting temporary server") < done.stderr.index("Beginning flow run")
+    # the CLI waits for the temporary API to record every task run before it exits and stops it: stopped
+    # mid-write, the API printed "Error flushing ... events" tracebacks and lost the last task runs
+    assert "Traceback" not in done.stderr and "Error flushing" not in done.stderr, done.stderr[-3000:]
+    import sqlite3
+
+    with contextlib.closing(sqlite3.connect(tmp_path / "prefect" / "prefect.db")) as db:
+        states = dict(db.execute("select state_type, count(*) from task_run group by state_type").fetchall())
+    assert set(states) == {"COMPLETED"} and states["COMPLETED"] >= len(summary["stages"]), states
 
 
 def test_no_temporary_api_when_an_api_url_is_set(monkeypatch):

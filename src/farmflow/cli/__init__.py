@@ -6,7 +6,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 from rich.console import Console
@@ -135,12 +135,54 @@ def _run(preset: str, overrides: list[str], store: Optional[str], as_json: bool,
 
     api_ready()
     start = time.perf_counter()
-    summary = FLOWS[flow](config=cfg, methods=methods) if flow == "compare" else FLOWS[flow](config=cfg)
+    summary = _run_flow(FLOWS[flow], config=cfg, **({"methods": methods} if flow == "compare" else {}))
     wall = time.perf_counter() - start
     if as_json:
         print_json(summary | {"wall_seconds": wall})
     else:
         _print_summary(summary, wall)
+
+
+def _run_flow(flow: Any, **kwargs: Any) -> Any:
+    """Call a flow in this process and return its result (a failed flow raises its error, as a
+    direct call would); with the temporary API, wait until it has recorded the run (`_settle`)."""
+    import prefect.settings
+
+    temporary_api = not prefect.settings.get_current_settings().api.url
+    state = flow(**kwargs, return_state=True)
+    if temporary_api:
+        _settle(state.state_details.flow_run_id)
+    return state.result()
+
+
+def _settle(flow_run_id, timeout_s: float = 10.0) -> bool:
+    """Wait until the API has recorded every task run of `flow_run_id` as finished.
+
+    The temporary API stops when this process exits. Its task-run recorder writes task runs
+    from events that arrive after the flow returns; stopped mid-write it printed
+    "Error flushing ... events" with tracebacks under a finished demo (about every other
+    cached rerun) and the run's last task runs were missing from the Prefect database.
+    Returns False when `timeout_s` passed first (nothing else happens then).
+    """
+    import time
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, TaskRunFilter, TaskRunFilterState, TaskRunFilterStateType
+    from prefect.client.schemas.objects import TERMINAL_STATES, StateType
+    from prefect.events.worker import EventsWorker
+
+    EventsWorker.drain_all(timeout=timeout_s)  # what this process has not sent yet
+    unfinished = TaskRunFilter(state=TaskRunFilterState(type=TaskRunFilterStateType(any_=[t for t in StateType if t not in TERMINAL_STATES])))
+    this_run = FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
+    deadline, clean = time.monotonic() + timeout_s, 0
+    with get_client(sync_client=True) as client:
+        while time.monotonic() < deadline:
+            # twice in a row, 0.2 s apart: events sent last may not have reached the recorder at the first look
+            clean = 0 if client.read_task_runs(flow_run_filter=this_run, task_run_filter=unfinished, limit=1) else clean + 1
+            if clean == 2:
+                return True
+            time.sleep(0.2)
+    return False
 
 
 def _methods(methods: list[str]) -> Optional[list[str]]:
@@ -268,7 +310,7 @@ def overopt(
     start = time.perf_counter()
     try:
         names = lambda opts: [x.strip() for o in opts for x in o.split(",") if x.strip()] or None  # noqa: E731
-        summary = overoptimization_flow(config=cfg, ns=list(n) or None, labellers=names(labeller), annotators=names(annotator), ppo_every=ppo_every)
+        summary = _run_flow(overoptimization_flow, config=cfg, ns=list(n) or None, labellers=names(labeller), annotators=names(annotator), ppo_every=ppo_every)
     except ValueError as err:
         console.print(f"[red]{err}[/red]")
         raise typer.Exit(2)
@@ -295,7 +337,7 @@ def reward_report(
 
     api_ready()
     try:
-        summary = reward_report_flow(config=cfg)
+        summary = _run_flow(reward_report_flow, config=cfg)
     except ValueError as err:
         console.print(f"[red]{err}[/red]")
         raise typer.Exit(2)
