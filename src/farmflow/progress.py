@@ -1,4 +1,11 @@
-"""Progress bars for long stages: tqdm locally (with speed), a summary line for logs."""
+"""Progress of long stages: a tqdm bar on a terminal, lines in the logs everywhere else.
+
+Where nobody watches a terminal (a Prefect worker, CI, `make demo > log`) a stage logs a line
+every `FARMFLOW_PROGRESS_EVERY_S` seconds (default 30; 0 turns them off) with the count, the
+speed, the time left and the latest values the loop reports (loss, reward, ...), and one line
+at the end with the count and the speed. Inside a flow or task run the lines go to the run's
+Prefect logs (the UI shows them); outside one to the `farmflow` logger.
+"""
 
 from __future__ import annotations
 
@@ -7,27 +14,76 @@ import os
 import sys
 import time
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Any, Iterator
 
 from tqdm.auto import tqdm
 
-log = logging.getLogger("farmflow")
+logger = logging.getLogger("farmflow")
+
+
+def log(msg: str, *args: Any) -> None:
+    """Log at INFO through Prefect inside a flow or task run, through the `farmflow` logger outside one."""
+    from prefect.exceptions import MissingContextError
+    from prefect.logging import get_run_logger
+
+    try:
+        get_run_logger().info(msg, *args)
+    except MissingContextError:
+        logger.info(msg, *args)
+
+
+def _clock(seconds: float) -> str:
+    m, s = divmod(int(round(seconds)), 60)
+    return f"{m // 60}:{m % 60:02d}:{s:02d}" if m >= 60 else f"{m}:{s:02d}"
+
+
+class Progress:
+    """What a stage's loop updates: `update(n)` after each batch, `set_postfix(loss=...)` for its latest values."""
+
+    def __init__(self, desc: str, total: int, unit: str, initial: int, show: bool, every_s: float) -> None:
+        self.desc, self.total, self.unit, self.initial, self.n = desc, total, unit, initial, initial
+        self.bar = tqdm(total=total, initial=initial, desc=desc, unit=unit, dynamic_ncols=True, leave=False) if show else None
+        self.every_s, self.postfix = every_s, ""
+        self.start = self.last = time.perf_counter()
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        if self.bar is not None:
+            self.bar.update(n)
+            return
+        now = time.perf_counter()
+        if self.every_s > 0 and now - self.last >= self.every_s and self.n < self.total:
+            self.last = now
+            speed = (self.n - self.initial) / max(now - self.start, 1e-9)
+            left = f", {_clock((self.total - self.n) / speed)} left" if speed > 0 else ""
+            log("%s: %d/%d %ss (%.0f%%), %.1f %ss/s%s%s", self.desc, self.n, self.total, self.unit, 100 * self.n / max(self.total, 1),
+                speed, self.unit, left, self.postfix)
+
+    def set_postfix(self, **values: Any) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix(**values)
+        self.postfix = "".join(f", {k} {v}" for k, v in values.items())
+
+    def close(self) -> float:
+        """Close the bar; the seconds since the start."""
+        if self.bar is not None:
+            self.bar.close()
+        return time.perf_counter() - self.start
 
 
 @contextmanager
-def progress(desc: str, total: int, unit: str = "it", initial: int = 0) -> Iterator[tqdm]:
-    """A tqdm bar (hidden when stderr is not a terminal unless FARMFLOW_PROGRESS=1).
+def progress(desc: str, total: int, unit: str = "it", initial: int = 0) -> Iterator[Progress]:
+    """Progress of `total` `unit`s (`initial` already done, e.g. when resuming from a checkpoint).
 
-    On exit logs one line with the count, the seconds and the speed, so Prefect logs and
-    CI output say how long each stage took without per-row spam.
+    A tqdm bar when stderr is a terminal or FARMFLOW_PROGRESS=1, else periodic log lines (module
+    doc); on exit one log line with the count, the seconds and the speed either way.
     """
     show = sys.stderr.isatty() or os.environ.get("FARMFLOW_PROGRESS") == "1"
-    start = time.perf_counter()
-    bar = tqdm(total=total, initial=initial, desc=desc, unit=unit, disable=not show, dynamic_ncols=True, leave=False)
+    every_s = float(os.environ.get("FARMFLOW_PROGRESS_EVERY_S", "30"))
+    bar = Progress(desc, total, unit, initial, show, every_s)
     try:
         yield bar
     finally:
-        bar.close()
-        secs = time.perf_counter() - start
+        secs = bar.close()
         done = bar.n - initial
-        log.info("%s: %d %s in %.1fs (%.1f %s/s)", desc, done, unit, secs, done / max(secs, 1e-9), unit)
+        log("%s: %d %ss in %.1fs (%.1f %ss/s)", desc, done, unit, secs, done / max(secs, 1e-9), unit)

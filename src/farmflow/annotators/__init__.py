@@ -21,7 +21,7 @@ annotator, order and label whatever batch or process it is annotated in.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import pyarrow as pa
 
@@ -98,7 +98,7 @@ def _incomplete_message(cfg: AnnotatorConfig, judged: list[dict], stats: RunStat
 
 
 def annotate(rows: Sequence[dict], cfg: AnnotatorConfig, store_uri: str | None = None,
-             allow_incomplete: bool = False) -> tuple[pa.Table, dict[str, float]]:
+             allow_incomplete: bool = False, progress: Callable[[int], None] | None = None) -> tuple[pa.Table, dict[str, float]]:
     """Label each pair (instruction, input, output_1, output_2, task) with the pool in `cfg`.
 
     Returns the ``preferences`` table (the input columns plus annotator, preference
@@ -107,14 +107,17 @@ def annotate(rows: Sequence[dict], cfg: AnnotatorConfig, store_uri: str | None =
     run totals (pairs, noised, cached, judged, failed, requests, tokens, cost_usd, ...).
     API annotators use the row cache in the store at `store_uri` (default: the default
     store). Failed or unsent pairs raise `AnnotationIncomplete` unless `allow_incomplete`.
+    `progress(n)` is told of every `n` pairs settled (judged, failed, cached, tied or noised).
     """
     if cfg.kind == "oracle":
         table = _annotate_oracle(rows, cfg)
+        if progress:
+            progress(len(rows))
         return table, {"pairs": float(len(rows)), "noised": float(sum(table.column("noised").to_pylist())), "cost_usd": 0.0}
     from farmflow.storage import open_store
 
     store = open_store(store_uri or StoreConfig().uri)
-    judged, stats = annotate_api(list(rows), cfg, store)
+    judged, stats = annotate_api(list(rows), cfg, store, progress)
     count = lambda status: float(sum(j["status"] == status for j in judged))  # noqa: E731
     metrics = {
         "pairs": float(len(rows)), "noised": count("noised"), "ties": count("tie"),

@@ -25,12 +25,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import hashlib
-import logging
 import os
 import threading
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+from typing import Callable
 
 import openai
 from openai.types.chat import ChatCompletion
@@ -38,8 +38,8 @@ from openai.types.chat import ChatCompletion
 from farmflow.annotators import cache, prompts
 from farmflow.annotators.oracle import unit_hash
 from farmflow.config import AnnotatorConfig, ApiAnnotatorConfig
+from farmflow.progress import log
 
-logger = logging.getLogger("farmflow.annotators")
 
 
 class AnnotationError(RuntimeError):
@@ -144,7 +144,7 @@ async def _prefect_limiter(name: str, per_minute: float):
             await client.create_global_concurrency_limit(
                 GlobalConcurrencyLimitCreate(name=name, limit=max(1, int(per_s)), slot_decay_per_second=per_s)
             )
-            logger.info("created Prefect rate limit %r: %.3g requests/s", name, per_s)
+            log("created Prefect rate limit %r: %.3g requests/s", name, per_s)
 
     async def wait() -> None:
         await rate_limit(name, occupy=1, strict=True)
@@ -167,8 +167,8 @@ async def make_limiter(cfg: AnnotatorConfig):
 
 # ----------------------------------------------------------------------------- the run
 class _Run:
-    def __init__(self, cfg: AnnotatorConfig, store, key: str, limiter):
-        self.cfg, self.store, self.key, self.limiter = cfg, store, key, limiter
+    def __init__(self, cfg: AnnotatorConfig, store, key: str, limiter, progress: Callable[[int], None] | None = None):
+        self.cfg, self.store, self.key, self.limiter, self.progress = cfg, store, key, limiter, progress
         self.sem = asyncio.Semaphore(cfg.max_in_flight)
         self.stats = RunStats()
         self.results: dict[str, dict] = {}
@@ -210,6 +210,8 @@ class _Run:
             }
             self.results[it.key] = row
             self.buffer.append(row)
+        if self.progress:
+            self.progress(n)
         if prefs is None:
             self.stats.failed += n
             self.stats.errors[error.split(":")[0] if error else "error"] += n
@@ -361,8 +363,12 @@ def assign(cfg: AnnotatorConfig, instruction: str, input: str, pool: list) -> in
     return int(unit_hash(cfg.seed, "assign", instruction, input) * len(pool))
 
 
-def annotate_api(rows: list[dict], cfg: AnnotatorConfig, store) -> tuple[list[dict], RunStats]:
+def annotate_api(rows: list[dict], cfg: AnnotatorConfig, store,
+                 progress: Callable[[int], None] | None = None) -> tuple[list[dict], RunStats]:
     """Judge `rows` (instruction, input, output_1, output_2) with the API pool in `cfg`.
+
+    `progress(n)`: called as pairs settle, first for those the cache, ties and label noise
+    settle, then for each answered or failed request.
 
     Returns one dict per row (annotator, preference relative to the row's output_1/output_2
     or None when failed/unsent, noised, swapped, status, error, price_usd) and the run's stats.
@@ -394,6 +400,8 @@ def annotate_api(rows: list[dict], cfg: AnnotatorConfig, store) -> tuple[list[di
 
     stats = RunStats()
     results: dict[str, dict] = {}
+    if progress:
+        progress(len(plan) - sum(len(p) for p in todo.values()))  # settled without a request
     if todo:
         secret = api_key(cfg)
         requests = []
@@ -402,11 +410,10 @@ def annotate_api(rows: list[dict], cfg: AnnotatorConfig, store) -> tuple[list[di
             b = pool[i].batch_size
             requests += [(pool[i], urls[i], hashes[i], items[j:j + b]) for j in range(0, len(items), b)]
         n_pairs = sum(len(p) for p in todo.values())
-        logger.info("annotate: %d pairs to ask in %d requests (%d cached)", n_pairs, len(requests),
-                    sum(1 for e in plan if e.get("key") in ok))
+        log("annotate: %d pairs to ask in %d requests (%d cached)", n_pairs, len(requests), sum(1 for e in plan if e.get("key") in ok))
 
         async def main() -> _Run:
-            run = _Run(cfg, store, secret, await make_limiter(cfg))
+            run = _Run(cfg, store, secret, await make_limiter(cfg), progress)
             await run.run(requests)
             return run
 
@@ -414,8 +421,8 @@ def annotate_api(rows: list[dict], cfg: AnnotatorConfig, store) -> tuple[list[di
         stats, results = run.stats, run.results
         if run.fatal:
             raise AnnotationError(run.fatal + f" ({stats.judged} pairs judged and cached before the error)")
-        logger.info("annotate: %d requests (%d re-asks), %d judged, %d failed, %d not sent, $%.4f, %.1fs",
-                    stats.requests, stats.reasks, stats.judged, stats.failed, stats.unsent, stats.cost_usd, stats.seconds)
+        log("annotate: %d requests (%d re-asks), %d judged, %d failed, %d not sent, $%.4f, %.1fs",
+            stats.requests, stats.reasks, stats.judged, stats.failed, stats.unsent, stats.cost_usd, stats.seconds)
 
     out = []
     for e in plan:

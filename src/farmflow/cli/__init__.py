@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -44,6 +45,9 @@ def _prefect_env() -> None:
     Path(os.environ["PREFECT_HOME"]).expanduser().mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "farmflow")
+    # Prefect gives the extra loggers its handlers, not a level: without one, farmflow's INFO lines
+    # outside a run (progress, annotation totals) would be dropped
+    logging.getLogger("farmflow").setLevel(logging.INFO)
     # the first start of the temporary API creates and migrates its database: on a busy
     # 2-core machine that can take longer than Prefect's default 20 s
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")

@@ -117,9 +117,10 @@ def annotate_file(
     from farmflow.annotators import AnnotationError, annotate, task_from_text
     from farmflow.config import StoreConfig
     from farmflow.data.synthetic import task_to_json
+    from farmflow.progress import progress
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    logging.getLogger("farmflow.annotators").setLevel(logging.INFO)
+    logging.getLogger("farmflow").setLevel(logging.INFO)
     cfg = _annotator_config(annotator, base_url, max_cost_usd, max_in_flight)
     try:
         data = read_alpaca_eval(path)
@@ -136,7 +137,8 @@ def annotate_file(
                 raise typer.Exit(2)
             r["task"] = task_to_json(task)
     try:
-        table, totals = annotate(rows, cfg, store or StoreConfig().uri, allow_incomplete=True)
+        with progress("annotate", len(rows), unit="pair") as bar:
+            table, totals = annotate(rows, cfg, store or StoreConfig().uri, allow_incomplete=True, progress=bar.update)
     except AnnotationError as err:
         console.print(f"[red]annotation failed:[/red] {err}")
         raise typer.Exit(1)

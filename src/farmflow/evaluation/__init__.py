@@ -16,11 +16,12 @@ from typing import Sequence
 
 import pyarrow as pa
 
-from farmflow.annotators import annotate_pairs
+from farmflow.annotators import annotate
 from farmflow.config import AnnotatorConfig
 from farmflow.evaluation.stats import alpaca_eval_winrate, parse_preference, win_rate_stats
 from farmflow.evaluation.lc import instruction_difficulty, lc_of_rows, length_controlled_winrate, run_of_rows
 from farmflow.evaluation.leaderboard import annotator_label, leaderboard_markdown, leaderboard_rows, method_family, plot_leaderboard
+from farmflow.progress import progress
 from farmflow.storage.schemas import SCHEMAS
 
 VERSION = "5"  # 3: LC win rate in the metrics; 4: gold_standard_error; 5: LC without the run's own labels in its difficulty
@@ -46,7 +47,11 @@ def evaluate_outputs(
          "output_1": ref_by_id[o["id"]], "output_2": o["output"]}
         for o in outputs
     ]
-    judged = annotate_pairs(pairs, annotator, store_uri).to_pylist()
+    if annotator.kind == "api":  # minutes for a real pool; the offline pool takes milliseconds
+        with progress("evaluate: annotate", len(pairs), unit="pair") as bar:
+            judged = annotate(pairs, annotator, store_uri, progress=bar.update)[0].to_pylist()
+    else:
+        judged = annotate(pairs, annotator, store_uri)[0].to_pylist()
     generator = {o["id"]: o["generator"] for o in outputs}
     rows = [
         {k: r[k] for k in ("id", "instruction", "input", "output_1", "output_2", "annotator", "preference", "gold_1", "gold_2")}

@@ -133,8 +133,8 @@ def annotate_task(store_uri: str, config: AnnotatorConfig, pairs: ArtifactRef) -
     if hit:
         return hit
     rows = store.read_table(pairs).to_pylist()
-    with progress("annotate", len(rows), unit="pair"):
-        table, run_totals = annotate(rows, config, store_uri)
+    with progress("annotate", len(rows), unit="pair") as bar:
+        table, run_totals = annotate(rows, config, store_uri, progress=bar.update)
     prefs = table.column("preference").to_pylist()
     metrics = run_totals | {"output_2_preferred": float(sum(p > 1.5 for p in prefs) / max(1, len(prefs)))}
     if config.kind == "api":

@@ -15,18 +15,17 @@ from __future__ import annotations
 
 import functools
 import inspect
-import logging
 import threading
 from collections import Counter
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any, Callable, Iterator
 
-from prefect import get_run_logger, task
+from prefect import task
 from pydantic import BaseModel
-from prefect.exceptions import MissingContextError
 
 from farmflow.models.checkpoint import Checkpointer
+from farmflow.progress import log  # noqa: F401 (re-exported: the stages log through it)
 from farmflow.storage import ArtifactRef, LocalStore, open_store, part_key, stage_key
 
 EXECUTED: Counter[str] = Counter()
@@ -62,14 +61,6 @@ def load_stage_modules() -> None:
     import farmflow.tasks.analysis  # noqa: F401
     import farmflow.tasks.methods  # noqa: F401
     import farmflow.tasks.rl  # noqa: F401
-
-
-def log(msg: str, *args: Any) -> None:
-    """Log through Prefect inside a flow run, through the `farmflow` logger outside one."""
-    try:
-        get_run_logger().info(msg, *args)
-    except MissingContextError:  # called as task.fn(...) outside a flow
-        logging.getLogger("farmflow").info(msg, *args)
 
 
 def key_config(config: Any) -> Any:

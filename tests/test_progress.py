@@ -1,0 +1,101 @@
+"""Progress of long stages where nobody watches a terminal: periodic log lines, the run's Prefect logs."""
+
+import logging
+
+import pytest
+from prefect import flow, task
+
+from farmflow import progress as progress_module
+from farmflow.annotators import annotate
+from farmflow.annotators.server import JudgeConfig, JudgeServer
+from farmflow.config import AnnotatorConfig
+from farmflow.progress import progress
+from test_api_annotators import KEY, judge, make_rows, pool
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    fake = Clock()
+    monkeypatch.setattr(progress_module.time, "perf_counter", fake)
+    monkeypatch.delenv("FARMFLOW_PROGRESS", raising=False)
+    monkeypatch.setenv("FARMFLOW_PROGRESS_EVERY_S", "30")
+    return fake
+
+
+def lines(caplog):
+    return [r.getMessage() for r in caplog.records if r.name == "farmflow"]
+
+
+def test_hidden_bar_logs_count_speed_time_left_and_latest_values(clock, caplog):
+    """Until session 11 a hidden bar (CI, workers, `make demo > log`) did not count and its lines were dropped."""
+    caplog.set_level(logging.INFO, logger="farmflow")
+    with progress("sft", 100, unit="step") as bar:
+        for _ in range(100):
+            clock.now += 1.0  # one step per second
+            bar.update()
+            bar.set_postfix(loss=f"{1 / bar.n:.3f}")
+    assert lines(caplog) == [
+        "sft: 30/100 steps (30%), 1.0 steps/s, 1:10 left, loss 0.034",  # the postfix set after step 29
+        "sft: 60/100 steps (60%), 1.0 steps/s, 0:40 left, loss 0.017",
+        "sft: 90/100 steps (90%), 1.0 steps/s, 0:10 left, loss 0.011",
+        "sft: 100 steps in 100.0s (1.0 steps/s)",
+    ]
+
+
+def test_resumed_loop_counts_from_its_checkpoint_and_zero_turns_lines_off(clock, caplog, monkeypatch):
+    caplog.set_level(logging.INFO, logger="farmflow")
+    with progress("ppo", 50, unit="step", initial=40) as bar:
+        for _ in range(10):
+            clock.now += 4.0
+            bar.update()
+    assert lines(caplog) == ["ppo: 48/50 steps (96%), 0.2 steps/s, 0:08 left", "ppo: 10 steps in 40.0s (0.2 steps/s)"]
+    caplog.clear()
+    monkeypatch.setenv("FARMFLOW_PROGRESS_EVERY_S", "0")
+    with progress("ppo", 50, unit="step") as bar:
+        for _ in range(50):
+            clock.now += 4.0
+            bar.update()
+    assert lines(caplog) == ["ppo: 50 steps in 200.0s (0.2 steps/s)"]
+
+
+def test_inside_a_task_run_the_lines_go_to_the_runs_prefect_logs(clock, caplog):
+    caplog.set_level(logging.INFO, logger="prefect.task_runs")  # conftest sets Prefect's level to WARNING
+
+    @task
+    def loop():
+        with progress("dpo", 3, unit="step") as bar:
+            for _ in range(3):
+                clock.now += 20.0
+                bar.update()
+
+    @flow
+    def one_stage():
+        loop()
+
+    one_stage()
+    ours = [(r.name, r.getMessage()) for r in caplog.records if r.getMessage().startswith("dpo:")]
+    assert ours == [("prefect.task_runs", "dpo: 2/3 steps (67%), 0.1 steps/s, 0:20 left"), ("prefect.task_runs", "dpo: 3 steps in 60.0s (0.1 steps/s)")]
+
+
+def test_annotation_reports_every_pair_cached_asked_or_oracle(monkeypatch, tmp_path):
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    rows = make_rows(30)
+    with JudgeServer(JudgeConfig(api_key=KEY)) as url:
+        cfg = pool(judge(base_url=url, batch_size=4))
+        first: list[int] = []
+        annotate(rows[:12], cfg, str(tmp_path), progress=first.append)
+        assert sum(first) == 12 and len(first) == 1 + 3  # nothing settled without a request, then three requests of 4
+        again: list[int] = []
+        annotate(rows, cfg, str(tmp_path), progress=again.append)
+        assert again[0] == 12 and sum(again) == 30  # the cached pairs at once, then the rest as answered
+    oracle: list[int] = []
+    annotate(rows, AnnotatorConfig(), progress=oracle.append)
+    assert oracle == [30]
