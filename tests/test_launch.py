@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 
@@ -37,14 +38,22 @@ def _weights(uri: str, ref) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow  # two child processes that import torch, transformers and prefect (~30 s)
-def test_process_launcher_commits_the_inline_artifact(tmp_path, cfg):
+def test_process_launcher_commits_the_inline_artifact(tmp_path, cfg, caplog, monkeypatch):
     inline_uri, child_uri = str(tmp_path / "inline"), str(tmp_path / "child")
     data_a, base_a = _upstream(inline_uri, cfg)
     data_b, base_b = _upstream(child_uri, cfg)
     inline = tasks.sft_task.fn(inline_uri, cfg.sft, data=data_a, base=base_a)
     runs = EXECUTED["sft"]
+    caplog.set_level(logging.INFO, logger="farmflow")
+    monkeypatch.setenv("FARMFLOW_PROGRESS_EVERY_S", "0.000001")  # the child logs a progress line at every step
     with launching(ExecutionConfig(launcher="process")):
         child = tasks.sft_task.fn(child_uri, cfg.sft, data=data_b, base=base_b)
+    # the child's progress and summary lines are repeated in the parent's log (in a flow: the run's Prefect logs)
+    said = [r.getMessage() for r in caplog.records if r.name == "farmflow"]
+    assert said[0] == "sft: running in a child process" and said[-1].startswith("sft: child finished in")
+    assert any(m.startswith("sft: 4/8 steps (50%)") for m in said) and any(m.startswith("sft: 8 steps in") for m in said)
+    assert any(m.startswith("sft: 8 steps, loss") for m in said)
+    with launching(ExecutionConfig(launcher="process")):
         again = tasks.sft_task.fn(child_uri, cfg.sft, data=data_b, base=base_b)  # a cache hit starts no child
         pairs_child = tasks.sample_pairs_task.fn(child_uri, cfg.pairs, data=data_b, policy=child)
     assert EXECUTED["sft"] == runs + 1

@@ -118,8 +118,14 @@ def run_in_child(stage: str, store, key: str, store_uri: str, config: Any, param
         log("%s: running in %s", stage, how)
         started = time.perf_counter()
         env = os.environ | {PARENT_ENV: str(os.getpid())}  # the child (each process under accelerate) exits when this one is gone
-        with open(log_path, "wb") as f:
-            code = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env).returncode
+        with open(log_path, "wb") as f, open(log_path, "rb") as child_log:
+            proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+            relay = _Relay(child_log)
+            while proc.poll() is None:
+                relay.forward()
+                time.sleep(0.5)
+            relay.forward(final=True)
+            code = proc.returncode
         if code != 0:
             tail, errors = _tail(log_path), sorted(out.glob("error-*.txt"))  # error-<rank>.txt: what the stage raised
             cause = errors[0].read_text() if errors else ""
@@ -133,6 +139,43 @@ def run_in_child(stage: str, store, key: str, store_uri: str, config: Any, param
     if ref is None:
         raise StageLaunchError(f"stage {stage}: the child exited cleanly but wrote no {stage}/{key[:12]} artifact")
     return ref
+
+
+RELAY = "[farmflow] "
+"""Prefix of the child's log lines (progress, stage summaries) that the parent repeats in its own (the run's) logs."""
+
+
+class _Relay:
+    """Repeats the child's `RELAY` lines from its log file as they are written, so a long stage shows progress in the run."""
+
+    def __init__(self, file) -> None:
+        self.file, self.partial = file, b""
+
+    def forward(self, final: bool = False) -> None:
+        from farmflow.tasks.core import log
+
+        chunk = self.partial + self.file.read()
+        lines = chunk.split(b"\n")
+        self.partial = b"" if final else lines.pop()  # an unfinished last line waits for the rest
+        for line in lines:
+            text = line.decode(errors="replace").rstrip("\r")
+            if text.startswith(RELAY):
+                log("%s", text[len(RELAY):])
+
+
+def _log_for_parent() -> None:
+    """In a launched child: farmflow's INFO lines go to the log file with the `RELAY` prefix (main process only)."""
+    import logging
+
+    from farmflow.models.runtime import is_main_process
+
+    logger = logging.getLogger("farmflow")
+    if is_main_process():
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(RELAY + "%(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+    logger.propagate = False
 
 
 PARENT_ENV = "FARMFLOW_PARENT_PID"
@@ -289,6 +332,7 @@ def child_main(spec_path: str) -> None:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         _state()  # join the process group before anything else
     from farmflow.storage import open_store
+    _log_for_parent()
     core.load_stage_modules()
     fn = core.TASKS[spec["stage"]].fn.__wrapped__  # the stage's own function, not the launcher hook
     hints = get_type_hints(fn)
