@@ -121,9 +121,14 @@ def run_in_child(stage: str, store, key: str, store_uri: str, config: Any, param
         with open(log_path, "wb") as f, open(log_path, "rb") as child_log:
             proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
             relay = _Relay(child_log)
-            while proc.poll() is None:
-                relay.forward()
-                time.sleep(0.5)
+            try:
+                while proc.poll() is None:
+                    relay.forward()
+                    time.sleep(0.5)
+            except BaseException:  # interrupted or cancelled here: the child goes too (as subprocess.run does)
+                proc.kill()
+                proc.wait()
+                raise
             relay.forward(final=True)
             code = proc.returncode
         if code != 0:
