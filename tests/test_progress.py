@@ -64,6 +64,10 @@ def test_resumed_loop_counts_from_its_checkpoint_and_zero_turns_lines_off(clock,
             clock.now += 4.0
             bar.update()
     assert lines(caplog) == ["ppo: 50 steps in 200.0s (0.2 steps/s)"]
+    monkeypatch.setenv("FARMFLOW_PROGRESS_EVERY_S", "30s")
+    with pytest.raises(ValueError, match="FARMFLOW_PROGRESS_EVERY_S must be a number of seconds .*got '30s'"):
+        with progress("ppo", 50):
+            pass
 
 
 def test_inside_a_task_run_the_lines_go_to_the_runs_prefect_logs(clock, caplog):

@@ -79,7 +79,11 @@ def progress(desc: str, total: int, unit: str = "it", initial: int = 0) -> Itera
     doc); on exit one log line with the count, the seconds and the speed either way.
     """
     show = sys.stderr.isatty() or os.environ.get("FARMFLOW_PROGRESS") == "1"
-    every_s = float(os.environ.get("FARMFLOW_PROGRESS_EVERY_S", "30"))
+    raw = os.environ.get("FARMFLOW_PROGRESS_EVERY_S", "30")
+    try:
+        every_s = float(raw)
+    except ValueError:
+        raise ValueError(f"FARMFLOW_PROGRESS_EVERY_S must be a number of seconds (0: no periodic lines), got {raw!r}") from None
     bar = Progress(desc, total, unit, initial, show, every_s)
     try:
         yield bar
