@@ -45,6 +45,7 @@ def test_process_launcher_commits_the_inline_artifact(tmp_path, cfg, caplog, mon
     inline = tasks.sft_task.fn(inline_uri, cfg.sft, data=data_a, base=base_a)
     runs = EXECUTED["sft"]
     caplog.set_level(logging.INFO, logger="farmflow")
+    caplog.clear()  # the inline run's lines, when an earlier test (the CLI) left the farmflow logger at INFO
     monkeypatch.setenv("FARMFLOW_PROGRESS_EVERY_S", "0.000001")  # the child logs a progress line at every step
     with launching(ExecutionConfig(launcher="process")):
         child = tasks.sft_task.fn(child_uri, cfg.sft, data=data_b, base=base_b)
