@@ -41,7 +41,6 @@ from farmflow.config import AnnotatorConfig, ApiAnnotatorConfig
 from farmflow.progress import log
 
 
-
 class AnnotationError(RuntimeError):
     """The endpoint cannot be used at all (unreachable, bad key, unknown model): one clear message."""
 
