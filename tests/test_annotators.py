@@ -206,13 +206,16 @@ def test_list_bias_prefers_the_list():
     assert [r["preference"] for r in table] == [2.0] * 40
 
 
-def test_oracle_logit_formula():
+@pytest.mark.parametrize("scale", [None, 10.0])
+def test_oracle_logit_formula(scale):
     t = make_tasks(1, families=("sort",))[0]
-    a = OracleAnnotator(OracleAnnotatorConfig(name="x", sharpness=2.0, length_bias=0.5, list_bias=0.3, position_bias=0.1))
+    extra = {} if scale is None else {"length_scale": scale}
+    a = OracleAnnotator(OracleAnnotatorConfig(name="x", sharpness=2.0, length_bias=0.5, list_bias=0.3, position_bias=0.1, **extra))
     r = {"task": task_to_json(t), "instruction": t.instruction, "input": t.input}
     first, second = "no idea", "\n".join(f"- {x}" for x in correct_output(t).split(", "))
-    expected = 2.0 * (1.0 - 0.0) + 0.5 * math.tanh((len(second) - len(first)) / 40) + 0.3 * 1 - 0.1
-    assert a.logit_second(r, first, second) == pytest.approx(expected)
+    bias = 0.5 * math.tanh((len(second) - len(first)) / (scale or 40)) + 0.3 * 1 - 0.1  # default scale: 40 characters
+    assert a.bias_logit(first, second) == pytest.approx(bias)
+    assert a.logit_second(r, first, second) == pytest.approx(2.0 * (1.0 - 0.0) + bias)
 
 
 # ----------------------------------------------------------------------------- errors

@@ -4,7 +4,7 @@ It judges with the gold reward plus human-like biases (longer answers, list form
 the first output shown) and its own noise:
 
     P(second shown preferred) = sigmoid(sharpness·(gold_b − gold_a)
-                                        + length_bias·tanh((len_b − len_a)/40)
+                                        + length_bias·tanh((len_b − len_a)/length_scale)
                                         + list_bias·(is_list(b) − is_list(a))
                                         − position_bias)
 
@@ -65,10 +65,13 @@ class OracleAnnotator:
                 f"oracle annotator {self.name!r} needs synthetic tasks with a gold reward; row "
                 f"{row.get('id', '?')!r} has none (use an API annotator for real data)"
             )
+        return self.cfg.sharpness * (g_b - g_a) + self.bias_logit(first, second)
+
+    def bias_logit(self, first: str, second: str) -> float:
+        """The part of the logit that ignores quality: length, lists and position."""
         c = self.cfg
         return (
-            c.sharpness * (g_b - g_a)
-            + c.length_bias * math.tanh((len(second) - len(first)) / 40.0)
+            c.length_bias * math.tanh((len(second) - len(first)) / c.length_scale)
             + c.list_bias * (is_list(second) - is_list(first))
             - c.position_bias
         )

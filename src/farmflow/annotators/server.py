@@ -41,7 +41,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse
 from pydantic import BaseModel, Field
 
-from farmflow.annotators.oracle import OracleAnnotator, is_list, sigmoid, task_from_text, unit_hash
+from farmflow.annotators.oracle import OracleAnnotator, sigmoid, task_from_text, unit_hash
 from farmflow.annotators.prompts import Item, parse_prompt
 from farmflow.config import AnnotatorConfig, OracleAnnotatorConfig
 from farmflow.data.synthetic import task_to_json
@@ -87,9 +87,7 @@ class JudgeState:
         if item.first == item.second:
             return 0.5
         if task is None:  # unknown task: gold 0 for both outputs, only the biases decide
-            c = oracle.cfg
-            logit = (c.length_bias * math.tanh((len(item.second) - len(item.first)) / 40.0)
-                     + c.list_bias * (is_list(item.second) - is_list(item.first)) - c.position_bias)
+            logit = oracle.bias_logit(item.first, item.second)
         else:
             logit = oracle.logit_second(row, item.first, item.second)
         return sigmoid(logit)
