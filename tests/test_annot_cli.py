@@ -4,9 +4,8 @@ import json
 
 from typer.testing import CliRunner
 
-from farmflow.annotators.server import JudgeConfig, JudgeServer
 from farmflow.cli import app
-from test_api_annotators import KEY, gold_pref, make_rows
+from test_api_annotators import KEY, gold_pref, make_rows, sharp_server
 
 
 def test_annotate_alpaca_eval_file_and_reparse(tmp_path, monkeypatch):
@@ -17,7 +16,7 @@ def test_annotate_alpaca_eval_file_and_reparse(tmp_path, monkeypatch):
     runner = CliRunner()
     names = runner.invoke(app, ["--help"]).output
     assert "judge-server" in names and "annotate" in names and "annotations" in names
-    with JudgeServer(JudgeConfig()) as url:
+    with sharp_server(monkeypatch) as url:  # follows gold, so the labels are known
         res = runner.invoke(app, ["annotate", str(src), "--annotator", "p_sim_gpt4", "--base-url", url, "--store", str(tmp_path / "st")])
     assert res.exit_code == 0, res.output
     out = json.loads((tmp_path / "pairs.annotated.json").read_text())

@@ -816,9 +816,10 @@ def _synthetic_tiny() -> FarmConfig:
     0.507 at 1e-4; expert iteration 0.592 on the whole unlabeled split at 3e-4 for 3 epochs,
     on half of it at 5e-4 0.575 for 3 epochs and 0.577 for 2. To keep the cold demo within
     10 minutes, reward conditioning trains 1 epoch and expert iteration 2 epochs on half of
-    the unlabeled split. On farm version 3 with sampler version 2 the demo measures (SFT
-    0.593): expert iteration 0.632, DPO 0.614, PPO 0.608, Quark 0.605, best-of-4 0.598,
-    FeedME 0.597, reward conditioning 0.524.
+    the unlabeled split. On farm version 3 with the recalibrated annotator pool (session 12)
+    the demo measures (SFT 0.593): expert iteration 0.637, Quark 0.625, DPO 0.621, PPO 0.611,
+    best-of-4 0.610, FeedME 0.605, reward conditioning 0.538 (with the first pool: 0.632,
+    0.605, 0.614, 0.608, 0.598, 0.597, 0.524).
 
     PPO and Quark keep the paper's structure with smaller batches (rollout 128 prompts,
     48-token responses) and a larger learning rate (1e-4). PPO runs 23 steps (3/8 of a pass

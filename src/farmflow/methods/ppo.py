@@ -40,8 +40,8 @@ N processes is reused by a run on M (change `seed` to train again; docs/real-far
 
 The `synthetic-tiny` preset scales the batches and steps down and raises the learning rate
 for a 0.6M-parameter model: rollout 128, step batch 64, 23 steps (3/8 of a pass), lr 1e-4,
-KL coefficient 0.05, 48-token responses: mean gold 0.593 (SFT) → 0.608 in the demo (farm
-version 3, sampler version 2; 0.614 on sampler version 1's draw). Chosen on farm version 2 (24 SFT epochs), where the demo went 0.557 → 0.572, and
+KL coefficient 0.05, 48-token responses: mean gold 0.593 (SFT) → 0.611 in the demo (farm
+version 3, the annotator pool recalibrated in session 12; 0.608 with the first pool). Chosen on farm version 2 (24 SFT epochs), where the demo went 0.557 → 0.572, and
 measured there with 31 steps on 2 shared CPU cores with the demo's SFT and reward models (evaluation split,
 400 prompts, temperature 0.7): mean gold reward 0.557 (SFT) → 0.588 (PPO), proxy reward 0.145 → 0.171, KL to SFT ≈ 0.15 nats per response. With lr 3e-4
 the proxy reward climbs further (0.209, KL 0.8) but gold falls back (0.575): the reward
