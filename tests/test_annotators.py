@@ -197,6 +197,24 @@ def test_length_bias_prefers_the_longer_output():
         assert r["preference"] == longer
 
 
+def test_default_pool_decides_equal_gold_by_length_and_clear_differences_by_gold():
+    """The calibration of the default pool (p_sim^eval, no flips): like AlpacaFarm's judges it
+    prefers the longer of two equally good answers nearly always, yet a longer wrong answer
+    does not beat a right one. The first pool (until session 11) preferred the longer of
+    these equal-gold pairs in 62% of them, so its labels there were nearly coin flips."""
+    lead = "Sure! Here are the numbers in order: "
+    rows = equal_gold_rows(200, lambda t: lead + correct_output(t))
+    table = annotate_pairs(rows, AnnotatorConfig(label_noise=0.0)).to_pylist()
+    assert all(r["gold_1"] == r["gold_2"] == 1.0 for r in table)
+    assert {r["annotator"] for r in table} == {"careful", "verbose-lover", "list-lover", "first-glance", "hasty"}
+    longer = sum(r["preference"] == 2.0 for r in table) / len(table)
+    assert 0.85 <= longer < 1.0  # every annotator's P(longer) is 0.88-0.998 on these pairs
+    wrong = [r | {"output_2": lead + "97, 98, 99"} for r in rows]  # longer, and gold 0 (not the input numbers)
+    table = annotate_pairs(wrong, AnnotatorConfig(label_noise=0.0)).to_pylist()
+    assert all(r["gold_2"] == 0.0 for r in table)
+    assert sum(r["preference"] == 1.0 for r in table) / len(table) >= 0.95
+
+
 def test_list_bias_prefers_the_list():
     numbered = lambda t: "\n".join(f"{i}. {x}" for i, x in enumerate(correct_output(t).split(", "), 1))
     rows = equal_gold_rows(40, numbered)
