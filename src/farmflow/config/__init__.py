@@ -234,7 +234,7 @@ def _default_pool() -> list[OracleAnnotatorConfig]:
     # calibrated to AlpacaFarm's own p_sim^ann pool as AlpacaEval's annotator analysis measured
     # it: with its 25% label flips it prefers the longer output in 60% of pairs and the list in
     # 63% (humans: 64% and 61%). This pool, with the same flips, on the synthetic-tiny PREF
-    # pairs: 60% and 61% (docs/annotators.md). Answers here are ~25 characters, hence the
+    # pairs: 60% and 61% (docs/synthetic-farm.md). Answers here are ~25 characters, hence the
     # 10-character length scale.
     def judge(name: str, sharpness: float, length: float, lists: float = 0.0, position: float = 0.0) -> OracleAnnotatorConfig:
         return OracleAnnotatorConfig(name=name, sharpness=sharpness, length_bias=length, length_scale=10.0,
