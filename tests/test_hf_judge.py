@@ -28,7 +28,8 @@ PAIRS = [
     ("List three fruits.", "", "1. apple\n2. pear\n3. plum", "apple, carrot, bread"),
     ("What is the capital of France?", "", "Paris is the capital of France.", "Lyon"),
     ("Reverse the word.", "stressed", "desserts", "stressed"),
-    ("Write a haiku about rain.", "", "Soft rain on the roof\nwhispers to the sleeping town\npuddles hold the sky", "Rain is wet."),
+    ("Write a haiku about rain.", "", "Soft rain on the roof\nwhispers to the sleeping town\npuddles hold the sky",
+     "Rain is wet."),
     ("Sort the numbers.", "3, 1, 2", "1, 2, 3", "3, 2, 1"),
     ("Give a synonym of happy.", "", "joyful", "sad"),
 ]
@@ -38,15 +39,17 @@ def save_tiny_judge(folder: Path, chat: bool = False, seed: int = 0) -> Path:
     """A random 1-layer Llama and a BPE tokenizer trained on the judging prompt's words, saved like any hub model.
     A wide initialization makes its answers lean clearly to (a) or (b), and differ by order."""
     specials = ["<|im_start|>", "<|im_end|>"] if chat else []
-    texts = [hf.SYSTEM, hf.QUESTION, hf.ANSWER_LEAD + " (a) (b) ## Instruction ## Input ## Output", *[" ".join(p) for p in PAIRS]]
+    texts = [hf.SYSTEM, hf.QUESTION, hf.ANSWER_LEAD + " (a) (b) ## Instruction ## Input ## Output",
+             *[" ".join(p) for p in PAIRS]]
     tok = train_tokenizer(texts * 3, vocab_size=400)
     if chat:
         tok.add_special_tokens({"additional_special_tokens": specials})
         tok.chat_template = CHATML
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                         num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.3,
-                         pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=1024,
+                         initializer_range=0.3, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+                         eos_token_id=tok.eos_token_id)
     LlamaForCausalLM(config).save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder
@@ -67,8 +70,8 @@ def hf_config(judge_dir: Path, **kw) -> AnnotatorConfig:
 
 
 def rows_of(pairs) -> list[dict]:
-    return [{"id": f"r{i}", "split": "pref", "instruction": ins, "input": inp, "output_1": o1, "output_2": o2, "task": None}
-            for i, (ins, inp, o1, o2) in enumerate(pairs)]
+    return [{"id": f"r{i}", "split": "pref", "instruction": ins, "input": inp, "output_1": o1, "output_2": o2,
+             "task": None} for i, (ins, inp, o1, o2) in enumerate(pairs)]
 
 
 def test_both_orders_are_judged_and_averaged(judge):
@@ -90,7 +93,8 @@ def test_batched_equals_unbatched(judge):
     for batch in (3, 8):
         many = hf.judge_pairs(judge, PAIRS, batch_size=batch)
         for v, w in zip(one, many):
-            assert (w.p_1_shown_first, w.p_1_shown_second) == pytest.approx((v.p_1_shown_first, v.p_1_shown_second), abs=1e-5)
+            assert w.p_1_shown_first == pytest.approx(v.p_1_shown_first, abs=1e-5)
+            assert w.p_1_shown_second == pytest.approx(v.p_1_shown_second, abs=1e-5)
             assert w.preference == pytest.approx(v.preference, abs=1e-5)
     assert len({len(p.ids) for pair in PAIRS for p in hf.fit(judge, *pair)[0]}) > 5  # the batches really were padded
 
@@ -127,6 +131,11 @@ def test_the_chat_template_is_used_when_the_tokenizer_has_one(tmp_path):
     assert text.endswith("<|im_end|>\n<|im_start|>assistant\n" + hf.ANSWER_LEAD)
     v = hf.judge_pairs(judge, PAIRS[:2], batch_size=2)
     assert all(1 <= x.preference <= 2 for x in v)
+    # a template without a system role (it raises, as Gemma's does): the guidance opens the user turn
+    judge.tokenizer.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system role') }}{% endif %}"
+        "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n")
+    assert hf.render(judge, *PAIRS[0]).startswith("<|im_start|>user\n" + hf.SYSTEM + "\n\n## Instruction")
 
 
 def test_long_pairs_are_cut_in_the_middle_to_fit(judge_dir):
@@ -136,7 +145,8 @@ def test_long_pairs_are_cut_in_the_middle_to_fit(judge_dir):
     (p12, p21), cut = hf.fit(judge, "List fruits.", "", long_1, long_2)
     assert cut > 300 and max(len(p12.ids), len(p21.ids)) <= 400
     text = judge.tokenizer.decode(p12.ids)
-    assert "tokens cut ...]" in text and text.rstrip(" (").endswith(hf.ANSWER_LEAD) and "THE END" in text and "FINALE" in text
+    assert "tokens cut ...]" in text and text.rstrip(" (").endswith(hf.ANSWER_LEAD)
+    assert "THE END" in text and "FINALE" in text  # each output keeps its start and its end
     # an instruction longer than the whole limit: still judged, within the limit, ending with the question
     (q12, _), cut2 = hf.fit(judge, "Say why. " * 300, "", "yes", "no")
     assert len(q12.ids) == 400 and cut2 > 0 and judge.tokenizer.decode(q12.ids).rstrip(" (").endswith(hf.ANSWER_LEAD)
@@ -148,13 +158,15 @@ def test_long_pairs_are_cut_in_the_middle_to_fit(judge_dir):
 
 
 def test_annotate_gives_the_preferences_table_and_caches_every_row(judge_dir, tmp_path):
-    rows = rows_of(PAIRS) + rows_of([("Tie?", "", "same", "same")])
-    table, metrics = annotate(rows, hf_config(judge_dir), str(tmp_path))
-    assert table.schema == SCHEMAS["preferences"] and table.num_rows == len(rows)
+    rows = rows_of(PAIRS) + rows_of([("Tie?", "", "same", "same"), PAIRS[0]])  # a tie, and a pair asked twice
+    settled: list[int] = []
+    table, metrics = annotate(rows, hf_config(judge_dir), str(tmp_path), progress=settled.append)
+    assert table.schema == SCHEMAS["preferences"] and table.num_rows == len(rows) and sum(settled) == len(rows)
     assert metrics["judged"] == len(PAIRS) and metrics["ties"] == 1 and metrics["cached"] == 0
+    assert table.column("preference")[-1].as_py() == table.column("preference")[0].as_py()
     assert metrics["forward_passes"] == 5  # 9 pairs x 2 orders in batches of 4
     got = table.to_pylist()
-    assert got[-1]["preference"] == 1.5 and got[-1]["p_1_shown_first"] is None
+    assert got[-2]["preference"] == 1.5 and got[-2]["p_1_shown_first"] is None
     expected = hf.judge_pairs(hf.load_judge(HFJudgeConfig(model=str(judge_dir))), PAIRS, batch_size=1)
     for r, v in zip(got, expected):
         assert r["annotator"] == "hf:tiny-judge" and r["swapped"] is False and r["noised"] is False
@@ -164,8 +176,9 @@ def test_annotate_gives_the_preferences_table_and_caches_every_row(judge_dir, tm
     assert len(log) == len(PAIRS) and all(r["status"] == "ok" and r["p_1_shown_first"] is not None for r in log)
 
     # a rerun computes nothing; the same pairs with their outputs exchanged come from the cache as 3 - p
-    again, m2 = annotate(rows, hf_config(judge_dir, batch_size=2), str(tmp_path))
-    assert m2["judged"] == 0 and m2["forward_passes"] == 0 and m2["cached"] == len(PAIRS)
+    again, m2 = annotate(rows, hf_config(judge_dir, batch_size=2), str(tmp_path), progress=settled.append)
+    assert m2["judged"] == 0 and m2["forward_passes"] == 0 and m2["cached"] == len(PAIRS) + 1
+    assert sum(settled) == 2 * len(rows)
     assert again.column("preference").to_pylist() == table.column("preference").to_pylist()
     flipped, m3 = annotate(rows_of([(i, x, o2, o1) for i, x, o1, o2 in PAIRS]), hf_config(judge_dir), str(tmp_path))
     assert m3["forward_passes"] == 0
@@ -209,10 +222,11 @@ def test_the_annotate_and_evaluate_stages_run_with_the_hf_judge(judge_dir, tmp_p
     from farmflow.tasks import annotate_task
 
     store = open_store(tmp_path)
-    pairs = store.put_table("sample_pairs", "k1", pa.Table.from_pylist(rows_of(PAIRS), schema=SCHEMAS["pairs"]), "pairs")
+    pairs = store.put_table("sample_pairs", "k1", pa.Table.from_pylist(rows_of(PAIRS), schema=SCHEMAS["pairs"]),
+                            "pairs")
     ref = annotate_task.fn(str(tmp_path), hf_config(judge_dir), pairs)
     assert ref.rows == len(PAIRS) and ref.metrics["judged"] == len(PAIRS)
-    ref2 = annotate_task.fn(str(tmp_path), hf_config(judge_dir, seed=1), pairs)  # another stage key, the same judged pairs
+    ref2 = annotate_task.fn(str(tmp_path), hf_config(judge_dir, seed=1), pairs)  # another key, the same judged pairs
     assert ref2.key != ref.key and ref2.metrics["cached"] == len(PAIRS) and ref2.metrics["forward_passes"] == 0
     prefs = store.read_table(ref).column("preference").to_pylist()
 
@@ -222,3 +236,16 @@ def test_the_annotate_and_evaluate_stages_run_with_the_hf_judge(judge_dir, tmp_p
     table, stats = evaluate_outputs(outputs, references, hf_config(judge_dir), str(tmp_path))
     assert table.column("preference").to_pylist() == pytest.approx(prefs, abs=1e-12)  # the same pairs, from the cache
     assert stats["win_rate"] == pytest.approx(100 * sum(p - 1 for p in prefs) / len(prefs), abs=1e-6)
+
+
+def test_a_judge_that_cannot_load_is_one_clear_error(tmp_path):
+    from farmflow.annotators import AnnotationError
+
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(AnnotationError, match=r"^annotation.hf.model: cannot load the judge .*empty") as err:
+        annotate(rows_of(PAIRS[:1]), AnnotatorConfig(kind="hf", hf=HFJudgeConfig(model=str(tmp_path / "empty"))),
+                 str(tmp_path))
+    assert "\n" not in str(err.value)
+    if not torch.cuda.is_available():
+        with pytest.raises(AnnotationError, match=r"^annotation.hf.device: 'cuda' asked for"):
+            hf.load_judge(HFJudgeConfig(model=str(tmp_path / "empty"), device="cuda"))

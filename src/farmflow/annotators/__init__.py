@@ -81,7 +81,8 @@ def _api_table(rows: Sequence[dict], judged: list[dict]) -> pa.Table:
     out = [
         {**{k: row.get(k, "") for k in ("id", "split", "instruction", "input", "output_1", "output_2", "task")},
          "annotator": j["annotator"], "preference": j["preference"], "noised": j["noised"], "swapped": j["swapped"],
-         "gold_1": gold_reward(row.get("task"), row["output_1"]), "gold_2": gold_reward(row.get("task"), row["output_2"]),
+         "gold_1": gold_reward(row.get("task"), row["output_1"]),
+         "gold_2": gold_reward(row.get("task"), row["output_2"]),
          "p_1_shown_first": j.get("p_1_shown_first"), "p_1_shown_second": j.get("p_1_shown_second")}
         for row, j in zip(rows, judged)
     ]
@@ -130,8 +131,9 @@ def annotate(rows: Sequence[dict], cfg: AnnotatorConfig, store_uri: str | None =
         judged, hf_stats = annotate_hf(list(rows), cfg, store, progress)
         count = lambda status: float(sum(j["status"] == status for j in judged))  # noqa: E731
         return _api_table(rows, judged), {
-            "pairs": float(len(rows)), "noised": count("noised"), "ties": count("tie"), "cached": float(hf_stats.cached),
-            "judged": float(hf_stats.judged), "failed": 0.0, "truncated": float(hf_stats.truncated),
+            "pairs": float(len(rows)), "noised": count("noised"), "ties": count("tie"),
+            "cached": float(hf_stats.cached), "judged": float(hf_stats.judged), "failed": 0.0,
+            "truncated": float(hf_stats.truncated),
             "forward_passes": float(hf_stats.forward_passes), "prompt_tokens": float(hf_stats.prompt_tokens),
             "cost_usd": 0.0, "judge_seconds": hf_stats.seconds,
         }

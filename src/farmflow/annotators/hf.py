@@ -1,4 +1,5 @@
-"""The in-process LLM judge (annotation kind ``hf``): a local causal LM's next-token probabilities, both orders averaged.
+"""The in-process LLM judge (annotation kind ``hf``): a local causal LM's next-token probabilities, both orders
+averaged.
 
 As alpaca_eval's weighted judges do, the judge is never sampled. The prompt (through the model's
 chat template when it has one) shows the instruction, its input and outputs (a) and (b), asks which
@@ -30,11 +31,13 @@ import functools
 import hashlib
 import json
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
+from jinja2 import TemplateError
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from farmflow.annotators import cache
@@ -70,7 +73,10 @@ def judge_identity(cfg: HFJudgeConfig) -> dict:
     """Everything that changes the judge's answers: its files (a local folder's content digest) or hub id and
     revision, the GGUF file, dtype, prompt length cap and prompt version. Not batch size or device."""
     source = judge_source(cfg)
-    where = {"files": folder_digest(Path(source))} if Path(source).is_dir() else {"hub_id": source, "revision": cfg.revision}
+    if Path(source).is_dir():
+        where = {"files": folder_digest(Path(source))}
+    else:
+        where = {"hub_id": source, "revision": cfg.revision}
     return {"kind": "hf", "prompt_version": PROMPT_VERSION, **where, "gguf_file": cfg.gguf_file, "dtype": cfg.dtype,
             "max_prompt_tokens": cfg.max_prompt_tokens}
 
@@ -81,8 +87,8 @@ def judge_hash(cfg: HFJudgeConfig) -> str:
 
 
 def judge_name(cfg: HFJudgeConfig) -> str:
-    """The `annotator` value of the judge's rows: ``hf:`` and the model's folder or hub name."""
-    return "hf:" + (Path(cfg.model).name or cfg.model)
+    """The `annotator` value of the judge's rows: ``hf:`` and the model's folder or hub name (its GGUF file's stem)."""
+    return "hf:" + (Path(cfg.gguf_file).stem if cfg.gguf_file else Path(cfg.model).name or cfg.model)
 
 
 @dataclass
@@ -99,8 +105,12 @@ class Judge:
 
 def load_judge(cfg: HFJudgeConfig) -> Judge:
     """The judge of `cfg` (loaded once per process for the same identity and device)."""
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise AnnotationError("annotation.hf.device: 'cuda' asked for, but this process sees no GPU "
+                              "(use 'auto' or 'cpu')")
     device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    return _load(judge_source(cfg), cfg.revision, cfg.gguf_file, cfg.dtype, device, cfg.max_prompt_tokens, judge_hash(cfg))
+    return _load(judge_source(cfg), cfg.revision, cfg.gguf_file, cfg.dtype, device, cfg.max_prompt_tokens,
+                 judge_hash(cfg))
 
 
 @functools.lru_cache(maxsize=1)
@@ -136,8 +146,12 @@ def render(judge: Judge, instruction: str, input: str, first: str, second: str) 
     parts += ["## Output (a)", first, "## Output (b)", second, "## Question", QUESTION]
     user = "\n\n".join(parts)
     if judge.chat:
-        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
-        return judge.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) + ANSWER_LEAD
+        chat = functools.partial(judge.tokenizer.apply_chat_template, tokenize=False, add_generation_prompt=True)
+        try:
+            text = chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}])
+        except TemplateError:  # a template without a system role: the guidance opens the user turn
+            text = chat([{"role": "user", "content": f"{SYSTEM}\n\n{user}"}])
+        return text + ANSWER_LEAD
     return f"{SYSTEM}\n\n{user}\n\n{ANSWER_LEAD}"
 
 
@@ -148,7 +162,8 @@ def encode(judge: Judge, text: str) -> Prompt:
     a, b = (judge.tokenizer(text + answer, add_special_tokens=special)["input_ids"] for answer in ANSWERS)
     k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
     if k is None or k == 0:
-        raise AnnotationError(f"annotation.hf.model: the tokenizer does not tell the answers {ANSWERS} apart after the prompt")
+        raise AnnotationError(f"annotation.hf.model: the tokenizer does not tell the answers {ANSWERS} apart "
+                              "after the prompt")
     return Prompt(a[:k], (a[k], b[k]))
 
 
@@ -163,7 +178,7 @@ def fit(judge: Judge, instruction: str, input: str, output_1: str, output_2: str
     """The pair's two prompts, (output_1, output_2) and (output_2, output_1), each within the judge's limit, and how
     many output tokens were cut. Both orders see the same cut outputs; the longer output is cut first."""
     def prompts(o1: str, o2: str) -> list[Prompt]:
-        return [encode(judge, render(judge, instruction, input, o1, o2)), encode(judge, render(judge, instruction, input, o2, o1))]
+        return [encode(judge, render(judge, instruction, input, a, b)) for a, b in ((o1, o2), (o2, o1))]
 
     both = prompts(output_1, output_2)
     over = max(len(p.ids) for p in both) - judge.limit
@@ -186,8 +201,9 @@ def fit(judge: Judge, instruction: str, input: str, output_1: str, output_2: str
         over += longest - judge.limit
     # still too long (a very long instruction): keep each prompt's start and its end (the outputs' ends, the question)
     half = judge.limit // 2
-    return ([Prompt(p.ids[:half] + p.ids[len(p.ids) - (judge.limit - half):], p.answer_ids) if len(p.ids) > judge.limit else p
-             for p in both], cut + longest - judge.limit)
+    ends = [Prompt(p.ids[:half] + p.ids[len(p.ids) - (judge.limit - half):], p.answer_ids) if len(p.ids) > judge.limit
+            else p for p in both]
+    return ends, cut + longest - judge.limit
 
 
 # ----------------------------------------------------------------------------- the forward pass
@@ -262,12 +278,15 @@ class HFStats:
     truncated_examples: list[str] = field(default_factory=list)
 
 
-def _cache_row(cfg: AnnotatorConfig, ahash: str, key: str, pair: tuple[str, str, str, str], v: Verdict, seconds: float) -> dict:
+def _cache_row(cfg: AnnotatorConfig, ahash: str, key: str, pair: tuple[str, str, str, str], v: Verdict,
+               seconds: float) -> dict:
     return {
-        "key": key, "annotator": judge_name(cfg.hf), "annotator_hash": ahash, "model": cfg.hf.model, "instruction": pair[0],
-        "input": pair[1], "output_1": pair[2], "output_2": pair[3], "preference": v.preference, "status": "ok", "error": None,
+        "key": key, "annotator": judge_name(cfg.hf), "annotator_hash": ahash, "model": cfg.hf.model,
+        "instruction": pair[0], "input": pair[1], "output_1": pair[2], "output_2": pair[3], "preference": v.preference,
+        "status": "ok", "error": None,
         "raw_completion": json.dumps({"mass_12": v.mass_12, "mass_21": v.mass_21, "cut_tokens": v.cut_tokens}),
-        "prompt_tokens": v.prompt_tokens, "completion_tokens": 0, "price_usd": 0.0, "latency_s": seconds, "created": cache.now(),
+        "prompt_tokens": v.prompt_tokens, "completion_tokens": 0, "price_usd": 0.0, "latency_s": seconds,
+        "created": cache.now(),
         "prompt_format": "hf", "item": 1, "items": 1, "swapped": False,
         "p_1_shown_first": v.p_1_shown_first, "p_1_shown_second": v.p_1_shown_second,
     }
@@ -301,8 +320,9 @@ def annotate_hf(rows: list[dict], cfg: AnnotatorConfig, store,
         plan.append(entry)
 
     stats = HFStats()
+    waiting = Counter(e["key"] for e in plan if e.get("key") in todo)  # rows per pair to judge (a pair can repeat)
     if progress:
-        progress(len(plan) - sum(1 for e in plan if e.get("key") in todo))
+        progress(len(plan) - sum(waiting.values()))
     results: dict[str, dict] = {}
     if todo:
         judge = load_judge(cfg.hf)
@@ -325,13 +345,15 @@ def annotate_hf(rows: list[dict], cfg: AnnotatorConfig, store,
             stats.judged += len(chunk)
             stats.prompt_tokens += sum(v.prompt_tokens for v in verdicts)
             if progress:
-                progress(len(chunk))
+                progress(sum(waiting[key] for key, _ in chunk))
         stats.forward_passes = judge.forward_passes - passes_before
         stats.seconds = time.perf_counter() - start
         if stats.truncated:
-            log("annotate: %d of %d pairs were longer than the hf judge's %d-token prompt: their outputs were cut in the "
-                "middle (e.g. instructions %s)", stats.truncated, len(todo), judge.limit, stats.truncated_examples)
-        log("annotate: the hf judge judged %d pairs in %d forward passes, %.1fs", stats.judged, stats.forward_passes, stats.seconds)
+            log("annotate: %d of %d pairs were longer than the hf judge's %d-token prompt: their outputs were cut "
+                "in the middle (e.g. instructions %s)", stats.truncated, len(todo), judge.limit,
+                stats.truncated_examples)
+        log("annotate: the hf judge judged %d pairs in %d forward passes, %.1fs", stats.judged, stats.forward_passes,
+            stats.seconds)
 
     out = []
     for e in plan:
@@ -348,6 +370,6 @@ def annotate_hf(rows: list[dict], cfg: AnnotatorConfig, store,
 
 
 __all__ = [
-    "HFStats", "Judge", "PROMPT_VERSION", "Prompt", "Verdict", "annotate_hf", "answer_probs", "encode", "fit", "judge_hash",
-    "judge_identity", "judge_name", "judge_pairs", "judge_source", "load_judge", "render",
+    "HFStats", "Judge", "PROMPT_VERSION", "Prompt", "Verdict", "annotate_hf", "answer_probs", "encode", "fit",
+    "judge_hash", "judge_identity", "judge_name", "judge_pairs", "judge_source", "load_judge", "render",
 ]

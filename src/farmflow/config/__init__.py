@@ -386,38 +386,46 @@ class HFJudgeConfig(Section):
 
     model: str = Field(
         "smollm2-135m-instruct",
-        description="The judge: a model-cache name, a local folder or a Hugging Face hub id (default: SmolLM2-135M-Instruct, "
-        "a small instruction-tuned model that runs on a CPU). A local folder is identified by its files' contents.",
+        description="The judge: a model-cache name, a local folder or a Hugging Face hub id (default: "
+        "SmolLM2-135M-Instruct, small enough for a CPU). A local folder is identified by its files' contents.",
     )
-    revision: str | None = Field(None, description="Hub revision (commit, tag or branch) of a hub `model`; None: the newest, keyed by name only.")
+    revision: str | None = Field(
+        None,
+        description="Hub revision (commit, tag or branch) of a hub `model`; None: the newest, keyed by name only.",
+    )
     gguf_file: str | None = Field(
-        None, description="GGUF weights file inside `model` to load (transformers dequantizes it); None: the folder's safetensors/bin weights.",
+        None,
+        description="GGUF weights file inside `model` to load (transformers dequantizes it); None: the folder's "
+        "safetensors/bin weights.",
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="Weights and activations dtype (float32 on CPUs; bfloat16 halves GPU memory at a small cost in precision).",
+        "float32",
+        description="Weights and activations dtype (float32 on CPUs; bfloat16 halves GPU memory at a small cost in "
+        "precision).",
     )
     max_prompt_tokens: int = Field(
         2048, ge=64,
-        description="Longest judging prompt in tokens (also capped by the model's context); longer pairs have both outputs cut "
-        "in the middle, marked in the text, and are counted in the run's `truncated` metric.",
+        description="Longest judging prompt in tokens (also capped by the model's context); longer pairs have both "
+        "outputs cut in the middle, marked in the text, and are counted in the run's `truncated` metric.",
     )
     batch_size: int = Field(
         8, ge=1, json_schema_extra={"stage_key": False},
-        description="Prompts per forward pass (left-padded; each pair is two prompts, one per order). Memory and speed only: "
-        "not part of the judge's identity.",
+        description="Prompts per forward pass (left-padded; each pair is two prompts, one per order). Memory and speed "
+        "only: not part of the judge's identity.",
     )
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", json_schema_extra={"stage_key": False},
-        description="Where the judge runs; 'auto': the GPU when there is one, else the CPU. Not part of the judge's identity.",
+        description="Where the judge runs; 'auto': the GPU when there is one, else the CPU. Not part of the judge's "
+        "identity.",
     )
 
 
 class AnnotatorConfig(Section):
     kind: Literal["oracle", "api", "hf"] = Field(
         "oracle",
-        description="'oracle': offline simulated annotators that judge with the gold reward plus biases and noise (pool); "
-        "'api': LLM judges on any OpenAI-compatible endpoint (api_pool); 'hf': one local causal LM judging in this process "
-        "from its next-token probabilities, both orders averaged (hf).",
+        description="'oracle': offline simulated annotators that judge with the gold reward plus biases and noise "
+        "(pool); 'api': LLM judges on any OpenAI-compatible endpoint (api_pool); 'hf': one local causal LM judging in "
+        "this process from its next-token probabilities, both orders averaged (hf).",
     )
     preset: str | None = Field(
         None,
@@ -429,8 +437,8 @@ class AnnotatorConfig(Section):
     api_pool: list[ApiAnnotatorConfig] = Field(default_factory=list, description="The API annotator pool (kind 'api'); one is drawn per pair.")
     hf: HFJudgeConfig = Field(
         default_factory=HFJudgeConfig, json_schema_extra={"stage_key": False},
-        description="The local LLM judge (kind 'hf'). Keyed through the judge's identity (stage_key_extra) when kind is 'hf', "
-        "so its defaults do not enter the keys of the other kinds.",
+        description="The local LLM judge (kind 'hf'). Keyed through the judge's identity (stage_key_extra) when kind "
+        "is 'hf', so its defaults do not enter the keys of the other kinds.",
     )
     label_noise: float = Field(
         0.0, ge=0, le=1,
@@ -1060,7 +1068,8 @@ def validate_config(data: dict | FarmConfig) -> FarmConfig:
 
 
 __all__ = [
-    "ANNOTATOR_PRESETS", "AnnotatorConfig", "HFJudgeConfig", "CredentialsInValue", "folder_digest", "FLOW_NAMES", "METHODS", "refuse_credentials", "ApiAnnotatorConfig", "BestOfNConfig", "CheckpointConfig", "ConfigError", "DPOConfig", "DataConfig", "EvaluationConfig", "ExecutionConfig", "GPU_STAGES", "ExpertIterationConfig", "FarmConfig",
+    "ANNOTATOR_PRESETS", "AnnotatorConfig", "CredentialsInValue", "folder_digest", "FLOW_NAMES", "METHODS", "refuse_credentials", "ApiAnnotatorConfig", "BestOfNConfig", "CheckpointConfig", "ConfigError", "DPOConfig", "DataConfig", "EvaluationConfig", "ExecutionConfig", "GPU_STAGES", "ExpertIterationConfig", "FarmConfig",
     "LoraConfig", "ModelConfig", "ModelPrice", "OracleAnnotatorConfig", "PPOConfig", "PRESETS", "QuarkConfig", "RewardConditioningConfig", "RewardConfig", "SFTConfig", "SampleConfig",
     "StoreConfig", "load_config", "preset", "validate_config",
+    "HFJudgeConfig",
 ]

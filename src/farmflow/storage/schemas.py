@@ -57,7 +57,8 @@ SCHEMAS: dict[str, pa.Schema] = {
             # format, this pair's number among the `items` of its request, and whether output_2
             # (canonical) was shown first
             ("prompt_format", _STR), ("item", _I), ("items", _I), ("swapped", _B),
-            # the hf judge's P(output_1 better) with output_1 shown as (a) / as (b), canonical order (null for API judges)
+            # the hf judge's P(output_1 better) with output_1 shown as (a) / as (b), canonical order
+            # (null for API judges)
             ("p_1_shown_first", _F), ("p_1_shown_second", _F),
         ]
     ),
