@@ -116,6 +116,7 @@ def load_judge(cfg: HFJudgeConfig) -> Judge:
 @functools.lru_cache(maxsize=1)
 def _load(source: str, revision: str | None, gguf_file: str | None, dtype: str, device: str, max_prompt_tokens: int,
           identity: str) -> Judge:
+    # `identity` (judge_hash) only keys this cache: a folder whose files changed loads again
     kwargs = {"revision": revision} | ({"gguf_file": gguf_file} if gguf_file else {})
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
@@ -243,7 +244,8 @@ def answer_probs(judge: Judge, prompts: Sequence[Prompt], batch_size: int) -> li
 @dataclass
 class Verdict:
     """One pair's judgement: P(output_1 better) with output_1 shown first / second, the answer tokens' probability mass
-    in each order, and the output tokens cut to fit."""
+    in each order (how well the judge keeps to the answer format), the output tokens cut to fit and the two prompts'
+    tokens."""
 
     p_1_shown_first: float
     p_1_shown_second: float
