@@ -134,7 +134,7 @@ def test_missing_column_names_it(tmp_path):
 
 def test_uncastable_column_names_it(tmp_path):
     store = LocalStore(tmp_path)
-    cols = {c: ["x"] for c in SCHEMAS["preferences"].names}
+    cols = {f.name: ["x"] if f.type == pa.string() else [None] for f in SCHEMAS["preferences"]}
     cols |= {"preference": ["very much"], "noised": [False], "swapped": [True], "gold_1": [1.0], "gold_2": [0.0]}
     with pytest.raises(ValueError, match=r"column 'preference' cannot be read as double"):
         store.put_table("annotate", "k", pa.table(cols), "preferences")

@@ -12,6 +12,10 @@ shown in and un-swaps the answer, so the stored `preference` always refers to
 * kind ``api`` (`api.annotate_api`): LLM judges through `openai.AsyncOpenAI`, with our
   prompt templates (`prompts`), the row-level cache (`cache`), rate and cost limits. The
   loopback judge server (`server`) answers them offline with the oracle pool.
+* kind ``hf`` (`hf.annotate_hf`): one local causal LM judging in this process from its
+  next-token probabilities of (a) vs (b), read in both orders and averaged (so there is no
+  order shown: ``swapped`` is False), with the same row-level cache. torch and transformers
+  load only for this kind.
 
 Label noise (p_sim^ann): with probability `label_noise` the label is a fair coin and the
 annotator is never asked (the paper uses 0.5, i.e. 25% of labels flipped, half the cost).
@@ -77,7 +81,9 @@ def _api_table(rows: Sequence[dict], judged: list[dict]) -> pa.Table:
     out = [
         {**{k: row.get(k, "") for k in ("id", "split", "instruction", "input", "output_1", "output_2", "task")},
          "annotator": j["annotator"], "preference": j["preference"], "noised": j["noised"], "swapped": j["swapped"],
-         "gold_1": gold_reward(row.get("task"), row["output_1"]), "gold_2": gold_reward(row.get("task"), row["output_2"])}
+         "gold_1": gold_reward(row.get("task"), row["output_1"]),
+         "gold_2": gold_reward(row.get("task"), row["output_2"]),
+         "p_1_shown_first": j.get("p_1_shown_first"), "p_1_shown_second": j.get("p_1_shown_second")}
         for row, j in zip(rows, judged)
     ]
     return pa.Table.from_pylist(out, schema=SCHEMAS["preferences"])
@@ -103,10 +109,12 @@ def annotate(rows: Sequence[dict], cfg: AnnotatorConfig, store_uri: str | None =
 
     Returns the ``preferences`` table (the input columns plus annotator, preference
     (1 = output_1, 2 = output_2, 1.5 = tie; null when failed), noised (label replaced by a
-    coin), swapped (order shown was output_2 first), gold reward of both outputs) and the
-    run totals (pairs, noised, cached, judged, failed, requests, tokens, cost_usd, ...).
-    API annotators use the row cache in the store at `store_uri` (default: the default
-    store). Failed or unsent pairs raise `AnnotationIncomplete` unless `allow_incomplete`.
+    coin), swapped (order shown was output_2 first), gold reward of both outputs, and for the
+    hf judge P(output_1 better) with output_1 shown first and second) and the run totals
+    (pairs, noised, cached, judged, failed, requests, tokens, cost_usd, ...; for the hf judge
+    truncated and forward_passes). API and hf annotators use the row cache in the store at
+    `store_uri` (default: the default store). Failed or unsent pairs raise
+    `AnnotationIncomplete` unless `allow_incomplete`.
     `progress(n)` is told of every `n` pairs settled (judged, failed, cached, tied or noised).
     """
     if cfg.kind == "oracle":
@@ -117,6 +125,18 @@ def annotate(rows: Sequence[dict], cfg: AnnotatorConfig, store_uri: str | None =
     from farmflow.storage import open_store
 
     store = open_store(store_uri or StoreConfig().uri)
+    if cfg.kind == "hf":
+        from farmflow.annotators.hf import annotate_hf  # torch and transformers load only for this kind
+
+        judged, hf_stats = annotate_hf(list(rows), cfg, store, progress)
+        count = lambda status: float(sum(j["status"] == status for j in judged))  # noqa: E731
+        return _api_table(rows, judged), {
+            "pairs": float(len(rows)), "noised": count("noised"), "ties": count("tie"),
+            "cached": float(hf_stats.cached), "judged": float(hf_stats.judged), "failed": 0.0,
+            "truncated": float(hf_stats.truncated),
+            "forward_passes": float(hf_stats.forward_passes), "prompt_tokens": float(hf_stats.prompt_tokens),
+            "cost_usd": 0.0, "judge_seconds": hf_stats.seconds,
+        }
     judged, stats = annotate_api(list(rows), cfg, store, progress)
     count = lambda status: float(sum(j["status"] == status for j in judged))  # noqa: E731
     metrics = {

@@ -378,11 +378,54 @@ FLOW_NAMES = ("compare", *(m.replace("_", "-") for m in METHODS))
 """The flows `farmflow run` runs (`farmflow.flows.FLOWS`)."""
 
 
+class HFJudgeConfig(Section):
+    """An in-process LLM judge (annotation kind 'hf'): a local causal LM's next-token probabilities of (a) vs (b),
+    read for both orders of the outputs and averaged, as alpaca_eval's weighted judges do. Everything that changes an
+    answer (the model's files or hub id and revision, gguf_file, dtype, max_prompt_tokens, the prompt version) is the
+    judge's identity in the row cache and in the stage keys; batch_size and device are not."""
+
+    model: str = Field(
+        "smollm2-135m-instruct",
+        description="The judge: a model-cache name, a local folder or a Hugging Face hub id (default: "
+        "SmolLM2-135M-Instruct, small enough for a CPU). A local folder is identified by its files' contents.",
+    )
+    revision: str | None = Field(
+        None,
+        description="Hub revision (commit, tag or branch) of a hub `model`; None: the newest, keyed by name only.",
+    )
+    gguf_file: str | None = Field(
+        None,
+        description="GGUF weights file inside `model` to load (transformers dequantizes it); None: the folder's "
+        "safetensors/bin weights.",
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32",
+        description="Weights and activations dtype (float32 on CPUs; bfloat16 halves GPU memory at a small cost in "
+        "precision).",
+    )
+    max_prompt_tokens: int = Field(
+        2048, ge=64,
+        description="Longest judging prompt in tokens (also capped by the model's context); longer pairs have both "
+        "outputs cut in the middle, marked in the text, and are counted in the run's `truncated` metric.",
+    )
+    batch_size: int = Field(
+        8, ge=1, json_schema_extra={"stage_key": False},
+        description="Prompts per forward pass (left-padded; each pair is two prompts, one per order). Memory and speed "
+        "only: not part of the judge's identity.",
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", json_schema_extra={"stage_key": False},
+        description="Where the judge runs; 'auto': the GPU when there is one, else the CPU. Not part of the judge's "
+        "identity.",
+    )
+
+
 class AnnotatorConfig(Section):
-    kind: Literal["oracle", "api"] = Field(
+    kind: Literal["oracle", "api", "hf"] = Field(
         "oracle",
-        description="'oracle': offline simulated annotators that judge with the gold reward plus biases and noise (pool); "
-        "'api': LLM judges on any OpenAI-compatible endpoint (api_pool).",
+        description="'oracle': offline simulated annotators that judge with the gold reward plus biases and noise "
+        "(pool); 'api': LLM judges on any OpenAI-compatible endpoint (api_pool); 'hf': one local causal LM judging in "
+        "this process from its next-token probabilities, both orders averaged (hf).",
     )
     preset: str | None = Field(
         None,
@@ -392,6 +435,11 @@ class AnnotatorConfig(Section):
     )
     pool: list[OracleAnnotatorConfig] = Field(default_factory=_default_pool, min_length=1, description="The oracle annotator pool (kind 'oracle'); one is drawn per pair.")
     api_pool: list[ApiAnnotatorConfig] = Field(default_factory=list, description="The API annotator pool (kind 'api'); one is drawn per pair.")
+    hf: HFJudgeConfig = Field(
+        default_factory=HFJudgeConfig, json_schema_extra={"stage_key": False},
+        description="The local LLM judge (kind 'hf'). Keyed through the judge's identity (stage_key_extra) when kind "
+        "is 'hf', so its defaults do not enter the keys of the other kinds.",
+    )
     label_noise: float = Field(
         0.0, ge=0, le=1,
         description="Probability that a label is replaced by a fair coin without asking any annotator "
@@ -429,8 +477,12 @@ class AnnotatorConfig(Section):
     def stage_key_extra(self) -> dict:
         """Part of the key of every stage that uses this config (`farmflow.tasks.core.key_config`): for API annotators,
         each judge's identity as the row cache hashes it (resolved endpoint, $OPENAI_BASE_URL included, model, prompt
-        format and version, batch size, temperature, token cap), so another judge never reuses these labels. Nothing
-        for the oracle."""
+        format and version, batch size, temperature, token cap), so another judge never reuses these labels; for the
+        hf judge, its identity (`annotators.hf.judge_hash`). Nothing for the oracle."""
+        if self.kind == "hf":
+            from farmflow.annotators.hf import judge_hash
+
+            return {"judge": judge_hash(self.hf)}
         if self.kind != "api":
             return {}
         from farmflow.annotators.cache import annotator_hash, resolve_base_url
@@ -1019,4 +1071,5 @@ __all__ = [
     "ANNOTATOR_PRESETS", "AnnotatorConfig", "CredentialsInValue", "folder_digest", "FLOW_NAMES", "METHODS", "refuse_credentials", "ApiAnnotatorConfig", "BestOfNConfig", "CheckpointConfig", "ConfigError", "DPOConfig", "DataConfig", "EvaluationConfig", "ExecutionConfig", "GPU_STAGES", "ExpertIterationConfig", "FarmConfig",
     "LoraConfig", "ModelConfig", "ModelPrice", "OracleAnnotatorConfig", "PPOConfig", "PRESETS", "QuarkConfig", "RewardConditioningConfig", "RewardConfig", "SFTConfig", "SampleConfig",
     "StoreConfig", "load_config", "preset", "validate_config",
+    "HFJudgeConfig",
 ]

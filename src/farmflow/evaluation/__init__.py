@@ -35,7 +35,7 @@ def evaluate_outputs(
     `outputs` rows: id, instruction, input, output, generator, task. `references` rows: id,
     output (the eval split of the instructions table). Returns the ``evaluation`` table
     and the summary statistics (`win_rate_stats`, the reference's mean gold reward, and the
-    LC win rate: the length term alone, since a run's own labels never set its difficulty). API annotators
+    LC win rate: the length term alone, since a run's own labels never set its difficulty). API and hf annotators
     use the row cache of the store at `store_uri`.
     """
     ref_by_id = {r["id"]: r["output"] for r in references}
@@ -47,7 +47,7 @@ def evaluate_outputs(
          "output_1": ref_by_id[o["id"]], "output_2": o["output"]}
         for o in outputs
     ]
-    if annotator.kind == "api":  # minutes for a real pool; the offline pool takes milliseconds
+    if annotator.kind != "oracle":  # minutes for an API pool or an hf judge; the offline pool takes milliseconds
         with progress("evaluate: annotate", len(pairs), unit="pair") as bar:
             judged = annotate(pairs, annotator, store_uri, progress=bar.update)[0].to_pylist()
     else:

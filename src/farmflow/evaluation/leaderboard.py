@@ -42,6 +42,8 @@ def annotator_label(config: dict[str, Any] | None) -> str:
     suffix = f", noise {noise:g}" if noise else ""
     if config.get("preset"):
         return f"{config['preset']}{suffix}"
+    if config.get("kind") == "hf":
+        return f"hf judge {(config.get('hf') or {}).get('model', '?')}{suffix}"
     if config.get("kind") == "api":
         models = sorted({a.get("model", "?") for a in config.get("api_pool") or []})
         return f"api pool ({len(config.get('api_pool') or [])}: {', '.join(models)}){suffix}"

@@ -22,11 +22,13 @@ SCHEMAS: dict[str, pa.Schema] = {
         [("id", _STR), ("split", _STR), ("instruction", _STR), ("input", _STR), ("output_1", _STR), ("output_2", _STR), ("task", _STR)]
     ),
     # preference in [1, 2]: 1 means output_1 preferred, 2 output_2 (AlpacaFarm convention).
+    # p_1_shown_first / p_1_shown_second: the hf judge's probability that output_1 is better when it is
+    # shown as (a) / as (b) (null for other annotators); their mean is 2 - preference, their gap the position bias.
     "preferences": pa.schema(
         [
             ("id", _STR), ("split", _STR), ("instruction", _STR), ("input", _STR), ("output_1", _STR), ("output_2", _STR),
             ("task", _STR), ("annotator", _STR), ("preference", _F), ("noised", _B), ("swapped", _B),
-            ("gold_1", _F), ("gold_2", _F),
+            ("gold_1", _F), ("gold_2", _F), ("p_1_shown_first", _F), ("p_1_shown_second", _F),
         ]
     ),
     # per-pair sequence log-probs of both outputs under a frozen policy (DPO's reference).
@@ -55,6 +57,9 @@ SCHEMAS: dict[str, pa.Schema] = {
             # format, this pair's number among the `items` of its request, and whether output_2
             # (canonical) was shown first
             ("prompt_format", _STR), ("item", _I), ("items", _I), ("swapped", _B),
+            # the hf judge's P(output_1 better) with output_1 shown as (a) / as (b), canonical order
+            # (null for API judges)
+            ("p_1_shown_first", _F), ("p_1_shown_second", _F),
         ]
     ),
     # one row per evaluated method (evaluation.leaderboard_rows); mean_gold is NaN without a gold reward.
