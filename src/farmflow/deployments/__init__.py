@@ -39,13 +39,15 @@ UNRESPONSIVE = "farmflow: crash unresponsive runs"
 def deployments(
     preset: str = "synthetic-tiny", overrides: list[str] | None = None, nightly_cron: str = "0 3 * * *", timezone: str = "UTC",
     nightly_methods: list[str] | None = None, cpu_pool: str | None = None, gpu_pool: str | None = None, cfg: Any = None,
+    nightly_schedule: Any = None,
 ) -> list[Any]:
     """Runner deployments: one per flow, the nightly comparison and the GPU stage runner.
 
     Every flow deployment's default parameters are ``preset`` and ``overrides`` (both
     editable in the UI per run). Pools default to the preset's ``execution.cpu_pool`` and
     ``execution.gpu_pool``. `cfg`: the config ``preset`` and ``overrides`` load to, when the
-    caller has it already.
+    caller has it already. `nightly_schedule`: any Prefect schedule (e.g. ``Interval``) in place of
+    the cron, for comparisons more often than nightly.
     """
     from prefect.schedules import Cron
     from prefect.types.entrypoint import EntrypointType
@@ -71,9 +73,11 @@ def deployments(
     out.append(overoptimization_flow.to_deployment(name=DEPLOYMENT, parameters=overopt, work_pool_name=cpu_pool, **common))
     out.append(reward_report_flow.to_deployment(name=DEPLOYMENT, parameters=params, work_pool_name=cpu_pool, **common))
     nightly = params | {"history": True} | ({"methods": list(nightly_methods)} if nightly_methods else {})
+    schedule = nightly_schedule or Cron(nightly_cron, timezone=timezone)
+    when = f"every night ({nightly_cron}, {timezone})" if nightly_schedule is None else "on its schedule"
     out.append(compare_flow.to_deployment(
-        name=NIGHTLY, parameters=nightly, schedules=[Cron(nightly_cron, timezone=timezone)], work_pool_name=cpu_pool,
-        description=f"The method comparison every night ({nightly_cron}, {timezone}); appends the leaderboard to leaderboard_history.",
+        name=NIGHTLY, parameters=nightly, schedules=[schedule], work_pool_name=cpu_pool,
+        description=f"The method comparison {when}; appends the leaderboard to leaderboard_history.",
         **common,
     ))
     out.append(stage_flow.to_deployment(
@@ -156,6 +160,7 @@ def ensure_unresponsive_automation(after_s: int | None) -> str | None:
 def deploy(
     preset: str = "synthetic-tiny", overrides: list[str] | None = None, nightly_cron: str = "0 3 * * *", timezone: str = "UTC",
     nightly_methods: list[str] | None = None, gpu_slots: int | None = 1, cpu_slots: int | None = None, create_pools: bool = True,
+    nightly_schedule: Any = None,
 ) -> list[dict[str, str]]:
     """Register every deployment on the Prefect server (``PREFECT_API_URL``), creating the work pools first.
 
@@ -171,7 +176,7 @@ def deploy(
     from farmflow.config import load_config
 
     cfg = load_config(preset, list(overrides or []))
-    deps = deployments(preset, overrides, nightly_cron, timezone, nightly_methods, cfg=cfg)
+    deps = deployments(preset, overrides, nightly_cron, timezone, nightly_methods, cfg=cfg, nightly_schedule=nightly_schedule)
     gpu_pool = deps[-1].work_pool_name
     cpu_pool = deps[0].work_pool_name
     if create_pools:

@@ -1,0 +1,137 @@
+"""Schedules fire: a real `prefect server start` (its own PREFECT_HOME and SQLite database, loopback, the scheduler loop
+shortened), the nightly comparison deployed with an interval schedule on the micro preset, and a process worker. The
+scheduler service itself must create the run, the run must complete with its leaderboard artifact, and the server log
+must show no service crash (with SQLAlchemy 2.1 the scheduler failed on every loop: "Can't evaluate bulk DML
+statement", and no scheduled run was ever created).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+POOL = "sched-cpu"
+CRASH = re.compile(r"Traceback|InvalidRequestError|Can't evaluate bulk DML|Unexpected error in", re.IGNORECASE)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _prefect(*args: str, env: dict, log: Path) -> subprocess.Popen:
+    exe = str(Path(sys.executable).parent / "prefect")
+    return subprocess.Popen([exe, *args], env=env, cwd=log.parent, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """A Prefect server of its own on 127.0.0.1; yields (api_url, environment for clients, server log)."""
+    import httpx
+
+    home = tmp_path_factory.mktemp("prefect-server")
+    port = _free_port()
+    api_url = f"http://127.0.0.1:{port}/api"
+    env = os.environ | {
+        "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_API_URL": api_url,
+        "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "2",
+        "PREFECT_SERVER_SERVICES_SCHEDULER_RECENT_DEPLOYMENTS_LOOP_SECONDS": "2",
+        "PREFECT_LOGGING_LEVEL": "INFO", "PREFECT_SERVER_LOGGING_LEVEL": "INFO",
+    }
+    log = home / "server.log"
+    proc = _prefect("server", "start", "--host", "127.0.0.1", "--port", str(port), env=env, log=log)
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if httpx.get(f"{api_url}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.5)
+    yield api_url, env, log
+    _stop(proc)
+
+
+def test_the_scheduler_creates_the_nightly_run_and_it_completes(server, tmp_path):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterDeploymentId
+    from prefect.schedules import Interval
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from farmflow.deployments import NIGHTLY, deploy
+
+    api_url, env, server_log = server
+    store = tmp_path / "store"
+    # every 20 s; once the first run is picked up the deployment is paused (which deletes its queued runs), so the test
+    # has one run and the worker starts no other
+    schedule = Interval(timedelta(seconds=20))
+    deployed_at = datetime.now(timezone.utc)
+    overrides = [f"store.uri={store}", f"execution.cpu_pool={POOL}", "execution.unresponsive_after_s=null"]
+    with temporary_settings({PREFECT_API_URL: api_url}):
+        registered = deploy("synthetic-micro", overrides, nightly_methods=["best_of_n"], nightly_schedule=schedule)
+        assert f"compare/{NIGHTLY}" in {d["name"] for d in registered}
+        worker_log = tmp_path / "worker.log"
+        worker = _prefect("worker", "start", "--pool", POOL, env=env | {"PREFECT_WORKER_QUERY_SECONDS": "1"}, log=worker_log)
+        try:
+            with get_client(sync_client=True) as client:
+                nightly = client.read_deployment_by_name(f"compare/{NIGHTLY}")
+                assert nightly.parameters["history"] is True and nightly.parameters["methods"] == ["best_of_n"]
+                by_nightly = FlowRunFilter(deployment_id=FlowRunFilterDeploymentId(any_=[nightly.id]))
+                deadline = time.monotonic() + 300
+                first = None
+                while True:
+                    runs = client.read_flow_runs(flow_run_filter=by_nightly)
+                    if first is None:
+                        picked = [r for r in runs if r.state and not r.state.is_scheduled()]
+                        if picked:
+                            (first,) = picked
+                            queued = len(runs)
+                            client.pause_deployment(nightly.id)
+                    elif client.read_flow_run(first.id).state.is_final():
+                        break
+                    assert time.monotonic() < deadline, (
+                        f"no scheduled run finished; runs: {[(r.name, r.state_name) for r in runs]}\n"
+                        f"--- server\n{server_log.read_text()[-3000:]}\n--- worker\n{worker_log.read_text()[-3000:]}")
+                    time.sleep(1)
+                run = client.read_flow_run(first.id)
+                # created by the scheduler service, not by anyone calling run_deployment
+                assert run.auto_scheduled and run.created_by.type == "SCHEDULE", run
+                assert run.expected_start_time > deployed_at
+                assert run.state.is_completed(), (run.state.message, worker_log.read_text()[-3000:])
+                assert queued >= 2  # the scheduler had the next occurrences queued as well
+                assert [r.id for r in client.read_flow_runs(flow_run_filter=by_nightly)] == [run.id]  # paused: no other run
+                artifacts = {a.key for a in client.read_artifacts() if a.flow_run_id == run.id}
+                assert {"leaderboard", "leaderboard-table"} <= artifacts
+        finally:
+            _stop(worker)
+    from farmflow.storage import LocalStore
+
+    history = LocalStore(store).read_rows("leaderboard_history", "leaderboard_history")
+    assert sorted(set(history.column("method").to_pylist())) == ["best_of_4", "sft", "untrained"]
+    assert set(history.column("flow_run_id").to_pylist()) == {str(run.id)}
+    crashes = [line for line in server_log.read_text().splitlines() if CRASH.search(line)]
+    assert not crashes, "\n".join(crashes[:20])
