@@ -35,7 +35,7 @@ class ModelUnavailable(RuntimeError):
 
 
 class UnknownModel(ModelUnavailable):
-    """A bad name given to `farmflow models` (a usage error)."""
+    """A bad name or file given to `farmflow models`: a usage error (exit code 2)."""
 
     exit_code = 2
 
