@@ -585,6 +585,10 @@ from farmflow.cli.annotators import register as _register_annotators  # noqa: E4
 
 _register_annotators(app)  # judge-server, annotate FILE, annotations reparse
 
+from farmflow.cli.models import register as _register_models  # noqa: E402
+
+_register_models(app)  # models get | import | ls
+
 
 def main() -> None:
     app()

@@ -17,6 +17,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from farmflow.modelcache import resolve_model  # standard library only: the config stays a leaf
+
 
 class ConfigError(ValueError):
     """A bad preset name, unknown field or invalid value; the message names it."""
@@ -140,8 +142,11 @@ def _folder_digest(folder: Path, state: tuple) -> str:
 class ModelConfig(Section):
     pretrained: str | None = Field(
         None,
-        description="Start from this causal LM (Hugging Face hub name or local folder; tokenizer from the same place) instead of "
-        "training a tokenizer and a tiny model from scratch (None). The size fields below then do not apply, except max_seq_len.",
+        description="Start from this causal LM instead of training a tokenizer and a tiny model from scratch (None): "
+        "a local folder, a model-cache name (`farmflow models get smollm2-135m-instruct`, "
+        "`farmflow models import FILE.gguf --name NAME`; `farmflow models ls`) or a Hugging Face hub id; tokenizer from "
+        "the same place. A folder or cache name is keyed by its files' contents. The size fields below then do not apply, "
+        "except max_seq_len.",
     )
     revision: str | None = Field(
         None,
@@ -172,11 +177,13 @@ class ModelConfig(Section):
     )
 
     def stage_key_extra(self) -> dict:
-        """Part of the base model's key (`farmflow.tasks.core.key_config`): a local `pretrained` folder's contents, so
-        weights saved again into the same folder are a new base model, not a stale cache hit."""
-        if not self.pretrained or not Path(self.pretrained).is_dir():
+        """Part of the base model's key (`farmflow.tasks.core.key_config`): the contents of a local `pretrained` folder
+        or model-cache entry, so weights saved again under the same path or name are a new base model, not a stale
+        cache hit."""
+        folder = Path(resolve_model(self.pretrained)) if self.pretrained else None
+        if folder is None or not folder.is_dir():
             return {}
-        return {"pretrained_files": folder_digest(Path(self.pretrained))}
+        return {"pretrained_files": folder_digest(folder)}
 
     @model_validator(mode="after")
     def _heads_divide(self) -> "ModelConfig":

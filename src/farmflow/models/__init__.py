@@ -37,6 +37,7 @@ from transformers import (
 )
 
 from farmflow.config import ModelConfig
+from farmflow.modelcache import resolve_model, unavailable
 from farmflow.models.runtime import FULL_STATE, default_device, device_of, is_main_process
 
 from transformers.utils import logging as hf_logging
@@ -80,7 +81,8 @@ def build_policy(cfg: ModelConfig, tokenizer: PreTrainedTokenizerFast) -> LlamaF
 
 
 def load_pretrained(cfg: ModelConfig) -> tuple[torch.nn.Module, PreTrainedTokenizerFast]:
-    """Any causal LM by hub name or local folder, ready for our encode/sample functions.
+    """Any causal LM by local folder, model-cache name (`farmflow models get`) or hub id, ready for our encode/sample
+    functions. A hub id that cannot be downloaded raises ModelUnavailable (one line naming the commands that cache it).
 
     A missing pad token, or one that is also EOS, gets a token of its own (new embedding rows set to the mean of the others); a
     missing BOS reuses EOS, since every sequence starts with BOS here. Padding side is
@@ -89,9 +91,17 @@ def load_pretrained(cfg: ModelConfig) -> tuple[torch.nn.Module, PreTrainedTokeni
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(cfg.pretrained, padding_side="right", revision=cfg.revision)
-    model = AutoModelForCausalLM.from_pretrained(cfg.pretrained, dtype=getattr(torch, cfg.dtype), attn_implementation=cfg.attn_implementation,
-                                                 revision=cfg.revision)
+    source = resolve_model(cfg.pretrained)
+    local = Path(source).is_dir()
+    revision = None if local else cfg.revision
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, padding_side="right", revision=revision)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, cfg.dtype), revision=revision,
+                                                     attn_implementation=cfg.attn_implementation)
+    except OSError as err:  # transformers' "couldn't connect to https://huggingface.co", "not a valid model identifier"
+        if local:
+            raise
+        raise unavailable(cfg.pretrained, str(err)) from None
     if tokenizer.eos_token is None:
         raise ValueError(f"model.pretrained {cfg.pretrained!r}: the tokenizer has no EOS token")
     if tokenizer.bos_token is None:
