@@ -64,6 +64,19 @@ def _config(preset: str, overrides: list[str], store: Optional[str]):
     return cfg
 
 
+def _check_model(cfg) -> None:
+    """A model.pretrained that cannot be loaded here (not a folder, not cached, hub unreachable) fails now, in one
+    line, before Prefect's temporary API starts."""
+    from farmflow.modelcache import ModelUnavailable, check_available
+
+    if cfg.model.pretrained:
+        try:
+            check_available(cfg.model.pretrained, cfg.model.revision)
+        except ModelUnavailable as err:
+            typer.echo(f"error: {err}", err=True)
+            raise typer.Exit(err.exit_code)
+
+
 def _num(x: float | None) -> str:
     """Three decimals, or a dash where there is no value (no gold reward in the real farm)."""
     return "—" if x is None or x != x else f"{x:.3f}"
@@ -215,6 +228,7 @@ def demo(
         console.print(f"[red]unknown annotator {annotator!r}[/red]; use oracle or api-local")
         raise typer.Exit(2)
     cfg = _config(preset, [], store)
+    _check_model(cfg)
     api_ready = _start_temporary_api()
     if annotator == "api-local":
         from farmflow.cli.annotators import local_judge
@@ -245,6 +259,7 @@ def run(
         console.print("[red]--method only applies to the compare flow[/red]")
         raise typer.Exit(2)
     cfg = _config(preset, set_, store)
+    _check_model(cfg)
     api_ready = _start_temporary_api()
     _run(preset, set_, store, as_json, flow=flow, methods=chosen, api_ready=api_ready, cfg=cfg)
 
@@ -307,6 +322,7 @@ def overopt(
 
     _prefect_env()
     cfg = _config(preset, set_, store)  # a bad preset or override fails before Prefect's temporary API starts
+    _check_model(cfg)
     api_ready = _start_temporary_api()
     from farmflow.flows.overoptimization import overoptimization_flow
 
@@ -591,7 +607,13 @@ _register_models(app)  # models get | import | ls
 
 
 def main() -> None:
-    app()
+    from farmflow.modelcache import ModelUnavailable
+
+    try:
+        app()
+    except ModelUnavailable as err:  # e.g. a worker whose machine lacks the model: one line, not a traceback
+        typer.echo(f"error: {err}", err=True)
+        sys.exit(err.exit_code)
 
 
 if __name__ == "__main__":
