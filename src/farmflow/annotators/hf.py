@@ -44,6 +44,7 @@ from farmflow.annotators import cache
 from farmflow.annotators.api import AnnotationError
 from farmflow.annotators.oracle import unit_hash
 from farmflow.config import AnnotatorConfig, HFJudgeConfig, folder_digest
+from farmflow.modelcache import resolve_model
 from farmflow.progress import log
 from farmflow.storage import canonical_json
 
@@ -65,8 +66,8 @@ CUT_MARK = " [... {n} tokens cut ...] "
 
 # ----------------------------------------------------------------------------- identity and loading
 def judge_source(cfg: HFJudgeConfig) -> str:
-    """Where the judge's weights and tokenizer come from: a local folder or a hub id (`cfg.model` as given)."""
-    return cfg.model
+    """Where the judge's weights and tokenizer come from: a model-cache name's folder, a local folder or a hub id."""
+    return resolve_model(cfg.model)
 
 
 def judge_identity(cfg: HFJudgeConfig) -> dict:
