@@ -223,3 +223,29 @@ def test_the_other_json_readers_report_a_bad_encoding_by_file(tmp_path):
         with pytest.raises(ValueError, match=r"cannot read .*latin1\.json: .*utf-8") as err:
             reader(str(bad))
         assert not isinstance(err.value, UnicodeDecodeError)
+
+
+@pytest.mark.parametrize("eval_inside", [False, True])
+def test_alpaca_farm_repository_layout(tmp_path, eval_inside):
+    """A folder laid out as the tatsu-lab/alpaca_farm dataset repository: alpaca_instructions/{sft,preference,
+    unlabeled,val}.json with the hub's extra columns, and alpaca_farm_evaluation.json (at the top, or inside
+    alpaca_instructions/ as some copies have it) with AlpacaFarm's evaluation columns."""
+    farm = tmp_path / "alpaca_farm"
+    (farm / "alpaca_instructions").mkdir(parents=True)
+    for i, theirs in enumerate(("sft", "preference", "unlabeled", "val")):
+        write(farm / "alpaca_instructions" / f"{theirs}.json",
+              [r | {"datasplit": theirs} for r in ROWS[i * 3: i * 3 + 3]])
+    evals = [r | {"input": "", "datasplit": "eval", "sample_mode": "temperature=0.0"} for r in EVAL_ROWS]
+    write((farm / "alpaca_instructions" if eval_inside else farm) / "alpaca_farm_evaluation.json", evals)
+    cfg = load_config("synthetic-micro", ["data.source=local", f"data.farm_dir={farm}", "data.eval_size=4"]).data
+    assert cfg.split_paths["pref"].endswith("alpaca_instructions/preference.json") and cfg.eval_path.endswith("evaluation.json")
+    table, _ = build_real_farm(cfg)
+    assert [r["instruction"] for r in split_rows(table, "pref")] == ["Say 3.", "Say 4.", "Say 5."]
+    assert [r["instruction"] for r in split_rows(table, "unlabeled")] == ["Say 6.", "Say 7.", "Say 8."]
+    assert [r["output"] for r in split_rows(table, "eval")] == ["ref 0", "ref 1", "ref 2", "ref 3"]
+    assert set(cfg.content_sha256) == {"eval", "split.sft", "split.pref", "split.unlabeled", "split.val"}
+    (farm / "alpaca_instructions" / "val.json").unlink()
+    with pytest.raises(ConfigError, match=r"farm_dir: no val.json, .jsonl or .parquet in .*alpaca_instructions"):
+        load_config("synthetic-micro", ["data.source=local", f"data.farm_dir={farm}"])
+    with pytest.raises(ConfigError, match="farm_dir: .*nowhere is not a folder"):
+        load_config("synthetic-micro", ["data.source=local", f"data.farm_dir={tmp_path / 'nowhere'}"])

@@ -29,6 +29,10 @@ class Section(BaseModel):
 
 
 # --------------------------------------------------------------------------- data
+FARM_SPLIT_FILES = {"sft": "sft", "pref": "preference", "unlabeled": "unlabeled", "val": "val"}
+"""Our split names -> the file names of tatsu-lab/alpaca_farm's alpaca_instructions/ folder."""
+
+
 class DataConfig(Section):
     source: Literal["synthetic", "local", "hub"] = Field(
         "synthetic",
@@ -48,6 +52,12 @@ class DataConfig(Section):
     )
     eval_path: str | None = Field(
         None, description="source 'local': the evaluation set in AlpacaEval format (instruction, output = reference, generator, dataset)."
+    )
+    farm_dir: str | None = Field(
+        None,
+        description="source 'local': a folder in the layout of the tatsu-lab/alpaca_farm dataset repository: "
+        "alpaca_instructions/{sft,preference,unlabeled,val}.json (or .jsonl/.parquet) and alpaca_farm_evaluation.json "
+        "(at the top or inside alpaca_instructions/). Fills split_paths and eval_path (those given explicitly win).",
     )
     hub_name: str = Field("tatsu-lab/alpaca_farm", description="source 'hub': the dataset repository (configs alpaca_instructions, alpaca_farm_evaluation).")
     hub_revision: str | None = Field(None, description="source 'hub': the dataset revision (a commit pins the data, and so the stage key).")
@@ -74,6 +84,30 @@ class DataConfig(Section):
         0.35, ge=0, le=1,
         description="Probability that the reference policy's evaluation output contains a mistake; calibrated so a decent model wins about half the time.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _farm_dir(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not data.get("farm_dir"):
+            return data
+        root = Path(data["farm_dir"])
+        if not root.is_dir():
+            raise ValueError(f"farm_dir: {root} is not a folder")
+
+        def find(folder: Path, stem: str) -> str:
+            for suffix in (".json", ".jsonl", ".parquet"):
+                if (folder / f"{stem}{suffix}").is_file():
+                    return str(folder / f"{stem}{suffix}")
+            raise ValueError(f"farm_dir: no {stem}.json, .jsonl or .parquet in {folder} (tatsu-lab/alpaca_farm's layout)")
+
+        instructions = root / "alpaca_instructions"
+        splits = {ours: find(instructions, theirs) for ours, theirs in FARM_SPLIT_FILES.items()}
+        if not data.get("eval_path"):
+            try:
+                data = data | {"eval_path": find(root, "alpaca_farm_evaluation")}
+            except ValueError:
+                data = data | {"eval_path": find(instructions, "alpaca_farm_evaluation")}
+        return data | {"split_paths": splits | dict(data.get("split_paths") or {})}
 
     @model_validator(mode="after")
     def _local_files(self) -> "DataConfig":
@@ -972,8 +1006,59 @@ def _alpacafarm_7b() -> FarmConfig:
     )
 
 
+SHARED_DATA = "../shared/data"
+"""Where the smol presets read real data: Alpaca examples and the AlpacaEval set, beside a checkout (override
+data.instructions_path / data.eval_path to point elsewhere)."""
+
+
+def _smol(name: str, sizes: dict, max_seq_len: int, new_tokens: int, batch: int, n: int, rl_batch: int) -> FarmConfig:
+    """A real farm on 2 CPU cores: real Alpaca instructions, SmolLM2-135M-Instruct as the policy and as an in-process
+    judge (`annotation.kind: hf`), evaluation against Davinci003's reference outputs. Every method, small batches.
+
+    The judge is a 135M model: its agreement with GPT-4 is at chance (docs/evaluation.md), so the leaderboard shows
+    that the machinery runs on real components, not which method is better. Learning rates are the AlpacaFarm
+    settings for fine-tuning a pretrained model (SFT 2e-5, reward model and PPO 1e-5, DPO 1e-6 raised to 5e-6 for
+    so few steps)."""
+    judge = {"kind": "hf", "hf": {"model": "smollm2-135m-instruct", "max_prompt_tokens": max_seq_len + 2 * new_tokens}}
+    train = {"epochs": 1, "batch_size": batch, "lr": 2e-5}
+    rl = {"epochs": 1, "rollout_batch_size": rl_batch, "step_batch_size": rl_batch, "micro_batch_size": rl_batch,
+          "lr": 1e-5, "warmup_steps": 0, "max_new_tokens": new_tokens}
+    return FarmConfig.model_validate({
+        "name": name,
+        "data": {"source": "local", "instructions_path": f"{SHARED_DATA}/alpaca_en_demo.json",
+                 "eval_path": f"{SHARED_DATA}/alpaca_eval_davinci003_outputs.json", **sizes},
+        "model": {"pretrained": "smollm2-135m-instruct", "max_seq_len": max_seq_len},
+        "sft": train,
+        "pairs": {"temperature": 1.0, "max_new_tokens": new_tokens, "batch_size": 16},
+        "annotation": judge,
+        "reward": {"epochs": 1, "batch_size": batch, "lr": 1e-5},
+        "best_of_n": {"n": n},
+        "feedme": train,
+        "reward_conditioning": {"train": train},
+        "dpo": {"epochs": 1, "batch_size": batch, "lr": 5e-6},
+        "expert_iteration": {"n": n, "max_prompts": sizes["unlabeled_size"], "train": train},
+        "ppo": rl,
+        "quark": rl | {"num_quantiles": 2},
+        "generation": {"temperature": 0.7, "max_new_tokens": new_tokens, "batch_size": 16},
+        "evaluation": {"annotator": judge},
+    })
+
+
+def _smol_cpu() -> FarmConfig:
+    """`smol-cpu`: the real farm in about half an hour on 2 CPU cores (measured in docs/real-farm.md)."""
+    return _smol("smol-cpu", {"sft_size": 200, "pref_size": 64, "unlabeled_size": 32, "val_size": 16, "eval_size": 64},
+                 max_seq_len=384, new_tokens=64, batch=8, n=4, rl_batch=16)
+
+
+def _smol_micro() -> FarmConfig:
+    """`smol-micro`: the same path at toy sizes, for tests (a few minutes once the model is in the cache)."""
+    return _smol("smol-micro", {"sft_size": 16, "pref_size": 12, "unlabeled_size": 8, "val_size": 4, "eval_size": 8},
+                 max_seq_len=256, new_tokens=24, batch=8, n=2, rl_batch=8)
+
+
 PRESETS: dict[str, Any] = {
-    "synthetic-tiny": _synthetic_tiny, "synthetic-micro": _synthetic_micro, "alpaca-small": _alpaca_small, "alpacafarm-7b": _alpacafarm_7b,
+    "synthetic-tiny": _synthetic_tiny, "synthetic-micro": _synthetic_micro, "smol-cpu": _smol_cpu, "smol-micro": _smol_micro,
+    "alpaca-small": _alpaca_small, "alpacafarm-7b": _alpacafarm_7b,
 }
 
 

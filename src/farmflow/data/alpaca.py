@@ -25,14 +25,14 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from farmflow.config import DataConfig
+from farmflow.config import FARM_SPLIT_FILES, DataConfig
 from farmflow.storage.schemas import SCHEMAS
 
 TRAIN_SPLITS = ("sft", "pref", "unlabeled", "val")
 INSTRUCTION_COLUMNS = {"instruction": str, "input": str, "output": str}
 OPTIONAL_INSTRUCTION_COLUMNS = {"output_1": str, "output_2": str, "preference": (int, float)}
 EVAL_COLUMNS = {"instruction": str, "output": str, "generator": str, "dataset": str}
-HUB_SPLITS = {"sft": "sft", "pref": "preference", "unlabeled": "unlabeled", "val": "val"}  # ours -> tatsu-lab/alpaca_farm's
+HUB_SPLITS = FARM_SPLIT_FILES  # ours -> tatsu-lab/alpaca_farm's
 
 
 class DataError(ValueError):
