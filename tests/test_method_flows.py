@@ -57,7 +57,7 @@ def test_compare_runs_each_method_once_over_shared_upstream(micro_config):
         "dpo", "generate dpo", "evaluate dpo", "proxy_reward dpo", "overoptimization"}
 
     # expert iteration, 2 rounds: round 1 comes from the cache; round 2 samples its candidates with its own seed
-    # (review finding: every round reused round 1's sample streams)
+    # (a round that reused round 1's seed would redraw round 1's sample streams)
     two = load_config("synthetic-micro", [f"store.uri={micro_config.store.uri}", "expert_iteration.rounds=2"])
     _, executed = _run(compare_flow, two, methods=["expert_iteration"])
     assert executed["best_of_n"] == 1 and executed["expert_iteration"] == 1

@@ -451,7 +451,7 @@ def test_dpo_and_ppo_log_probs_on_the_response_window_equal_full_logits(policy, 
 
 
 def test_an_over_long_prompt_keeps_its_bos_when_cut_to_fit():
-    """Review finding: sampling cut [BOS] + prompt from the left, dropping BOS, where training keeps it."""
+    """An over-long prompt loses its oldest tokens but keeps BOS, as in training: the cut is made after [BOS]."""
     from farmflow.models import prompt_ids
 
     tok = train_tokenizer(PROMPTS + RESPONSES, vocab_size=384)
