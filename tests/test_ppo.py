@@ -238,7 +238,9 @@ def test_ppo_task_end_to_end_on_micro_with_snapshots(micro):
     assert any(not torch.equal(a, b) for a, b in zip(model.parameters(), sft.parameters()))  # it trained
     snaps = rl.ppo_snapshots(micro["uri"], ref)
     assert sorted(snaps) == [2, 4]
-    assert all(load_policy(open_store(micro["uri"]).model_dir(s))[0] is not None for s in snaps.values())
+    snapshots = [load_policy(open_store(micro["uri"]).model_dir(snaps[step]))[0] for step in (2, 4)]
+    for a, b in ((snapshots[0], snapshots[1]), (snapshots[1], model)):  # each is its own step's policy: 2, 4, then 5
+        assert any(not torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
     # same config and inputs: the committed artifact is reused
     again = rl.ppo_task.fn(micro["uri"], MICRO, micro["data"], micro["sft"], micro["reward"])
     assert again.key == ref.key and tasks.EXECUTED["ppo"] == 1
