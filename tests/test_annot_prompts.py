@@ -145,8 +145,8 @@ def test_presets_by_name():
 
 
 def test_a_preset_by_name_keeps_the_other_fields_in_any_order():
-    """Regression: `annotation=p_sim_ann` replaced the whole section, so a later `annotation.max_cost_usd`
-    was an unknown field and an earlier one was silently dropped."""
+    """`annotation=p_sim_ann` sets the preset and keeps the section's other fields, whichever comes first: replacing
+    the whole section would make a later `annotation.max_cost_usd` unknown and silently drop an earlier one."""
     for overrides in (["annotation=p_sim_ann", "annotation.max_cost_usd=20"], ["annotation.max_cost_usd=20", "annotation=p_sim_ann"],
                       ["annotation.max_cost_usd=20", "annotation.preset=p_sim_ann"]):
         ann = load_config("synthetic-micro", overrides).annotation

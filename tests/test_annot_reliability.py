@@ -122,8 +122,8 @@ def test_retry_after_is_honored(monkeypatch, tmp_path):
 
 
 def test_a_web_page_instead_of_an_api_fails_each_request_clearly(monkeypatch, tmp_path):
-    """Regression: HTTP 200 with an HTML page (base_url pointing at a web UI) crashed the whole run with an
-    AttributeError from deep inside; now every pair fails with a reason and the run ends with one clear error."""
+    """HTTP 200 with an HTML page (base_url pointing at a web UI) is not a chat completion: every pair fails with
+    that reason, logged, and the run ends with one clear error (never an AttributeError from deep inside)."""
     from farmflow.annotators import AnnotationIncomplete
 
     monkeypatch.setenv("OPENAI_API_KEY", KEY)

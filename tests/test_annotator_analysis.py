@@ -162,6 +162,7 @@ def test_cli_rankings(tmp_path):
 
 
 def test_ranking_correlation_leaves_out_methods_without_a_finite_score():
-    """Review finding: a NaN score got the top rank (Spearman 0.8 here, Pearson NaN)."""
+    """A method whose score is NaN gets no rank (it is left out, n = 3): ranked, a NaN would take the top rank
+    (Spearman 0.8 here) and turn Pearson into NaN."""
     c = ranking_correlation({"a": 1, "b": 2, "c": math.nan, "d": 3}, {"a": 1, "b": 2, "c": 5, "d": 3})
     assert c["n"] == 3 and c["spearman"] == pytest.approx(1.0) and c["pearson"] == pytest.approx(1.0)

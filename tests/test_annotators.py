@@ -50,7 +50,7 @@ def good_and_bad(n, seed=0):
 # ----------------------------------------------------------------------------- helpers
 
 def test_unit_hash_is_deterministic_uniform():
-    assert unit_hash(0, "a", "b") == unit_hash(0, "a", "b")
+    assert unit_hash(0, "a", "b") == 0.9953506957432792  # a blake2b hash: the same in every process, unlike hash()
     assert unit_hash(0, "a", "b") != unit_hash(1, "a", "b")
     xs = [unit_hash(0, i) for i in range(2000)]
     assert all(0.0 <= x < 1.0 for x in xs)
@@ -200,8 +200,8 @@ def test_length_bias_prefers_the_longer_output():
 def test_default_pool_decides_equal_gold_by_length_and_clear_differences_by_gold():
     """The calibration of the default pool (p_sim^eval, no flips): like AlpacaFarm's judges it
     prefers the longer of two equally good answers nearly always, yet a longer wrong answer
-    does not beat a right one. The first pool (until session 11) preferred the longer of
-    these equal-gold pairs in 62% of them, so its labels there were nearly coin flips."""
+    does not beat a right one. A pool that preferred the longer answer only ~60% of the time would
+    label these equal-gold pairs nearly at random, unlike AlpacaFarm's length-biased judges."""
     lead = "Sure! Here are the numbers in order: "
     rows = equal_gold_rows(200, lambda t: lead + correct_output(t))
     table = annotate_pairs(rows, AnnotatorConfig(label_noise=0.0)).to_pylist()

@@ -262,7 +262,7 @@ def test_config_diff_lists_what_a_preset_changes_from_the_paper_defaults():
 
 
 def test_config_diff_shows_an_annotator_preset_as_one_row_and_presets_one_line_each():
-    """Regression: `config diff alpacafarm-7b` printed ~200 rows of the preset-fixed API pools (and a stray `api_pool [] → —`)."""
+    """`config diff alpacafarm-7b` shows the annotator preset as one row, not the ~200 fields of the pools it fixes."""
     from typer.testing import CliRunner
 
     from farmflow.cli import app
@@ -284,7 +284,7 @@ def test_config_diff_shows_an_annotator_preset_as_one_row_and_presets_one_line_e
     (["demo", "--preset", "nope"], "unknown preset"),
 ])
 def test_cli_refuses_bad_names_before_starting_prefect(monkeypatch, args, message):
-    """Regression: a typo waited for Prefect's temporary API (~15 s) before the error."""
+    """A bad name is refused before Prefect's temporary API starts, so a typo is reported at once, not after ~15 s."""
     from typer.testing import CliRunner
 
     import farmflow.cli as cli
@@ -314,7 +314,8 @@ def test_flow_names_are_the_flows():
      "evaluation.annotator.api_pool.0.base_url"),
 ])
 def test_urls_with_credentials_are_refused_without_repeating_them(override, field):
-    """Review finding: credentials in a URL ended up in errors, Prefect parameters and artifact records."""
+    """A URL with credentials is refused at load time and the error names the field without the secret: a config
+    value reaches errors, Prefect parameters and artifact records, so a secret must never be in one."""
     with pytest.raises(ConfigError) as err:
         load_config("synthetic-micro", [override])
     assert f"invalid value for {field!r}: Value error, must not carry credentials" in str(err.value)
@@ -343,8 +344,8 @@ def test_store_endpoint_and_direct_store_uris_with_credentials_are_refused(monke
 
 
 def test_evaluation_has_no_temperature_that_nothing_reads():
-    """Review finding: evaluation.temperature was never read (generation.temperature samples the evaluated outputs),
-    so setting it silently kept the cached outputs. It is gone; setting it is an error that names it."""
+    """generation.temperature samples the evaluated outputs; evaluation has no temperature, and setting one is an
+    error that names it (accepted, it would change nothing and silently keep the cached outputs)."""
     with pytest.raises(ConfigError, match="unknown field 'evaluation.temperature'"):
         load_config("synthetic-micro", ["evaluation.temperature=1.0"])
     assert load_config("synthetic-tiny").generation.temperature == 0.7

@@ -79,7 +79,7 @@ def test_flow_end_to_end_then_fully_cached_then_only_best_of_n(micro_config):
 
 
 def test_a_change_to_one_split_reruns_only_the_stages_that_read_it(micro_config, tmp_path):
-    """Known limit until session 10: the data artifact was one input, so a new evaluation set retrained SFT.
+    """Each stage is keyed on the splits it reads, not the whole data artifact: a new evaluation set retrains no model.
 
     With a pretrained base model (the real farm's case: SFT is the expensive stage), SFT is
     keyed on the SFT split's content, pairs on PREF and val, evaluation on eval.

@@ -194,7 +194,7 @@ def test_pick_best_keeps_the_highest_reward_first_on_ties():
 
 @needs_no_vllm
 def test_flows_pass_generation_backend_to_best_of_n(micro, prefect_harness):
-    """Regression: the flows' best-of-n (and expert iteration's candidates) ignored generation.backend."""
+    """The flows' best-of-n (and expert iteration's candidates) sample with generation.backend."""
     from farmflow.flows import StageRunner, Upstream, _best_of_n
 
     cfg, uri, data, base = micro
@@ -207,8 +207,8 @@ def test_flows_pass_generation_backend_to_best_of_n(micro, prefect_harness):
 
 
 def test_a_json_generate_config_keys_like_the_typed_one_under_a_launcher(micro):
-    """Regression: on a GPU worker (distributed mode) generate's config arrives as JSON; with a child-process
-    launcher the hook keyed it with `backend` inside and committed under a key the calling flow never reads."""
+    """On a GPU worker (distributed mode) generate's config arrives as JSON, `backend` inside; under a child-process
+    launcher it gets the typed config's key, so the commit lands where the calling flow reads it."""
     from farmflow.config import ExecutionConfig
     from farmflow.tasks.core import launching
 

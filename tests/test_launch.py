@@ -230,8 +230,8 @@ def test_distributed_stage_flow_applies_the_callers_launcher(tmp_path, cfg, pref
 
 
 def test_a_child_stage_commits_its_extra_tables_and_files(tmp_path):
-    """Regression: best_of_n keeps its candidates as an extra table, which the child's store did not accept
-    (TypeError on `extra_tables`), so best-of-n under launcher process/accelerate failed."""
+    """A child's store takes extra tables and files, as the real one does: best_of_n keeps its candidates as an extra
+    table, and under launcher process/accelerate it commits through the child's store."""
     import pyarrow as pa
 
     from farmflow.storage.schemas import SCHEMAS

@@ -125,8 +125,8 @@ def test_shared_example_lc_without_a_difficulty_table(annotations, row, ours, se
 
 
 def test_a_run_alone_is_length_controlled_not_handed_back_its_own_outcomes():
-    """Review finding: with the run's own labels in its difficulty table, psi * gamma handed each instruction's outcome
-    back and undid the length control (simulated: true LC 41, raw 56.5, estimate 55). Left out, it is unbiased."""
+    """A run's own labels never enter its difficulty table, so the LC estimate is unbiased: with them, psi * gamma would
+    hand each instruction's outcome back and undo the length control (simulated: true LC 41, raw 56.5, estimate 55)."""
     rng = np.random.default_rng(0)
     n = 805
     errors = []
@@ -160,7 +160,7 @@ def test_cli_winrate_reports_lc_and_uses_extra_files_for_difficulty(tmp_path):
     out2 = json.loads(pooled.stdout[pooled.stdout.index("{"):])
     assert out2["lc_difficulty_runs"] == 2 and out2["win_rate"] == out["win_rate"]
     assert out2["lc_win_rate"] != out["lc_win_rate"]
-    # review finding: a --difficulty file without references was used silently (its length differences = whole outputs)
+    # a --difficulty file without references is refused: its length differences would be whole outputs
     bare = tmp_path / "bare.json"
     bare.write_text(json.dumps([{k: v for k, v in r.items() if k != "output_1"} for r in json.loads(files[1].read_text())]))
     refused = runner.invoke(app, ["eval", "winrate", str(files[0]), "--difficulty", str(bare)])

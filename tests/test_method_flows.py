@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pyarrow.parquet as pq
 import pytest
 
@@ -41,7 +43,11 @@ def test_compare_runs_each_method_once_over_shared_upstream(micro_config):
     # DPO's reference log-probs are an artifact with one row per PREF pair
     logps = store.read_table(refs["reference_logps"])
     assert logps.num_rows == micro_config.data.pref_size and logps.column_names == ["id", "logp_1", "logp_2"]
-    assert refs["dpo"].metrics["implicit_reward_accuracy_last"] >= 0
+    dpo = refs["dpo"].metrics  # every PREF pair has a preference (no ties): one epoch of 120 pairs in batches of 16
+    assert (dpo["pairs"], dpo["steps"]) == (micro_config.data.pref_size, 8)
+    assert dpo["train_loss_first"] == pytest.approx(math.log(2), abs=0.01)  # pi = pi_ref at the start
+    assert dpo["train_loss_last"] < dpo["train_loss_first"]
+    assert dpo["implicit_reward_accuracy_last"] == 10 / 16  # the last batch: 10 of its 16 pairs ranked right (seeded)
     # reward conditioning generated with its good token: the tokenizer saved with the policy knows it
     rc_dir = store.model_dir(refs["reward_conditioning"])
     assert "<|good|>" in (rc_dir / "tokenizer.json").read_text()
@@ -57,7 +63,7 @@ def test_compare_runs_each_method_once_over_shared_upstream(micro_config):
         "dpo", "generate dpo", "evaluate dpo", "proxy_reward dpo", "overoptimization"}
 
     # expert iteration, 2 rounds: round 1 comes from the cache; round 2 samples its candidates with its own seed
-    # (review finding: every round reused round 1's sample streams)
+    # (a round that reused round 1's seed would redraw round 1's sample streams)
     two = load_config("synthetic-micro", [f"store.uri={micro_config.store.uri}", "expert_iteration.rounds=2"])
     _, executed = _run(compare_flow, two, methods=["expert_iteration"])
     assert executed["best_of_n"] == 1 and executed["expert_iteration"] == 1

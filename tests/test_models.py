@@ -210,7 +210,7 @@ def test_samples_nest_across_n_and_ignore_batching(policy, tok):
 
 
 def test_sample_seed_and_uniforms():
-    assert sample_seed(0, 1, 2) == sample_seed(0, 1, 2) < 2**63
+    assert sample_seed(0, 1, 2) == 8709407026249609678 < 2**63  # a blake2b hash: the same in every process and backend
     assert len({sample_seed(s, i, j) for s in range(3) for i in range(3) for j in range(3)}) == 27
     u = sample_uniforms(5, [2, 0], 3, 7)
     assert u.shape == (6, 7) and u.dtype == torch.float64 and float(u.min()) >= 0 and float(u.max()) < 1
@@ -451,7 +451,7 @@ def test_dpo_and_ppo_log_probs_on_the_response_window_equal_full_logits(policy, 
 
 
 def test_an_over_long_prompt_keeps_its_bos_when_cut_to_fit():
-    """Review finding: sampling cut [BOS] + prompt from the left, dropping BOS, where training keeps it."""
+    """An over-long prompt loses its oldest tokens but keeps BOS, as in training: the cut is made after [BOS]."""
     from farmflow.models import prompt_ids
 
     tok = train_tokenizer(PROMPTS + RESPONSES, vocab_size=384)

@@ -123,9 +123,9 @@ def _heartbeat_seen(api_url: str, flow_run_id) -> bool:
 
 
 def test_a_vanished_gpu_worker_is_marked_crashed_and_its_stage_retried(tmp_path):
-    """Known limit until session 10: a GPU machine that vanished left its flow run Running and the flow waited forever.
+    """A GPU machine that vanishes does not leave its flow run Running and the flow waiting forever.
 
-    `farmflow deploy` now registers Prefect's zombie-run automation (heartbeats, a proactive
+    `farmflow deploy` registers Prefect's zombie-run automation (heartbeats, a proactive
     trigger): the GPU worker and its flow-run process are SIGKILLed mid-SFT, the run is marked
     Crashed about `unresponsive_after_s` after its last heartbeat, and `run_remote` (the flow's
     side) retries the stage on a new worker.

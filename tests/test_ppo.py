@@ -189,14 +189,14 @@ def test_step_batch_larger_than_rollout_is_refused():
     policy, ref, value, tok = toy_models()
     with pytest.raises(ValueError, match="step_batch_size \\(64\\) must not exceed ppo.rollout_batch_size \\(32\\)"):
         ppo.train_ppo(policy, ref, value, digit_reward, tok, TOY_PROMPTS, PPOConfig(rollout_batch_size=32, step_batch_size=64))
-    # review finding: fewer prompts than step_batch_size made a rollout too small for any update (then a KeyError)
+    # fewer prompts than step_batch_size: a rollout too small for any update is refused up front, naming both numbers
     with pytest.raises(ValueError, match=r"ppo.step_batch_size \(64\) is larger than a rollout: there are only 40 prompts"):
         ppo.train_ppo(policy, ref, value, digit_reward, tok, TOY_PROMPTS[:40], PPOConfig(rollout_batch_size=128, step_batch_size=64, max_new_tokens=8))
 
 
 def test_ppo_trains_without_dropout_so_the_first_ratio_is_one():
-    """Review finding: under LoRA (dropout 0.05) or any model with dropout, the old log-probs (eval mode) and the new
-    ones (train mode) differed by dropout noise, so the ratio did not start at 1."""
+    """PPO turns dropout off (under LoRA, dropout 0.05, or in any model with dropout): the old log-probs (eval mode) and
+    the new ones must not differ by dropout noise, so the ratio starts at 1."""
     policy, ref, value, tok = toy_models()
     policy.model.layers[0].mlp.act_fn = torch.nn.Sequential(policy.model.layers[0].mlp.act_fn, torch.nn.Dropout(0.5))
     policy.config.attention_dropout = 0.3
@@ -238,16 +238,18 @@ def test_ppo_task_end_to_end_on_micro_with_snapshots(micro):
     assert any(not torch.equal(a, b) for a, b in zip(model.parameters(), sft.parameters()))  # it trained
     snaps = rl.ppo_snapshots(micro["uri"], ref)
     assert sorted(snaps) == [2, 4]
-    assert all(load_policy(open_store(micro["uri"]).model_dir(s))[0] is not None for s in snaps.values())
+    snapshots = [load_policy(open_store(micro["uri"]).model_dir(snaps[step]))[0] for step in (2, 4)]
+    for a, b in ((snapshots[0], snapshots[1]), (snapshots[1], model)):  # each is its own step's policy: 2, 4, then 5
+        assert any(not torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
     # same config and inputs: the committed artifact is reused
     again = rl.ppo_task.fn(micro["uri"], MICRO, micro["data"], micro["sft"], micro["reward"])
     assert again.key == ref.key and tasks.EXECUTED["ppo"] == 1
 
 
 def test_snapshots_do_not_fork_the_ppo_run(micro):
-    """Known limit until session 10: snapshot_every was part of PPO's key, so the over-optimization curve trained its own PPO.
+    """snapshot_every is not part of PPO's key, so the over-optimization curve reuses the compared PPO run.
 
-    Now the run without snapshots is the same artifact; asking for snapshots it lacks trains it
+    The run without snapshots is the same artifact; asking for snapshots it lacks trains it
     again with the same seed, commits the missing ones and keeps the first commit of the policy.
     """
     first = rl.ppo_task.fn(micro["uri"], MICRO, micro["data"], micro["sft"], micro["reward"])  # snapshots at 2, 4

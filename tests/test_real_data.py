@@ -164,7 +164,7 @@ EVAL_JSON = '{"instruction": "q", "output": "r", "generator": "g", "dataset": "d
      r"row 1: missing column 'generator'"),
     ("a.csv", json.dumps(ROWS).encode(), load_instructions, "unknown file type '.csv'"),
     (None, None, load_instructions, "no such file"),
-    # review finding: a JSONL row error said "row 1" for line 3 (0-based, blank lines skipped)
+    # a JSONL row error names the file's 1-based line, counting blank lines (not the row index)
     ("a.jsonl", f'{ROW_JSON}\n\n{{"instruction": "b", "input": ""}}\n'.encode(), load_instructions, r"a\.jsonl: line 3: missing column 'output'"),
     ("e.jsonl", f'{EVAL_JSON}\n{{"instruction": "q2", "output": 5}}\n'.encode(), load_eval, r"e\.jsonl: line 2: column 'output' must be str"),
     ("latin1.json", '[{"instruction": "caf\u00e9", "input": "", "output": "x"}]'.encode("latin-1"), load_instructions, r"latin1\.json: .*utf-8"),
@@ -197,7 +197,7 @@ def test_config_errors():
     four = {s: f"{s}.json" for s in ("sft", "pref", "unlabeled", "val")}
     cfg = load_config("synthetic-micro", [f"data.split_paths={json.dumps(four)}"])  # a dict field set from the command line
     assert cfg.data.split_paths == four
-    # review finding: with only some splits given, the others were silently empty
+    # with only some splits given, the missing ones are an error (never silently empty)
     with pytest.raises(ConfigError, match=r"split_paths: no file for split\(s\) \['pref', 'unlabeled', 'val'\]"):
         load_config("synthetic-micro", ['data.split_paths={"sft": "x.json"}'])
 
@@ -213,7 +213,7 @@ def test_hub_without_datasets_is_one_clear_error():
 
 
 def test_the_other_json_readers_report_a_bad_encoding_by_file(tmp_path):
-    """Review finding: a file that is not UTF-8 raised a bare UnicodeDecodeError."""
+    """A file that is not UTF-8 is one error naming the file, not a bare UnicodeDecodeError."""
     from farmflow.cli.annotators import read_alpaca_eval
     from farmflow.evaluation.analysis import load_labels
 

@@ -55,8 +55,9 @@ def test_pretrained_by_path_adds_pad_and_keeps_working(tmp_path):
 
 
 def test_the_chosen_attention_kernel_survives_every_later_load(tmp_path):
-    """Key audit finding: model.attn_implementation only applied to the base-model stage's own load; config.json does
-    not keep it, so SFT, the reward and value models all came back with the default kernel."""
+    """model.attn_implementation holds for every later load (SFT, the reward and value models), not only the
+    base-model stage's own: config.json does not keep the kernel, so farmflow records it as
+    farmflow_attn_implementation."""
     from farmflow.models import load_reward, reward_from_policy, save, value_from_reward
 
     path = tiny_llama_without_pad(tmp_path / "hub-model")
@@ -75,8 +76,8 @@ def test_the_chosen_attention_kernel_survives_every_later_load(tmp_path):
 
 
 def test_a_pad_token_that_is_also_eos_gets_a_token_of_its_own(tmp_path):
-    """Review finding: with pad == EOS (Qwen2.5, SmolLM2-Instruct), sampling dropped every EOS as padding, so every
-    PPO/Quark response looked unfinished and got the no-EOS penalty."""
+    """A tokenizer with pad == EOS (Qwen2.5, SmolLM2-Instruct) gets its own pad token: sampling drops padding, and
+    with pad == EOS it would drop every EOS, so every PPO/Quark response would get the no-EOS penalty."""
     from transformers import AutoTokenizer
 
     path = tiny_llama_without_pad(tmp_path / "hub-model")

@@ -132,6 +132,6 @@ def test_reward_report_flow_micro(micro_config):
     before = dict(EXECUTED)
     again = reward_report_flow(config=micro_config)
     assert dict(EXECUTED) == before and repr(again["report"]) == repr(rows)  # all cached: nothing executes a second time (repr: NaN cells)
-    # review finding: the report's key held the whole annotation section, so an operational setting reran it
+    # the report's key leaves out the annotation section's operational fields, so changing them does not rerun it
     ops = micro_config.model_copy(update={"annotation": micro_config.annotation.model_copy(update={"max_in_flight": 3, "timeout_s": 5.0})})
     assert reward_report_flow(config=ops)["artifact"] == summary["artifact"] and dict(EXECUTED) == before

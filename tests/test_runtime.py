@@ -127,11 +127,12 @@ def test_micro_batch_size_is_operational():
 
 
 def test_unwrap_keeps_autocast_on_the_model_being_trained(tok):
-    """Regression: the training loops unwrap right after `prepare` (checkpoint state, rollouts).
+    """Unwrapping a prepared model keeps its autocast forward: the training loops unwrap right after `prepare`
+    (checkpoint state, rollouts).
 
     With one process the prepared model IS the module, and unwrapping with
-    keep_fp32_wrapper=False stripped accelerate's autocast forward in place, so mixed-precision
-    training silently went on in float32. CPU bf16 autocast stands in for the GPU here.
+    keep_fp32_wrapper=False would strip accelerate's autocast forward in place, so mixed-precision
+    training would silently go on in float32. CPU bf16 autocast stands in for the GPU here.
     """
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
@@ -147,7 +148,7 @@ def test_unwrap_keeps_autocast_on_the_model_being_trained(tok):
         ids, mask, _ = encode_examples(tok, PROMPTS[:2], RESPONSES[:2], 128)
         rt.unwrap(prepared)
         prepared(input_ids=ids, attention_mask=mask)
-        assert seen == [torch.bfloat16]  # float32 with the old unwrap
+        assert seen == [torch.bfloat16]  # float32 if unwrap dropped the autocast forward
         assert next(prepared.parameters()).dtype == torch.float32  # float32 master weights
         hook.remove()
     finally:

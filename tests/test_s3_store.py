@@ -142,8 +142,8 @@ KILL_SCRIPT = textwrap.dedent("""
 
 @pytest.mark.parametrize("code, status", [("ConditionalRequestConflict", 409), ("PreconditionFailed", 412)])
 def test_a_lost_commit_race_in_any_phrasing_returns_the_winner(s3_server, s3_uri, monkeypatch, code, status):
-    """Review finding: only the answer s3fs maps to FileExistsError counted as a lost race; AWS also answers a
-    conditional PUT with 409 ConditionalRequestConflict (and 412 without the Condition field)."""
+    """Every answer to a refused conditional PUT counts as a lost race, not only the one s3fs maps to FileExistsError:
+    AWS also answers with 409 ConditionalRequestConflict (and 412 without the Condition field)."""
     from botocore.exceptions import ClientError
 
     winner = open_store(s3_uri).put_table("pairs", f"race-{status}", pairs_table(tag="w"), "pairs")
@@ -227,7 +227,7 @@ def test_s3_checkpoints_keep_latest_and_download(s3_server, s3_uri, tmp_path):
     (tmp_path / "c30" / "state.json").write_text(json.dumps({"step": 30, "again": True}))
     store.save_checkpoint("sft", "k", 30, tmp_path / "c30")
     assert json.loads((worker.latest_checkpoint("sft", "k")[1] / "state.json").read_text()) == {"step": 30, "again": True}
-    # review finding: a re-save whose old files cannot be removed went on and mixed the two checkpoints' files
+    # a re-save whose old files cannot be removed stops with an error, so the two checkpoints' files never mix
     (tmp_path / "c30" / "other.json").write_text("{}")
     real_rm = store.fs.rm
     store.fs.rm = lambda *a, **k: (_ for _ in ()).throw(PermissionError("AccessDenied"))
@@ -282,7 +282,7 @@ def test_unreachable_endpoint_is_one_clear_error(s3_server):
 
 
 def test_a_connection_dropped_by_the_http_client_counts_as_cannot_connect():
-    """Review finding: botocore's HTTPClientError (e.g. a refused or reset connection) was reported as a failed request."""
+    """botocore's HTTPClientError (a refused or reset connection) counts as cannot-connect, not as a failed request."""
     from botocore.exceptions import ClientError, HTTPClientError
 
     from farmflow.storage.s3 import _is_connection_error

@@ -26,8 +26,8 @@ def test_operational_annotator_settings_do_not_change_the_key():
 
 
 def test_an_api_judge_from_the_environment_or_a_new_prompt_version_is_a_new_key(monkeypatch):
-    """Key audit finding: annotate/evaluate keys ignored $OPENAI_BASE_URL (every preset leaves base_url unset) and
-    the prompt version, so switching judges or prompts reused the old labels."""
+    """annotate/evaluate keys include $OPENAI_BASE_URL (every preset leaves base_url unset) and the prompt version, so
+    switching judges or prompts labels again instead of reusing the other judges' or prompt's labels."""
     from farmflow.annotators import prompts
 
     def key():
@@ -70,7 +70,7 @@ def test_unvalidated_copies_make_the_same_key():
 
 
 def test_a_local_pretrained_folder_is_keyed_by_its_contents(tmp_path):
-    """Key audit finding: a base model saved again into the same folder reused the cached one (keyed by path only)."""
+    """A local base model is keyed by its files, not its path: a model saved again into the same folder is a new key."""
     import sys
     from pathlib import Path
 

@@ -96,7 +96,8 @@ def test_get_unknown_and_list(tmp_path):
 
 
 def test_a_damaged_commit_record_is_one_clear_error_not_a_missing_artifact(tmp_path):
-    """Review finding: an unreadable record was left out of `list` silently, a truncated one gave a bare JSONDecodeError."""
+    """A truncated or unreadable commit record is one clear error naming it, never a bare JSONDecodeError or an artifact
+    silently left out of `list`."""
     from farmflow.storage import StoreError
 
     store = LocalStore(tmp_path)

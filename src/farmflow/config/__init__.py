@@ -900,26 +900,22 @@ def _synthetic_tiny() -> FarmConfig:
     model trains from scratch, hence many SFT epochs (16) and large learning rates. Best-of-n
     uses n=4 at temperature 0.7 instead of the paper's n=1024 at 1.0: a reward model this
     small cannot make up for the noisier temperature-1.0 samples, and larger n
-    over-optimizes it (see the README's over-optimization table).
+    over-optimizes it (docs/results.md, section "Over-optimization").
 
     FeedME, reward conditioning, DPO and expert iteration fine-tune a converged SFT model,
-    so their learning rates are 10-30x below SFT's. They were chosen on farm version 2
-    (24 SFT epochs; mean gold, SFT 0.557): FeedME 0.570 at lr 1e-4 and at 3e-4; DPO 0.566
-    at 1e-4, 0.551 at 3e-4; reward conditioning 0.539 at 3e-4 for 2 epochs, 0.527 for 1,
-    0.507 at 1e-4; expert iteration 0.592 on the whole unlabeled split at 3e-4 for 3 epochs,
-    on half of it at 5e-4 0.575 for 3 epochs and 0.577 for 2. To keep the cold demo within
-    10 minutes, reward conditioning trains 1 epoch and expert iteration 2 epochs on half of
-    the unlabeled split. On farm version 3 with the recalibrated annotator pool (session 12)
-    the demo measures (SFT 0.593): expert iteration 0.637, Quark 0.625, DPO 0.621, PPO 0.611,
-    best-of-4 0.610, FeedME 0.605, reward conditioning 0.538 (with the first pool: 0.632,
-    0.605, 0.614, 0.608, 0.598, 0.597, 0.524).
+    so their learning rates are 10-30x below SFT's (the measurements behind each setting:
+    docs/methods.md, the presets table). Reward conditioning trains 1 epoch and expert
+    iteration 2 epochs on half of the unlabeled split, at a small cost in gold, to keep the
+    cold demo within 10 minutes. The demo's mean gold rewards (SFT 0.593; expert iteration
+    0.637, Quark 0.625, DPO 0.621, PPO 0.611, best-of-4 0.610, FeedME 0.605, reward
+    conditioning 0.538) are in docs/results.md (demo leaderboard).
 
     PPO and Quark keep the paper's structure with smaller batches (rollout 128 prompts,
     48-token responses) and a larger learning rate (1e-4). PPO runs 23 steps (3/8 of a pass
     over the unlabeled split) with KL coefficient 0.05; Quark runs 62 steps with 0.1. Both
     gain mean gold reward over SFT; stronger optimization (PPO lr 3e-4, Quark lr 3e-4)
     raises the proxy reward further but loses gold (over-optimization of the weak reward
-    model). Measured numbers are in `farmflow.methods.ppo` and `farmflow.methods.quark`.
+    model; docs/results.md, over-optimization).
     """
     return FarmConfig(
         name="synthetic-tiny",

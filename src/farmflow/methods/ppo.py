@@ -33,19 +33,18 @@ scores it with its own reward, reference and value models, and keeps it: each mi
 the union of every process's share of `step_batch_size / processes` rows, and gradients are
 averaged by DDP. The statistics that span the rollout are computed over all processes
 (`global_mean`: reward whitening, advantage whitening, the logged reward, KL and entropy),
-so they equal a one-process computation over the union of the shares. One process runs
-exactly as before; N processes draw other (equally distributed) samples, since each share
-has its own random stream. The process count is not in the stage key: an artifact trained on
-N processes is reused by a run on M (change `seed` to train again; docs/real-farm.md). FSDP and DeepSpeed are refused (`refuse_sharded`).
+so they equal a one-process computation over the union of the shares. With one process
+the share is the whole rollout; N processes draw other (equally distributed) samples, since
+each share has its own random stream. The process count is not in the stage key: an artifact
+trained on N processes is reused by a run on M (change `seed` to train again;
+docs/real-farm.md). FSDP and DeepSpeed are refused (`refuse_sharded`).
 
 The `synthetic-tiny` preset scales the batches and steps down and raises the learning rate
 for a 0.6M-parameter model: rollout 128, step batch 64, 23 steps (3/8 of a pass), lr 1e-4,
-KL coefficient 0.05, 48-token responses: mean gold 0.593 (SFT) → 0.611 in the demo (farm
-version 3, the annotator pool recalibrated in session 12; 0.608 with the first pool). Chosen on farm version 2 (24 SFT epochs), where the demo went 0.557 → 0.572, and
-measured there with 31 steps on 2 shared CPU cores with the demo's SFT and reward models (evaluation split,
-400 prompts, temperature 0.7): mean gold reward 0.557 (SFT) → 0.588 (PPO), proxy reward 0.145 → 0.171, KL to SFT ≈ 0.15 nats per response. With lr 3e-4
-the proxy reward climbs further (0.209, KL 0.8) but gold falls back (0.575): the reward
-model (58% held-out accuracy) is over-optimized.
+KL coefficient 0.05, 48-token responses. In the demo PPO raises mean gold reward from 0.593
+(SFT) to 0.611 (docs/results.md, demo leaderboard). A larger learning rate over-optimizes
+the weak reward model: at lr 3e-4 the proxy reward keeps rising while gold peaks at step 5
+and ends below SFT's (docs/results.md, over-optimization).
 """
 
 from __future__ import annotations

@@ -26,16 +26,14 @@ processes) with its own unwrapped policy and sampling seed; the shares are then 
 quantile threshold and the logged reward are those of a one-process run over the union of
 the shares. Each optimizer minibatch is split between the processes (DDP averages the
 gradients); when it does not divide evenly (the paper's 512 // 5 = 102 samples on 8 GPUs)
-the last processes pad their share with masked rows that carry no weight. One process runs
-exactly as before; N processes draw other (equally distributed) samples.
+the last processes pad their share with masked rows that carry no weight. With one process
+the share is the whole rollout; N processes draw other (equally distributed) samples.
 
 The `synthetic-tiny` preset uses rollout 128, step batch 32 (the best 25 of 128 samples),
-62 steps, lr 1e-4, KL coefficient 0.1, 48-token responses: mean gold 0.593 (SFT) → 0.625 in
-the demo (farm version 3, the annotator pool recalibrated in session 12; 0.605 with the first pool). Chosen on farm version 2 (24 SFT epochs), measured there on 2 shared
-CPU cores with the demo's SFT and reward models (evaluation split, 400 prompts, temperature 0.7):
-mean gold reward 0.557 (SFT) → 0.576 (Quark), proxy reward 0.145 → 0.164. With lr 3e-4
-and KL coefficient 0.05 the proxy reward rises to 0.190 (KL 1.4 nats) while gold drops to
-0.551: the weak reward model is over-optimized.
+62 steps, lr 1e-4, KL coefficient 0.1, 48-token responses. In the demo Quark raises mean
+gold reward from 0.593 (SFT) to 0.625 (docs/results.md, demo leaderboard). Stronger
+optimization (lr 3e-4 with KL coefficient 0.05) raises the proxy reward further but loses
+gold: the weak reward model is over-optimized.
 """
 
 from __future__ import annotations

@@ -254,7 +254,7 @@ def response_window(
     cut an SFT step by ~15%, but its float rounding re-draws the synthetic farm's pairs and
     the 0.6M-parameter reward model trained on them is weak enough for that to decide
     whether best-of-n beats SFT (measured on farm version 2: 0.516 held-out accuracy instead of
-    0.583, best-of-4 below SFT); see the README's reward-model status.
+    0.583, best-of-4 below SFT); see docs/evaluation.md, "Known limits of the synthetic reward model".
     """
     width = input_ids.shape[1]
     shift = width - attention_mask.sum(1)
