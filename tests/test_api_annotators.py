@@ -197,21 +197,36 @@ def test_cost_per_annotation_and_run_totals(server, tmp_path):
     assert sum(log.column("price_usd").to_pylist()) == pytest.approx(totals["cost_usd"])
 
 
-def test_max_cost_stops_sending_and_keeps_what_is_done(server, tmp_path):
+def request_estimate(row, cfg):
+    """What a one-pair 'choice' request reserves: its prompt at 4 characters a token plus its whole token cap."""
+    from farmflow.annotators.budget import cost, prompt_tokens_estimate
+    from farmflow.annotators.prompts import Item, render
+
+    a = cfg.api_pool[0]
+    messages = render([Item(row["instruction"], row["input"], row["output_1"], row["output_2"])], a.prompt_format, a.style)
+    return cost(cfg.prices[a.model], prompt_tokens_estimate(messages), cache.max_tokens(a))
+
+
+def test_max_cost_is_reserved_before_sending_and_stops_within_one_request_of_the_cap(server, tmp_path):
+    """Eight requests in flight and a cap of a few requests: spending stays under the cap, less than one request short.
+
+    Regression: the cost was counted when replies arrived, so every request in flight passed the cap
+    (a 4x overshoot at small caps)."""
     rows = make_rows(40)
-    cfg = pool(judge(base_url=server.url), max_in_flight=1)
-    _, probe = annotate(rows[:1], cfg, str(tmp_path / "probe"))
-    cap = probe["cost_usd"] * 9.5
+    cfg = pool(judge(base_url=server.url), max_in_flight=8)
+    one = max(request_estimate(r, cfg) for r in rows)
+    cap = 3.5 * one
     with pytest.raises(AnnotationIncomplete, match=r"max_cost_usd=\$.* reached after \$.*: \d+ pairs not sent") as err:
         annotate(rows, cfg.model_copy(update={"max_cost_usd": cap}), str(tmp_path))
-    done = sorted(open_store(tmp_path).read_rows("annotations", "annotations").to_pylist(), key=lambda r: r["created"])
-    prices = [r["price_usd"] for r in done]
-    # one request in flight: sent while spent < cap, so the last one crossed it
-    assert sum(prices[:-1]) < cap <= sum(prices) and 5 <= len(done) <= 15
+    done = open_store(tmp_path).read_rows("annotations", "annotations").to_pylist()
+    spent = sum(r["price_usd"] for r in done)
+    assert spent <= cap < spent + one
+    assert server.state.stats["requests"] == len(done) and 3 <= len(done) < 40  # a request is sent only if it fits
     assert f"{40 - len(done)} pairs not sent" in str(err.value)
     # the cap is per run: a rerun reuses what is cached and spends up to the cap again
     table, totals = annotate(rows, cfg.model_copy(update={"max_cost_usd": cap}), str(tmp_path), allow_incomplete=True)
-    assert totals["cached"] == len(done) and totals["cost_usd"] >= cap and totals["judged"] + totals["unsent"] == 40 - len(done)
+    assert totals["cached"] == len(done) and totals["cost_usd"] <= cap < totals["cost_usd"] + one
+    assert totals["judged"] + totals["unsent"] == 40 - len(done) and totals["judged"] >= 3
     assert table.column("preference").null_count == totals["unsent"] > 0
     _, last = annotate(rows, cfg, str(tmp_path))  # no cap: finishes, pays only for the rest
     assert last["cached"] == len(done) + totals["judged"] and last["judged"] == totals["unsent"]
@@ -326,7 +341,7 @@ def test_local_rate_limit(server, tmp_path, monkeypatch):
     """
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from farmflow.annotators import api
+    from farmflow.annotators import ratelimit
 
     cfg = pool(judge(base_url=server.url), requests_per_minute=1200, rate_limit_name="test-local")  # one request per 50 ms
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
@@ -334,7 +349,7 @@ def test_local_rate_limit(server, tmp_path, monkeypatch):
         start = time.perf_counter()
         annotate_pairs(make_rows(21), cfg, str(tmp_path))
         seconds = time.perf_counter() - start
-    assert ("test-local", 1200) in api._LIMITERS  # the local limiter did the spacing
+    assert ("test-local", 1200) in ratelimit.LIMITERS  # the local limiter did the spacing
     # 21 requests at one per 50 ms cannot finish sooner than ~1 s; the upper bound only catches a hang
     assert 0.95 <= seconds < 60
 

@@ -2,15 +2,18 @@
 
 A row's key is ``sha256(annotator hash, instruction, input, output_1, output_2)`` with the
 two outputs in canonical (sorted) order, and its preference is relative to that order.
-The annotator hash covers everything that changes an answer: endpoint, model, prompt
-format and style, batch size, temperature, token cap, logit bias and the prompt version;
-not the annotator's name, nor limits, prices or retries. So a pair judged once by an
+The annotator hash covers everything that changes an answer: endpoint, the model asked
+(the pool's `served_model` when set, else the annotator's), prompt format and style, batch
+size, temperature, token cap, logit bias and the prompt version; not the annotator's name,
+nor limits, prices or retries. So a pair judged once by an
 annotator is never paid for again, in any run or flow, whichever order its outputs come
 in.
 
 The log is append-only (``store.append_rows``, one Parquet file per chunk). The latest
 ``ok`` row of a key wins; failed rows (``status`` 'failed', with ``error`` and the raw
 completion when there was one) stay for `reparse` and are asked again by the next run.
+Rows not yet in a chunk wait in a local `journal` (`open_journal`), which `recover` commits
+after a crash.
 """
 
 from __future__ import annotations
@@ -19,13 +22,14 @@ import hashlib
 import json
 import os
 from datetime import datetime, timezone
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from farmflow.annotators import prompts
+from farmflow.annotators import journal, prompts
 from farmflow.config import AnnotatorConfig, ApiAnnotatorConfig
-from farmflow.storage import canonical_json
+from farmflow.storage import LocalStore, canonical_json
 from farmflow.storage.schemas import SCHEMAS
 
 NAMESPACE = "annotations"
@@ -49,9 +53,14 @@ def max_tokens(annotator: ApiAnnotatorConfig) -> int:
     return annotator.max_tokens or prompts.default_max_tokens(annotator.prompt_format, annotator.batch_size)
 
 
-def annotator_hash(annotator: ApiAnnotatorConfig, base_url: str) -> str:
+def asked_model(annotator: ApiAnnotatorConfig, cfg: AnnotatorConfig) -> str:
+    """The model name sent for this annotator: the pool's served_model when set."""
+    return cfg.served_model or annotator.model
+
+
+def annotator_hash(annotator: ApiAnnotatorConfig, base_url: str, served_model: str | None = None) -> str:
     payload = {
-        "prompt_version": prompts.PROMPT_VERSION, "base_url": base_url, "model": annotator.model,
+        "prompt_version": prompts.PROMPT_VERSION, "base_url": base_url, "model": served_model or annotator.model,
         "prompt_format": annotator.prompt_format, "style": annotator.style, "batch_size": annotator.batch_size,
         "temperature": annotator.temperature, "max_tokens": max_tokens(annotator), "logit_bias": annotator.logit_bias,
     }
@@ -88,11 +97,33 @@ def read(store, hashes: set[str] | None = None) -> tuple[dict[str, dict], dict[s
     return ok, {k: r for k, r in failed.items() if k not in ok}
 
 
+def journal_dir(store) -> Path:
+    """Where runs on this machine journal rows for `store`: inside a local store, else in its local cache."""
+    if isinstance(store, LocalStore):
+        return store.root / "_journal" / NAMESPACE
+    digest = hashlib.sha256(str(store.root).encode()).hexdigest()[:16]
+    return Path(getattr(store, "cache", "~/.cache/farmflow")).expanduser() / "journal" / digest / NAMESPACE
+
+
+def open_journal(store) -> journal.Journal:
+    return journal.Journal(journal_dir(store))
+
+
+def _from_journal(row: dict) -> dict:
+    return row | {"created": datetime.fromisoformat(row["created"])}
+
+
+def recover(store) -> int:
+    """Commit to the row log the journaled rows of runs that died before writing them (see `journal`)."""
+    return journal.recover(journal_dir(store), lambda rows: store.append_rows(NAMESPACE, to_table([_from_journal(r) for r in rows]), NAMESPACE))
+
+
 def reparse(store) -> dict[str, int]:
     """Parse the raw completions of failed rows again (no API calls); append the rows that now parse.
 
     Useful after a parser fix: the completions were paid for once and are kept.
     """
+    recover(store)
     _, failed = read(store)
     fixed, still = [], 0
     for row in failed.values():

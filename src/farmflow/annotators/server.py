@@ -10,14 +10,20 @@ more likely choice; otherwise the choice is drawn with a hash of the request con
 the same question always gets the same answer.
 
 For tests and benchmarks: fixed latency, an optional API key (401 otherwise), an optional
-model list (404 otherwise) and fault injection. With probability `fault_rate` a request
-gets one of the faults in `faults`, drawn from a seeded generator:
+model list (404 otherwise) and fault injection. With probability `fault_rate` (a seeded
+generator) a request gets a fault, the kinds in `faults` taking turns, so a run with at
+least that many faults sees every kind:
 
 * ``429``: HTTP 429 with a Retry-After header; ``500``: HTTP 500;
 * ``timeout``: the answer is held for `timeout_sleep_s` (longer than the client waits);
 * ``garbage``: text that answers nothing; ``truncated``: the right answer cut in half;
 * ``wrong_count``: one answer too few (or one too many for a single item);
-* ``html``: HTTP 200 with an HTML page, as a web UI answers when base_url points at it.
+* ``html``: HTTP 200 with an HTML page, as a web UI answers when base_url points at it;
+* ``truncated_body``: HTTP 200, Content-Type application/json, the JSON body cut in half
+  (a proxy or server that dropped the rest of the reply).
+
+Like some real servers (transformers serve fails on them), it refuses a ``logit_bias`` that
+is empty or holds integers (HTTP 400), and counts requests without ``max_tokens``.
 
 `stats` counts requests, status codes, faults, tokens and how often each pair was
 answered, so tests can check that nothing was asked or paid for twice.
@@ -38,7 +44,7 @@ from collections import Counter
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from pydantic import BaseModel, Field
 
 from farmflow.annotators.oracle import OracleAnnotator, sigmoid, task_from_text, unit_hash
@@ -46,7 +52,7 @@ from farmflow.annotators.prompts import Item, parse_prompt
 from farmflow.config import AnnotatorConfig, OracleAnnotatorConfig
 from farmflow.data.synthetic import task_to_json
 
-FAULTS = ("429", "500", "timeout", "garbage", "truncated", "wrong_count", "html")
+FAULTS = ("429", "500", "timeout", "garbage", "truncated", "wrong_count", "html", "truncated_body")
 
 
 class JudgeConfig(BaseModel):
@@ -76,6 +82,7 @@ class JudgeState:
         self.pairs: Counter[tuple] = Counter()  # (instruction, input, first, second) -> answered with 200
         self.lock = threading.Lock()
         self.in_flight = 0
+        self.faults_drawn = 0
 
     def oracle_for(self, model: str) -> OracleAnnotator:
         return self.oracles[int(unit_hash("model", model) * len(self.oracles))]
@@ -151,6 +158,12 @@ def build_app(state: JudgeState) -> FastAPI:
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
             state.stats["status_400"] += 1
             return _error(400, f"cannot read the request: {err}", "invalid_request_error")
+        bias = body.get("logit_bias")
+        if bias is not None and (not isinstance(bias, dict) or not bias or not all(isinstance(v, float) for v in bias.values())):
+            state.stats["status_400"] += 1
+            return _error(400, "logit_bias must map token ids to float biases (and not be empty)", "invalid_request_error")
+        if body.get("max_tokens") is None:
+            state.stats["no_max_tokens"] += 1
         if cfg.models is not None and model not in cfg.models:
             state.stats["status_404"] += 1
             return _error(404, f"The model '{model}' does not exist.", "invalid_request_error")
@@ -158,7 +171,8 @@ def build_app(state: JudgeState) -> FastAPI:
         fault = None
         with state.lock:
             if cfg.fault_rate and state.rng.random() < cfg.fault_rate and cfg.faults:
-                fault = state.rng.choice(cfg.faults)
+                fault = cfg.faults[state.faults_drawn % len(cfg.faults)]
+                state.faults_drawn += 1
         if fault:
             state.stats[f"fault_{fault}"] += 1
         await asyncio.sleep(cfg.latency_s)
@@ -202,6 +216,15 @@ def build_app(state: JudgeState) -> FastAPI:
             choice["logprobs"] = {"content": [first | {"top_logprobs": top[: int(body.get("top_logprobs") or 2)]}], "refusal": None}
         prompt_tokens = sum(len(m.get("content") or "") for m in messages) // 4
         completion_tokens = len(content) // 4 + 1
+        reply = {
+            "id": f"chatcmpl-{state.stats['requests']}", "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [choice],
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens},
+        }
+        if fault == "truncated_body":  # the client gets half of the JSON: nothing it can read (not counted as answered)
+            data = json.dumps(reply).encode()
+            state.stats["status_200_truncated"] += 1
+            return Response(data[: len(data) // 2], media_type="application/json")
         with state.lock:
             state.stats["status_200"] += 1
             state.stats["prompt_tokens"] += prompt_tokens
@@ -209,11 +232,7 @@ def build_app(state: JudgeState) -> FastAPI:
             state.stats["items_answered"] += len(items)
             for it in items:
                 state.pairs[(it.instruction, it.input, it.first, it.second)] += 1
-        return JSONResponse({
-            "id": f"chatcmpl-{state.stats['requests']}", "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [choice],
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens},
-        })
+        return JSONResponse(reply)
 
     return app
 
