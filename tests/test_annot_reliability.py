@@ -47,7 +47,8 @@ def test_twenty_percent_faults_of_every_kind(monkeypatch, tmp_path):
         assert all(r["status"] == "ok" and r["error"] is None for r in log if r not in failed)
         assert 0 < len(failed) < 100
         reasons = {r["error"].split(":")[0] for r in failed}
-        assert reasons <= {"parse", "rate_limited", "http_500", "timeout", "bad_response"} and "bad_response" in reasons
+        assert reasons <= {"parse", "rate_limited", "http_500", "http_400", "http_409", "timeout", "bad_response"}
+        assert {"bad_response", "http_400", "http_409"} <= reasons
         # what was judged equals the fault-free answers
         prefs = table.column("preference").to_pylist()
         assert sum(p is None for p in prefs) == len(failed)

@@ -462,3 +462,134 @@ def test_judge_listening_socket_turns_nagle_off():
         assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
     finally:
         sock.close()
+
+
+# ----------------------------------------------------------------------------- request failures
+def test_a_cut_json_body_fails_its_request_not_the_run(monkeypatch, tmp_path):
+    """Regression: a 200 reply whose JSON body was cut mid-way made the SDK raise json.JSONDecodeError (not an
+    APIError); it escaped asyncio.gather, so the run ended in a traceback with nothing written for the pairs
+    in flight. Now the request is asked once more, then its pairs are failed rows with the reason."""
+    rows = make_rows(20)
+    srv = sharp_server(monkeypatch, fault_rate=1.0, faults=["truncated_body"])
+    with srv as url:
+        table, totals = annotate(rows, pool(judge(base_url=url)), str(tmp_path), allow_incomplete=True)
+    assert srv.state.stats["status_200_truncated"] == srv.state.stats["requests"] == 40  # each asked twice
+    assert totals["failed"] == 20 and table.column("preference").null_count == 20
+    log = open_store(tmp_path).read_rows("annotations", "annotations").to_pylist()
+    assert len(log) == 20 and {r["status"] for r in log} == {"failed"}
+    assert all(r["error"].startswith("bad_response: unreadable reply") and "JSONDecodeError" in r["error"]
+               and r["error"].endswith("(after one re-ask)") for r in log)
+
+
+def test_half_the_bodies_cut_every_pair_judged_or_failed_none_lost(monkeypatch, tmp_path):
+    rows = make_rows(40)
+    srv = sharp_server(monkeypatch, fault_rate=0.5, faults=["truncated_body"])
+    with srv as url:
+        table, totals = annotate(rows, pool(judge(base_url=url), judge("j5", batch_size=5, base_url=url)), str(tmp_path),
+                                 allow_incomplete=True)
+    log = open_store(tmp_path).read_rows("annotations", "annotations").to_pylist()
+    assert len(log) == len({r["key"] for r in log}) == 40 == totals["judged"] + totals["failed"]
+    assert totals["reasks"] > 0 and totals["judged"] > 20  # a re-ask usually gets a readable reply
+    assert [p for p in table.column("preference").to_pylist() if p is not None] == [
+        gold_pref(r) for r, p in zip(rows, table.column("preference").to_pylist()) if p is not None]
+
+
+@pytest.mark.parametrize("fault, status", [("409", 409), ("400", 400)])
+def test_a_client_error_is_not_retried_and_shows_the_server_body(monkeypatch, tmp_path, fault, status):
+    """The SDK would retry a 409 on its own; no 4xx other than 408/429 is worth asking again."""
+    rows = make_rows(6)
+    srv = sharp_server(monkeypatch, fault_rate=1.0, faults=[fault])
+    with srv as url:
+        _, totals = annotate(rows, pool(judge(base_url=url), max_retries=3), str(tmp_path), allow_incomplete=True)
+    assert srv.state.stats["requests"] == 6 and totals["failed"] == 6
+    errors = {r["error"] for r in open_store(tmp_path).read_rows("annotations", "annotations").to_pylist()}
+    body = {"409": "idempotency key is in progress", "400": "maximum context length is 4096 tokens"}[fault]
+    assert len(errors) == 1 and (error := errors.pop()).startswith(f"http_{status}: the server said: {{")
+    assert body in error and error.endswith("(not retried)") and "\n" not in error
+
+
+def test_server_errors_are_retried_and_say_how_often(monkeypatch, tmp_path):
+    srv = sharp_server(monkeypatch, fault_rate=1.0, faults=["500"])
+    with srv as url:
+        _, totals = annotate(make_rows(3), pool(judge(base_url=url), max_retries=2), str(tmp_path), allow_incomplete=True)
+    assert srv.state.stats["requests"] == 9 and totals["failed"] == 3  # 1 + 2 retries each
+    log = open_store(tmp_path).read_rows("annotations", "annotations").to_pylist()
+    assert {r["error"] for r in log} == {'http_500: the server said: {"error":{"message":"The server had an error while processing '
+                                         'your request.","type":"server_error","param":null,"code":null}} (after 2 retries)'}
+
+
+# ----------------------------------------------------------------------------- served_model
+def three_models(url, **kw):
+    return pool(judge("g4", model="gpt-4o", prompt_format="json", batch_size=4, base_url=url),
+                judge("mini", batch_size=1, style="strict", base_url=url),
+                judge("d3", model="gpt-4.1-mini", batch_size=5, temperature=0.5, base_url=url), **kw)
+
+
+def test_served_model_sends_one_model_name_and_is_part_of_the_cache_identity(monkeypatch, tmp_path, caplog):
+    caplog.set_level(logging.DEBUG)
+    rows = make_rows(30)
+    srv = sharp_server(monkeypatch, models=["judge-7b"])
+    with srv as url:
+        with pytest.raises(AnnotationError) as err:  # the pool's own model names: the endpoint does not serve them
+            annotate(rows, three_models(url), str(tmp_path))
+        assert srv.state.stats["requests"] == 1  # the first request goes alone, a 404 is not retried, nothing else is sent
+        assert "does not serve model" in str(err.value) and "annotation.served_model" in str(err.value)
+        assert "The model 'gpt-4o" in str(err.value)  # the server's own words
+        _no_key_anywhere(caplog, str(err.value))
+
+        table, totals = annotate(rows, three_models(url, served_model="judge-7b"), str(tmp_path))
+        assert sum(n for m, n in srv.state.models.items() if m != "judge-7b") == 1  # only the first, refused request
+        assert srv.state.models["judge-7b"] == totals["requests"] and totals["failed"] == 0
+        assert table.column("preference").to_pylist() == [gold_pref(r) for r in rows]
+        assert {r["annotator"] for r in table.to_pylist()} == {"g4", "mini", "d3"}  # each annotator keeps its format...
+        log = open_store(tmp_path).read_rows("annotations", "annotations").to_pylist()
+        assert {r["model"] for r in log} == {"judge-7b"} and {r["prompt_format"] for r in log} == {"json", "choice"}
+        biggest = {}
+        for r in log:
+            biggest[r["annotator"]] = max(biggest.get(r["annotator"], 0), r["items"])
+        assert biggest == {"g4": 4, "mini": 1, "d3": 5}  # ...and batch size
+
+        # the same served model: all cached; another served model: other judges, asked again
+        _, again = annotate(rows, three_models(url, served_model="judge-7b"), str(tmp_path))
+        assert again["cached"] == 30 and again["requests"] == 0
+        srv.state.config.models = None
+        _, other = annotate(rows, three_models(url, served_model="judge-13b"), str(tmp_path))
+        assert other["cached"] == 0 and other["judged"] == 30 and srv.state.models["judge-13b"] == other["requests"]
+
+
+def test_served_model_in_the_stage_key_and_prices():
+    from farmflow.config import ModelPrice
+
+    a = three_models("http://127.0.0.1:9/v1")
+    b = a.model_copy(update={"served_model": "judge-7b"})
+    assert a.stage_key_extra() != b.stage_key_extra() != b.model_copy(update={"served_model": "x"}).stage_key_extra()
+    # a cost cap needs the price of the model asked: the served one, not the pool's
+    with pytest.raises(ValueError, match=r"add \['judge-7b'\] to prices"):
+        three_models("http://127.0.0.1:9/v1", served_model="judge-7b", max_cost_usd=1.0)
+    three_models("http://127.0.0.1:9/v1", served_model="judge-7b", max_cost_usd=1.0,
+                 prices={"judge-7b": ModelPrice(prompt_usd_per_mtok=0.1, completion_usd_per_mtok=0.2)})
+
+
+def test_cli_served_model_and_a_stopped_run_still_writes_its_output(monkeypatch, tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from farmflow.cli import app
+
+    rows = make_rows(10)
+    src = tmp_path / "pairs.json"
+    src.write_text(json.dumps([{k: r[k] for k in ("instruction", "input", "output_1", "output_2")} for r in rows]))
+    runner = CliRunner()
+    with sharp_server(monkeypatch, models=["judge-7b"]) as url:
+        args = ["annotate", str(src), "--annotator", "p_sim_eval", "--base-url", url, "--store", str(tmp_path / "st")]
+        res = runner.invoke(app, args)
+        assert res.exit_code == 1
+        assert "annotation.served_model" in " ".join(res.output.split())
+        summary = json.loads(res.stdout[res.stdout.index("{"):res.stdout.rindex("}") + 1])
+        assert summary["pairs"] == 10 and summary["unsent"] == 10 and summary["judged"] == 0
+        assert [r["preference"] for r in json.loads((tmp_path / "pairs.annotated.json").read_text())] == [None] * 10
+        res = runner.invoke(app, [*args, "--served-model", "judge-7b"])
+    assert res.exit_code == 0, res.output
+    out = json.loads((tmp_path / "pairs.annotated.json").read_text())
+    assert [round(r["preference"]) for r in out] == [gold_pref(r) for r in rows]  # logprobs annotators give fractions

@@ -37,7 +37,6 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import openai
-from openai.types.chat import ChatCompletion
 
 from farmflow.annotators import budget, cache, failures, prompts
 from farmflow.annotators.ratelimit import make_limiter
@@ -112,9 +111,6 @@ def api_key(cfg: AnnotatorConfig) -> str:
 
 
 # ----------------------------------------------------------------------------- the run
-FLUSH_S = 10.0
-"""Journaled rows reach the row cache at least this often (and every chunk_size rows)."""
-
 Outcome = tuple  # (preferences or None, error or None, raw completion, [prompt, completion tokens], seconds)
 
 
@@ -125,9 +121,7 @@ class _Run:
         self.budget = budget.Budget(cfg.max_cost_usd)
         self.stats = RunStats()
         self.results: dict[str, dict] = {}
-        self.buffer: list[dict] = []
-        self.buffer_since = time.monotonic()
-        self.journal = cache.open_journal(store) if store is not None else None
+        self.writer = cache.Writer(store, cfg.chunk_size) if store is not None else None
         self.fatal: str | None = None
         self.clients: dict[str, openai.AsyncOpenAI] = {}
 
@@ -135,22 +129,11 @@ class _Run:
         if base_url not in self.clients:
             http = openai.DefaultAsyncHttpxClient(event_hooks={"response": [failures.no_retry_on_client_errors]})
             self.clients[base_url] = openai.AsyncOpenAI(
-                base_url=base_url, api_key=self.key, max_retries=self.cfg.max_retries, timeout=self.cfg.timeout_s, http_client=http
-            )
+                base_url=base_url, api_key=self.key, max_retries=self.cfg.max_retries, timeout=self.cfg.timeout_s, http_client=http)
         return self.clients[base_url]
 
     def model(self, a: ApiAnnotatorConfig) -> str:
         return cache.asked_model(a, self.cfg)
-
-    def flush(self, force: bool = False) -> None:
-        """Append the buffered rows to the row cache when a chunk is full, FLUSH_S passed, or `force`."""
-        if self.store is None or not self.buffer:
-            return
-        if force or len(self.buffer) >= self.cfg.chunk_size or time.monotonic() - self.buffer_since >= FLUSH_S:
-            self.store.append_rows(cache.NAMESPACE, cache.to_table(self.buffer), cache.NAMESPACE)
-            self.buffer = []
-            if self.journal is not None:
-                self.journal.committed()
 
     def record(self, a: ApiAnnotatorConfig, ahash: str, items: list[Pending], outcome: Outcome) -> None:
         prefs, error, raw, usage, latency = outcome
@@ -160,18 +143,16 @@ class _Run:
         for k, it in enumerate(items, 1):
             shown = prefs[k - 1] if prefs is not None else None
             rows.append({
-                "key": it.key, "annotator": a.name, "annotator_hash": ahash, "model": model, "instruction": it.instruction,
-                "input": it.input, "output_1": it.output_1, "output_2": it.output_2,
+                "key": it.key, "annotator": a.name, "annotator_hash": ahash, "model": model,
+                "instruction": it.instruction, "input": it.input, "output_1": it.output_1, "output_2": it.output_2,
                 "preference": None if shown is None else (3.0 - shown if it.swapped else shown),
                 "status": "ok" if prefs is not None else "failed", "error": error, "raw_completion": raw,
-                "prompt_tokens": usage[0] // n, "completion_tokens": usage[1] // n, "price_usd": price, "latency_s": latency,
+                "prompt_tokens": usage[0] // n, "completion_tokens": usage[1] // n, "price_usd": price,
+                "latency_s": latency,
                 "created": cache.now(), "prompt_format": a.prompt_format, "item": k, "items": n, "swapped": it.swapped,
             })
-        if self.journal is not None:
-            self.journal.write(rows)
-        if not self.buffer:
-            self.buffer_since = time.monotonic()
-        self.buffer += rows
+        if self.writer is not None:
+            self.writer.add(rows)
         self.results |= {r["key"]: r for r in rows}
         if prefs is None:
             self.stats.failed += n
@@ -180,17 +161,14 @@ class _Run:
             self.stats.judged += n
         if self.progress:
             self.progress(n)
-        try:
-            self.flush()
-        except Exception as err:  # noqa: BLE001  (the rows stay journaled and buffered; the final flush tries again)
-            log("annotate: cannot append to the row cache yet (%s); will retry", failures.one_line(str(err), self.key, 160))
 
     async def ask(self, a: ApiAnnotatorConfig, base_url: str, ahash: str, items: list[Pending]) -> None:
         async with self.sem:
             try:
                 outcome = await self._attempts(a, base_url, items)
             except Exception as err:  # noqa: BLE001  (whatever raised, this request fails and the run goes on)
-                outcome = (None, f"error: {type(err).__name__}: {failures.one_line(str(err), self.key, 160)}", None, [0, 0], 0.0)
+                reason = f"error: {type(err).__name__}: {failures.one_line(str(err), self.key, 160)}"
+                outcome = (None, reason, None, [0, 0], 0.0)
             if outcome is None:  # not sent: a fatal error or the budget
                 self.stats.unsent += len(items)
                 return
@@ -199,20 +177,18 @@ class _Run:
     async def _attempts(self, a: ApiAnnotatorConfig, base_url: str, items: list[Pending]) -> Outcome | None:
         """Send one request (again once if its reply cannot be read); None when it was not sent."""
         model = self.model(a)
-        messages = prompts.render([it.shown() for it in items], a.prompt_format, a.style)
-        request: dict = {"model": model, "messages": messages, "temperature": a.temperature, "max_tokens": cache.max_tokens(a)}
-        if a.prompt_format == "logprobs":
-            request |= {"logprobs": True, "top_logprobs": 5}
-        if a.logit_bias:  # floats only: some servers (transformers serve) fail on integer biases
-            request["logit_bias"] = {k: float(v) for k, v in a.logit_bias.items()}
-        estimate = budget.cost(self.cfg.prices.get(model), budget.prompt_tokens_estimate(messages), request["max_tokens"])
-        usage, raw, error, start = [0, 0], None, None, time.perf_counter()
+        request = chat_request(a, model, items)
+        estimate = budget.cost(self.cfg.prices.get(model), budget.prompt_tokens_estimate(request["messages"]),
+                               request["max_tokens"])
+        usage, raw, error, start = [0, 0], None, "", time.perf_counter()
+
+        def failed(reason: str) -> Outcome:
+            return None, reason, raw, usage, time.perf_counter() - start
+
         for attempt in (0, 1):
             if self.fatal or not await self.budget.reserve(estimate):
-                if attempt == 0:
-                    return None
-                return None, f"{error} (not re-asked: {'max_cost_usd reached' if not self.fatal else 'run stopped'})", raw, usage, \
-                    time.perf_counter() - start
+                stop = "the run stopped" if self.fatal else "max_cost_usd reached"
+                return None if attempt == 0 else failed(f"{error} (not re-asked: {stop})")
             await self.limiter()
             self.stats.requests += 1
             try:
@@ -224,32 +200,25 @@ class _Run:
                 if failure.fatal:
                     self.fatal = self.fatal or failure.message
                     return None
-                error = failure.message
-                if failure.reask and attempt == 0:
-                    self.stats.reasks += 1
-                    continue
-                return None, error + (" (after one re-ask)" if failure.reask else ""), raw, usage, time.perf_counter() - start
-            spent = self._count_usage(model, resp, usage)
-            await self.budget.settle(estimate, estimate if spent is None else spent)
-            if not isinstance(resp, ChatCompletion):  # e.g. HTTP 200 with a web page: base_url is not an API
-                reply = failures.one_line(str(resp), self.key, 80)
-                return (None, f"bad_response: not a chat completion from {failures.scrub(base_url, self.key)} "
-                        f"(got {type(resp).__name__} {reply!r})", raw, usage, time.perf_counter() - start)
-            try:
-                text, top = self._text(resp)
-            except (AttributeError, IndexError, TypeError, ValueError) as err:  # a chat completion with the wrong fields
-                return (None, f"bad_response: {type(err).__name__}: {failures.one_line(str(err), self.key, 120)}", raw, usage,
-                        time.perf_counter() - start)
-            raw = prompts.raw_completion(a.prompt_format, text, top)
-            try:
-                return prompts.parse(a.prompt_format, len(items), text, top), None, raw, usage, time.perf_counter() - start
-            except prompts.ParseError as err:
-                error = f"parse: {err}"
-                if attempt == 0:
-                    self.stats.reasks += 1
-                    continue
-                return None, f"{error} (after one re-ask)", raw, usage, time.perf_counter() - start
-        raise AssertionError("unreachable: the second attempt always returns")
+                error, reask = failure.message, failure.reask
+            else:
+                spent = self._count_usage(model, resp, usage)
+                await self.budget.settle(estimate, estimate if spent is None else spent)
+                try:
+                    text, top = failures.read_reply(resp, base_url, self.key)
+                except failures.BadReply as err:
+                    return failed(str(err))
+                raw = prompts.raw_completion(a.prompt_format, text, top)
+                try:
+                    prefs = prompts.parse(a.prompt_format, len(items), text, top)
+                    return prefs, None, raw, usage, time.perf_counter() - start
+                except prompts.ParseError as err:
+                    error, reask = f"parse: {err}", True
+            if not reask:
+                return failed(error)
+            if attempt == 0:
+                self.stats.reasks += 1
+        return failed(f"{error} (after one re-ask)")
 
     def _count_usage(self, model: str, resp: object, usage: list[int]) -> float | None:
         """Add a reply's token counts to the request's and the run's; its cost, None without usage."""
@@ -264,16 +233,6 @@ class _Run:
         cost = budget.cost(self.cfg.prices.get(model), prompt, completion)
         self.stats.cost_usd += cost
         return cost
-
-    @staticmethod
-    def _text(resp: ChatCompletion) -> tuple[str, list[tuple[str, float]] | None]:
-        """A reply's text and, for the logprobs format, the first token's top log-probabilities."""
-        choice = resp.choices[0] if resp.choices else None
-        text = (choice.message.content if choice and choice.message else None) or ""
-        top = None
-        if choice is not None and choice.logprobs is not None and choice.logprobs.content:
-            top = [(t.token, t.logprob) for t in choice.logprobs.content[0].top_logprobs or []]
-        return text, top
 
     def _key_source(self) -> str:
         return f"Prefect Secret {self.cfg.api_key_secret!r}" if self.cfg.api_key_secret else f"${self.cfg.api_key_env}"
@@ -298,20 +257,15 @@ class _Run:
             await self._close(time.perf_counter() - start)
 
     async def _close(self, seconds: float) -> None:
-        """On every exit (done, error, cancelled): the last rows to the cache, the journal gone once they are in."""
+        """On every exit (done, error, cancelled): the last rows to the row cache, the clients closed."""
         try:
-            self.flush(force=True)
-        except BaseException:
-            if self.journal is not None:
-                self.journal.close(keep=True)
-            raise
+            if self.writer is not None:
+                self.writer.close()
         finally:
             for c in self.clients.values():
                 await c.close()
             self.stats.seconds = seconds
             self.stats.stopped = self.fatal or ("budget" if self.budget.exhausted else None)
-        if self.journal is not None:
-            self.journal.close()
 
     def _verified(self, endpoint_model: tuple) -> tuple:
         return (*endpoint_model, hashlib.sha256(self.key.encode()).hexdigest()[:16])
@@ -319,6 +273,18 @@ class _Run:
 
 _VERIFIED: set[tuple] = set()
 """(base_url, model, key digest) that answered in this process: later runs skip the lone first request."""
+
+
+def chat_request(a: ApiAnnotatorConfig, model: str, items: list[Pending]) -> dict:
+    """The chat-completion parameters for one request: only what OpenAI-compatible servers accept."""
+    messages = prompts.render([it.shown() for it in items], a.prompt_format, a.style)
+    request: dict = {"model": model, "messages": messages, "temperature": a.temperature,
+                     "max_tokens": cache.max_tokens(a)}
+    if a.prompt_format == "logprobs":  # servers without log-probabilities ignore these: the text is parsed then
+        request |= {"logprobs": True, "top_logprobs": 5}
+    if a.logit_bias:  # never empty, and floats only: some servers (transformers serve) fail on either
+        request["logit_bias"] = {k: float(v) for k, v in a.logit_bias.items()}
+    return request
 
 
 def _run_coro(factory):
@@ -400,7 +366,8 @@ def annotate_api(rows: list[dict], cfg: AnnotatorConfig, store,
             stats.requests, stats.reasks, stats.judged, stats.failed, f" ({reasons})" if reasons else "", stats.unsent,
             stats.cost_usd, stats.seconds)
 
-    unsent = "not sent: the run stopped at an error" if stats.stopped not in (None, "budget") else "not sent: max_cost_usd reached"
+    stopped_by_error = stats.stopped not in (None, "budget")
+    unsent = "not sent: the run stopped at an error" if stopped_by_error else "not sent: max_cost_usd reached"
     out = []
     for e in plan:
         if "key" in e:
@@ -413,7 +380,7 @@ def annotate_api(rows: list[dict], cfg: AnnotatorConfig, store,
                       "error": hit["error"], "price_usd": hit["price_usd"] if e["key"] in results else 0.0,
                       "cached": e["key"] not in results}
         out.append(e)
-    if stats.stopped not in (None, "budget"):
+    if stopped_by_error:
         raise AnnotationError(f"{stats.stopped} ({stats.judged} pairs judged and cached before the error)", out, stats)
     return out, stats
 

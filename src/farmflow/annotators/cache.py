@@ -12,8 +12,8 @@ in.
 The log is append-only (``store.append_rows``, one Parquet file per chunk). The latest
 ``ok`` row of a key wins; failed rows (``status`` 'failed', with ``error`` and the raw
 completion when there was one) stay for `reparse` and are asked again by the next run.
-Rows not yet in a chunk wait in a local `journal` (`open_journal`), which `recover` commits
-after a crash.
+A run writes through a `Writer`: rows not yet in a chunk wait in a local `journal`, which
+`recover` commits after a crash.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -29,6 +30,7 @@ import pyarrow.compute as pc
 
 from farmflow.annotators import journal, prompts
 from farmflow.config import AnnotatorConfig, ApiAnnotatorConfig
+from farmflow.progress import log
 from farmflow.storage import LocalStore, canonical_json
 from farmflow.storage.schemas import SCHEMAS
 
@@ -105,17 +107,53 @@ def journal_dir(store) -> Path:
     return Path(getattr(store, "cache", "~/.cache/farmflow")).expanduser() / "journal" / digest / NAMESPACE
 
 
-def open_journal(store) -> journal.Journal:
-    return journal.Journal(journal_dir(store))
-
-
 def _from_journal(row: dict) -> dict:
     return row | {"created": datetime.fromisoformat(row["created"])}
 
 
 def recover(store) -> int:
     """Commit to the row log the journaled rows of runs that died before writing them (see `journal`)."""
-    return journal.recover(journal_dir(store), lambda rows: store.append_rows(NAMESPACE, to_table([_from_journal(r) for r in rows]), NAMESPACE))
+    def commit(rows: list[dict]) -> None:
+        store.append_rows(NAMESPACE, to_table([_from_journal(r) for r in rows]), NAMESPACE)
+
+    return journal.recover(journal_dir(store), commit)
+
+
+class Writer:
+    """A run's rows on their way to the log: journaled as they come, appended every `chunk_size` rows or
+    `flush_s` seconds, and at `close` (on every exit path; if that append fails the journal stays for `recover`)."""
+
+    def __init__(self, store, chunk_size: int, flush_s: float = 10.0):
+        self.store, self.chunk_size, self.flush_s = store, chunk_size, flush_s
+        self.buffer: list[dict] = []
+        self.since = time.monotonic()
+        self.journal = journal.Journal(journal_dir(store))
+
+    def add(self, rows: list[dict]) -> None:
+        self.journal.write(rows)
+        if not self.buffer:
+            self.since = time.monotonic()
+        self.buffer += rows
+        if len(self.buffer) >= self.chunk_size or time.monotonic() - self.since >= self.flush_s:
+            try:
+                self.flush()
+            except Exception as err:  # noqa: BLE001  (the rows stay journaled and buffered; the next flush tries again)
+                log("annotate: cannot append to the row cache yet (%s: %s); will try again",
+                    type(err).__name__, str(err)[:160])
+
+    def flush(self) -> None:
+        if self.buffer:
+            self.store.append_rows(NAMESPACE, to_table(self.buffer), NAMESPACE)
+            self.buffer = []
+            self.journal.committed()
+
+    def close(self) -> None:
+        try:
+            self.flush()
+        except BaseException:
+            self.journal.close(keep=True)
+            raise
+        self.journal.close()
 
 
 def reparse(store) -> dict[str, int]:

@@ -23,12 +23,14 @@ import re
 from dataclasses import dataclass
 
 import openai
+from openai.types.chat import ChatCompletion
 
 BODY_CHARS = 300
 """The most characters of a server's response body an error message shows."""
 
 _UNKNOWN_MODEL = re.compile(
-    r"does not exist|not found|unknown|no such|not served|pinned|invalid model|model_not_found|not available|not supported",
+    r"does not exist|not found|unknown|no such|not served|pinned|invalid model|model_not_found|not available"
+    r"|not supported",
     re.I,
 )
 
@@ -39,6 +41,10 @@ class Failure:
     message: str  # one line: "<kind>: <what happened>"
     fatal: bool = False  # no request to this endpoint can succeed: stop sending
     reask: bool = False  # the reply arrived but could not be read: worth asking once more
+
+
+class BadReply(ValueError):
+    """A reply that arrived but is not a usable chat completion (the message is its failure reason)."""
 
 
 def scrub(text: str, secret: str) -> str:
@@ -102,13 +108,15 @@ def describe(err: BaseException, *, secret: str, base_url: str, annotator: str, 
         status, body = err.status_code, response_body(err, secret)
         said = f"the server said: {body}"
         if status == 401:
-            return Failure("http_401", f"the API key was rejected (HTTP 401) by {where}; check {key_source}; {said}", True)
+            return Failure("http_401", f"the API key was rejected (HTTP 401) by {where}; check {key_source}; {said}",
+                           fatal=True)
         if status == 403:
-            return Failure("http_403", f"permission denied (HTTP 403) by {where}; check {key_source}; {said}", True)
+            return Failure("http_403", f"permission denied (HTTP 403) by {where}; check {key_source}; {said}",
+                           fatal=True)
         if status in (400, 404) and (status == 404 or names_unknown_model(body, model)):
             return Failure(f"http_{status}", f"HTTP {status} from {where}: the endpoint does not serve model {model!r} "
                            f"(or base_url is wrong); {said}. If it serves one fixed model, set annotation.served_model "
-                           "to its name (farmflow annotate --served-model NAME)", True)
+                           "to its name (farmflow annotate --served-model NAME)", fatal=True)
         if status == 429:
             return Failure("rate_limited", f"rate_limited: HTTP 429 ({_retried(err)}); {said}")
         return Failure(f"http_{status}", f"http_{status}: {said} ({_retried(err)})")
@@ -119,5 +127,21 @@ def describe(err: BaseException, *, secret: str, base_url: str, annotator: str, 
                    f"({type(err).__name__}: {one_line(str(err), secret, 160)})", reask=True)
 
 
-__all__ = ["BODY_CHARS", "Failure", "describe", "names_unknown_model", "no_retry_on_client_errors", "one_line",
-           "response_body", "retries_taken", "scrub"]
+def read_reply(resp: object, base_url: str, secret: str) -> tuple[str, list[tuple[str, float]] | None]:
+    """A reply's text and, when it has them, the first token's top log-probabilities; `BadReply` if it has none."""
+    if not isinstance(resp, ChatCompletion):  # e.g. HTTP 200 with a web page: base_url is not an API
+        raise BadReply(f"bad_response: not a chat completion from {scrub(base_url, secret)} "
+                       f"(got {type(resp).__name__} {one_line(str(resp), secret, 80)!r})")
+    try:
+        choice = resp.choices[0] if resp.choices else None
+        text = (choice.message.content if choice and choice.message else None) or ""
+        top = None
+        if choice is not None and choice.logprobs is not None and choice.logprobs.content:
+            top = [(t.token, t.logprob) for t in choice.logprobs.content[0].top_logprobs or []]
+    except (AttributeError, IndexError, TypeError, ValueError) as err:  # a chat completion with the wrong fields
+        raise BadReply(f"bad_response: {type(err).__name__}: {one_line(str(err), secret, 120)}") from None
+    return text, top
+
+
+__all__ = ["BODY_CHARS", "BadReply", "Failure", "describe", "names_unknown_model", "no_retry_on_client_errors",
+           "one_line", "read_reply", "response_body", "retries_taken", "scrub"]

@@ -73,7 +73,8 @@ async def make_limiter(cfg: AnnotatorConfig):
     if _prefect_api_configured():
         return await _prefect_limiter(cfg.rate_limit_name, cfg.requests_per_minute)
     with _LIMITERS_LOCK:
-        limiter = LIMITERS.setdefault((cfg.rate_limit_name, cfg.requests_per_minute), LocalLimiter(cfg.requests_per_minute))
+        key = (cfg.rate_limit_name, cfg.requests_per_minute)
+        limiter = LIMITERS.setdefault(key, LocalLimiter(cfg.requests_per_minute))
     return limiter.wait
 
 

@@ -15,6 +15,8 @@ generator) a request gets a fault, the kinds in `faults` taking turns, so a run 
 least that many faults sees every kind:
 
 * ``429``: HTTP 429 with a Retry-After header; ``500``: HTTP 500;
+* ``400``: HTTP 400 refusing the request (its context is too long); ``409``: HTTP 409, a
+  conflict (neither is worth retrying);
 * ``timeout``: the answer is held for `timeout_sleep_s` (longer than the client waits);
 * ``garbage``: text that answers nothing; ``truncated``: the right answer cut in half;
 * ``wrong_count``: one answer too few (or one too many for a single item);
@@ -26,7 +28,8 @@ Like some real servers (transformers serve fails on them), it refuses a ``logit_
 is empty or holds integers (HTTP 400), and counts requests without ``max_tokens``.
 
 `stats` counts requests, status codes, faults, tokens and how often each pair was
-answered, so tests can check that nothing was asked or paid for twice.
+answered, so tests can check that nothing was asked or paid for twice; `models` counts the
+model names asked for.
 
 Run it with ``farmflow judge-server`` or, in-process, ``with JudgeServer(JudgeConfig()) as url: ...``.
 """
@@ -52,7 +55,7 @@ from farmflow.annotators.prompts import Item, parse_prompt
 from farmflow.config import AnnotatorConfig, OracleAnnotatorConfig
 from farmflow.data.synthetic import task_to_json
 
-FAULTS = ("429", "500", "timeout", "garbage", "truncated", "wrong_count", "html", "truncated_body")
+FAULTS = ("429", "500", "400", "409", "timeout", "garbage", "truncated", "wrong_count", "html", "truncated_body")
 
 
 class JudgeConfig(BaseModel):
@@ -80,6 +83,7 @@ class JudgeState:
         self.rng = random.Random(config.seed)
         self.stats: Counter[str] = Counter()
         self.pairs: Counter[tuple] = Counter()  # (instruction, input, first, second) -> answered with 200
+        self.models: Counter[str] = Counter()  # model name -> requests asking for it
         self.lock = threading.Lock()
         self.in_flight = 0
         self.faults_drawn = 0
@@ -150,7 +154,8 @@ def build_app(state: JudgeState) -> FastAPI:
             state.stats["requests"] += 1
         if cfg.api_key is not None and request.headers.get("authorization") != f"Bearer {cfg.api_key}":
             state.stats["status_401"] += 1
-            return _error(401, "Incorrect API key provided.", "invalid_request_error")
+            given = request.headers.get("authorization", "").removeprefix("Bearer ")
+            return _error(401, f"Incorrect API key provided: {given}.", "invalid_request_error")  # echoed, as some servers do
         try:
             body = await request.json()
             model, messages = body["model"], body["messages"]
@@ -164,6 +169,8 @@ def build_app(state: JudgeState) -> FastAPI:
             return _error(400, "logit_bias must map token ids to float biases (and not be empty)", "invalid_request_error")
         if body.get("max_tokens") is None:
             state.stats["no_max_tokens"] += 1
+        with state.lock:
+            state.models[model] += 1
         if cfg.models is not None and model not in cfg.models:
             state.stats["status_404"] += 1
             return _error(404, f"The model '{model}' does not exist.", "invalid_request_error")
@@ -182,6 +189,13 @@ def build_app(state: JudgeState) -> FastAPI:
         if fault == "500":
             state.stats["status_500"] += 1
             return _error(500, "The server had an error while processing your request.", "server_error")
+        if fault == "400":
+            state.stats["status_400"] += 1
+            return _error(400, "This model's maximum context length is 4096 tokens; your messages resulted in 5120 tokens.",
+                          "invalid_request_error")
+        if fault == "409":
+            state.stats["status_409"] += 1
+            return _error(409, "Another request with the same idempotency key is in progress.", "conflict_error")
         if fault == "timeout":
             await asyncio.sleep(cfg.timeout_sleep_s)
             if await request.is_disconnected():  # the client gave up: nothing answered, nothing billed

@@ -29,7 +29,7 @@ def judge_server(
     port: int = typer.Option(LOCAL_JUDGE_PORT, help="Port (0: any free port; the URL is printed)."),
     latency_ms: float = typer.Option(0.0, help="Milliseconds every answer takes."),
     fault_rate: float = typer.Option(0.0, help="Probability that a request gets an injected fault."),
-    faults: str = typer.Option("429,500,timeout,garbage,truncated,wrong_count,html,truncated_body", help="Fault kinds to draw from, comma-separated."),
+    faults: str = typer.Option("429,500,400,409,timeout,garbage,truncated,wrong_count,html,truncated_body", help="Fault kinds to draw from, comma-separated."),
     retry_after: float = typer.Option(1.0, help="Retry-After seconds of injected 429s."),
     timeout_sleep: float = typer.Option(30.0, help="Seconds an injected timeout holds the answer."),
     api_key_env: Optional[str] = typer.Option(None, help="Require the key in this environment variable (401 otherwise); default: any key."),
