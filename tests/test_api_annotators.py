@@ -107,11 +107,14 @@ def test_logprobs_preference_is_the_oracle_probability(monkeypatch, tmp_path):
 
 def test_logit_bias_is_sent(monkeypatch, tmp_path):
     rows = make_rows(12)
-    with sharp_server(monkeypatch) as url:  # the server's token ids: 97 = "a", 98 = "b"
+    server = sharp_server(monkeypatch)
+    with server as url:  # the server's token ids: 97 = "a", 98 = "b"
         cfg = pool(judge(prompt_format="logprobs", logit_bias={"97": 100, "98": -100}, base_url=url))
         table = annotate_pairs(rows, cfg, str(tmp_path))
     # everything biased to "(a)": the first output shown always wins
     assert [t["preference"] for t in table.to_pylist()] == [pytest.approx(2.0 if t["swapped"] else 1.0) for t in table.to_pylist()]
+    # the server refuses integer or empty biases (400), as transformers serve does (500): none was refused
+    assert server.state.stats["status_400"] == 0 and server.state.stats["no_max_tokens"] == 0
 
 
 def test_noised_label_of_a_flipped_pair_is_flipped_too(tmp_path):
@@ -593,3 +596,41 @@ def test_cli_served_model_and_a_stopped_run_still_writes_its_output(monkeypatch,
     assert res.exit_code == 0, res.output
     out = json.loads((tmp_path / "pairs.annotated.json").read_text())
     assert [round(r["preference"]) for r in out] == [gold_pref(r) for r in rows]  # logprobs annotators give fractions
+
+
+INTERRUPTED_RUN = """
+import sys
+sys.path.insert(0, {tests!r})
+from test_api_annotators import make_rows, pool, judge
+from farmflow.annotators import annotate
+annotate(make_rows(400, seed=2), pool(judge(base_url={url!r}), max_in_flight=4, chunk_size=1000), {store!r})
+"""
+
+
+def test_ctrl_c_writes_every_answer_received_to_the_row_cache(monkeypatch, tmp_path):
+    """SIGINT cancels the run; on the way out every answer received is appended to the row log and the journal is gone."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from procs import python_env
+
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    store = tmp_path / "store"
+    srv = JudgeServer(JudgeConfig(latency_s=0.02))
+    with srv as url:
+        code = INTERRUPTED_RUN.format(tests=str(Path(__file__).parent), url=url, store=str(store))
+        proc = subprocess.Popen([sys.executable, "-c", code], env=python_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 120
+        while srv.state.stats["items_answered"] < 100:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1].decode()[-2000:]
+            time.sleep(0.01)
+        os.kill(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        answered = srv.state.stats["items_answered"]
+    assert proc.returncode != 0 and b"KeyboardInterrupt" in err  # interrupted, not finished
+    rows = open_store(store).read_rows("annotations", "annotations").num_rows
+    assert answered - 4 <= rows <= answered < 400  # chunk_size 1000: one append, on the way out
+    assert list((store / "_journal" / "annotations").glob("*.jsonl")) == []

@@ -148,9 +148,9 @@ def annotate_file(
         judged = table.to_pylist()
     except AnnotationError as err:
         if err.judged is None:  # nothing was asked (e.g. no API key): nothing to write
-            console.print(f"[red]annotation failed:[/red] {err}")
+            console.print(f"[red]annotation failed:[/red] {err}", soft_wrap=True)
             raise typer.Exit(1)
-        error, judged, totals = err, err.judged, _totals(err.judged)
+        error, judged, totals = err, err.judged, _totals(err.judged, err.stats)
     out = [r | {"preference": j["preference"], "annotator": j["annotator"]} for r, j in zip(data, judged)]
     target = output or path.with_suffix(".annotated.json")
     tmp = target.with_name(f".{target.name}.tmp")
@@ -159,20 +159,21 @@ def annotate_file(
     missing = sum(j["preference"] is None for j in judged)
     print(json.dumps({"file": str(target), **{k: (int(v) if float(v).is_integer() else v) for k, v in totals.items()}}, indent=2))
     if error is not None:
-        console.print(f"[red]annotation failed:[/red] {error}")
+        console.print(f"[red]annotation failed:[/red] {error}", soft_wrap=True)
         raise typer.Exit(1)
     if missing:
         console.print(f"[yellow]{missing} rows have no preference (failed or not sent; see above); rerun to ask them again[/yellow]")
         raise typer.Exit(1)
 
 
-def _totals(judged: list[dict]) -> dict[str, float]:
-    """The summary of a run that stopped at an error, from its per-row results."""
+def _totals(judged: list[dict], stats) -> dict[str, float]:
+    """The summary of a run that stopped at an error, from its per-row results and its `RunStats`."""
     count = lambda status: float(sum(j["status"] == status for j in judged))  # noqa: E731
     return {"pairs": float(len(judged)), "noised": count("noised"), "ties": count("tie"),
             "cached": float(sum(bool(j.get("cached")) and j["status"] == "ok" for j in judged)),
             "judged": float(sum(j["status"] == "ok" and not j.get("cached") for j in judged)),
-            "failed": count("failed"), "unsent": count("unsent")}
+            "failed": count("failed"), "unsent": count("unsent"),
+            "requests": float(stats.requests if stats else 0), "cost_usd": stats.cost_usd if stats else 0.0}
 
 
 @annotations_app.command("reparse")
