@@ -206,7 +206,8 @@ def request_estimate(row, cfg):
     from farmflow.annotators.prompts import Item, render
 
     a = cfg.api_pool[0]
-    messages = render([Item(row["instruction"], row["input"], row["output_1"], row["output_2"])], a.prompt_format, a.style)
+    item = Item(row["instruction"], row["input"], row["output_1"], row["output_2"])
+    messages = render([item], a.prompt_format, a.style)
     return cost(cfg.prices[a.model], prompt_tokens_estimate(messages), cache.max_tokens(a))
 
 
@@ -488,8 +489,8 @@ def test_half_the_bodies_cut_every_pair_judged_or_failed_none_lost(monkeypatch, 
     rows = make_rows(40)
     srv = sharp_server(monkeypatch, fault_rate=0.5, faults=["truncated_body"])
     with srv as url:
-        table, totals = annotate(rows, pool(judge(base_url=url), judge("j5", batch_size=5, base_url=url)), str(tmp_path),
-                                 allow_incomplete=True)
+        cfg = pool(judge(base_url=url), judge("j5", batch_size=5, base_url=url))
+        table, totals = annotate(rows, cfg, str(tmp_path), allow_incomplete=True)
     log = open_store(tmp_path).read_rows("annotations", "annotations").to_pylist()
     assert len(log) == len({r["key"] for r in log}) == 40 == totals["judged"] + totals["failed"]
     assert totals["reasks"] > 0 and totals["judged"] > 20  # a re-ask usually gets a readable reply
@@ -514,11 +515,13 @@ def test_a_client_error_is_not_retried_and_shows_the_server_body(monkeypatch, tm
 def test_server_errors_are_retried_and_say_how_often(monkeypatch, tmp_path):
     srv = sharp_server(monkeypatch, fault_rate=1.0, faults=["500"])
     with srv as url:
-        _, totals = annotate(make_rows(3), pool(judge(base_url=url), max_retries=2), str(tmp_path), allow_incomplete=True)
+        cfg = pool(judge(base_url=url), max_retries=2)
+        _, totals = annotate(make_rows(3), cfg, str(tmp_path), allow_incomplete=True)
     assert srv.state.stats["requests"] == 9 and totals["failed"] == 3  # 1 + 2 retries each
     log = open_store(tmp_path).read_rows("annotations", "annotations").to_pylist()
-    assert {r["error"] for r in log} == {'http_500: the server said: {"error":{"message":"The server had an error while processing '
-                                         'your request.","type":"server_error","param":null,"code":null}} (after 2 retries)'}
+    body = '{"error":{"message":"The server had an error while processing your request.","type":"server_error",' \
+           '"param":null,"code":null}}'
+    assert {r["error"] for r in log} == {f"http_500: the server said: {body} (after 2 retries)"}
 
 
 # ----------------------------------------------------------------------------- served_model
@@ -535,7 +538,7 @@ def test_served_model_sends_one_model_name_and_is_part_of_the_cache_identity(mon
     with srv as url:
         with pytest.raises(AnnotationError) as err:  # the pool's own model names: the endpoint does not serve them
             annotate(rows, three_models(url), str(tmp_path))
-        assert srv.state.stats["requests"] == 1  # the first request goes alone, a 404 is not retried, nothing else is sent
+        assert srv.state.stats["requests"] == 1  # the first request goes alone, a 404 is not retried, no other is sent
         assert "does not serve model" in str(err.value) and "annotation.served_model" in str(err.value)
         assert "The model 'gpt-4o" in str(err.value)  # the server's own words
         _no_key_anywhere(caplog, str(err.value))
@@ -608,7 +611,7 @@ annotate(make_rows(400, seed=2), pool(judge(base_url={url!r}), max_in_flight=4, 
 
 
 def test_ctrl_c_writes_every_answer_received_to_the_row_cache(monkeypatch, tmp_path):
-    """SIGINT cancels the run; on the way out every answer received is appended to the row log and the journal is gone."""
+    """SIGINT cancels the run; on the way out every answer received is appended to the row log, the journal is gone."""
     import os
     import signal
     import subprocess
@@ -622,7 +625,8 @@ def test_ctrl_c_writes_every_answer_received_to_the_row_cache(monkeypatch, tmp_p
     srv = JudgeServer(JudgeConfig(latency_s=0.02))
     with srv as url:
         code = INTERRUPTED_RUN.format(tests=str(Path(__file__).parent), url=url, store=str(store))
-        proc = subprocess.Popen([sys.executable, "-c", code], env=python_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        proc = subprocess.Popen([sys.executable, "-c", code], env=python_env(), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE)
         deadline = time.monotonic() + 120
         while srv.state.stats["items_answered"] < 100:
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1].decode()[-2000:]

@@ -46,14 +46,15 @@ def greedy_a_llama(folder: Path) -> int:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(["Judge the items below. Reply with one line per item: [1] (a)"] * 4, trainer=trainer)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
     tokenizer.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                                "{% if add_generation_prompt %}assistant:{% endif %}")
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                         num_key_value_heads=2, max_position_embeddings=8192, bos_token_id=0, eos_token_id=1, tie_word_embeddings=False)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=8192, bos_token_id=0,
+                         eos_token_id=1, tie_word_embeddings=False)
     model = LlamaForCausalLM(config)
     a = tokenizer.convert_tokens_to_ids("a")
     with torch.no_grad():
@@ -79,7 +80,8 @@ class Served:
 
     def posts(self) -> list[int]:
         """Status codes of the chat-completion requests the server logged, in order."""
-        return [int(s) for s in re.findall(r'"POST /v1/chat/completions HTTP/1.1" (\d{3})', self.log.read_text(errors="replace"))]
+        text = self.log.read_text(errors="replace")
+        return [int(s) for s in re.findall(r'"POST /v1/chat/completions HTTP/1.1" (\d{3})', text)]
 
 
 @pytest.fixture(scope="module")
@@ -93,8 +95,9 @@ def served(tmp_path_factory):
     log = folder / "server.log"
     env = os.environ | {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     with open(log, "wb") as out:
-        proc = subprocess.Popen([str(TRANSFORMERS), "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
-                                 "--device", "cpu", "--default-seed", "0"], stdout=out, stderr=subprocess.STDOUT, env=env)
+        command = [str(TRANSFORMERS), "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
+                   "--device", "cpu", "--default-seed", "0"]
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
         deadline = time.monotonic() + 120
         while True:  # ~10 s on the 2-core machine, mostly imports
@@ -135,7 +138,8 @@ def test_the_paper_pool_without_served_model_is_one_clear_error_not_retried(serv
     with pytest.raises(AnnotationError) as err:
         annotate(make_rows(16), cfg, str(tmp_path))
     message = str(err.value)
-    assert "\n" not in message and re.search(r"HTTP 400 from endpoint .*: the endpoint does not serve model 'gpt-4[.\w-]*'", message)
+    assert "\n" not in message
+    assert re.search(r"HTTP 400 from endpoint .*: the endpoint does not serve model 'gpt-4[.\w-]*'", message)
     assert f"Server is pinned to '{served.model}'" in message  # the server's own words
     assert "annotation.served_model" in message and "--served-model" in message
     time.sleep(0.5)
@@ -158,8 +162,9 @@ def test_the_paper_pool_with_served_model_no_400s_and_garbage_is_parse_failures(
     assert posts and set(posts) == {200}  # no 400 (model name), no 500 (parameters)
     log = open_store(tmp_path).read_rows("annotations", "annotations").to_pylist()
     failed = [r for r in log if r["status"] == "failed"]
-    assert len(log) == len({r["key"] for r in log}) and len(failed) >= len(log) - 2  # "a" by chance, at most a couple of times
-    assert failed and all(r["error"].startswith("parse: ") and r["error"].endswith("(after one re-ask)") for r in failed)
+    assert len(log) == len({r["key"] for r in log}) and len(failed) >= len(log) - 2  # "a" by chance, rarely
+    assert failed and all(r["error"].startswith("parse: ") and r["error"].endswith("(after one re-ask)")
+                          for r in failed)
     assert all(r["raw_completion"] for r in failed) and {r["model"] for r in log} == {served.model}
     assert f"{len(failed)} of 24 pairs failed (parse: {len(failed)})" in str(err.value)
     expected = {"failed_rows": len(failed), "reparsed": 0, "still_failed": len(failed)}
@@ -172,8 +177,8 @@ def test_a_greedy_annotator_through_served_model_is_judged_and_cached(served, ke
     """Temperature 0 decodes greedily: "a" for every pair, so the first output shown wins. A float logit_bias is
     accepted (transformers serve fails on integer biases). The rerun is answered from the row cache."""
     rows = make_rows(12, seed=3)
-    cfg = pool(judge("greedy", model="gpt-4o", temperature=0.0, logit_bias={str(served.a_id): 1.0}, base_url=served.url),
-               served_model=served.model, timeout_s=60)
+    greedy = judge("greedy", model="gpt-4o", temperature=0.0, logit_bias={str(served.a_id): 1.0}, base_url=served.url)
+    cfg = pool(greedy, served_model=served.model, timeout_s=60)
     before = len(served.posts())
     table, totals = annotate(rows, cfg, str(tmp_path))
     assert totals["judged"] == 12 and totals["failed"] == 0 and totals["requests"] == 12

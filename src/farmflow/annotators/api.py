@@ -39,8 +39,8 @@ from typing import Callable
 import openai
 
 from farmflow.annotators import budget, cache, failures, prompts
-from farmflow.annotators.ratelimit import make_limiter
 from farmflow.annotators.oracle import unit_hash
+from farmflow.annotators.ratelimit import make_limiter
 from farmflow.config import AnnotatorConfig, ApiAnnotatorConfig
 from farmflow.progress import log
 
@@ -52,7 +52,7 @@ class AnnotationError(RuntimeError):
     the error stopped a run, so a caller can still write what was judged and a summary.
     """
 
-    def __init__(self, message: str, judged: list[dict] | None = None, stats: "RunStats | None" = None):
+    def __init__(self, message: str, judged: list[dict] | None = None, stats: RunStats | None = None):
         super().__init__(message)
         self.judged, self.stats = judged, stats
 
@@ -128,8 +128,8 @@ class _Run:
     def client(self, base_url: str) -> openai.AsyncOpenAI:
         if base_url not in self.clients:
             http = openai.DefaultAsyncHttpxClient(event_hooks={"response": [failures.no_retry_on_client_errors]})
-            self.clients[base_url] = openai.AsyncOpenAI(
-                base_url=base_url, api_key=self.key, max_retries=self.cfg.max_retries, timeout=self.cfg.timeout_s, http_client=http)
+            self.clients[base_url] = openai.AsyncOpenAI(base_url=base_url, api_key=self.key, http_client=http,
+                                                        max_retries=self.cfg.max_retries, timeout=self.cfg.timeout_s)
         return self.clients[base_url]
 
     def model(self, a: ApiAnnotatorConfig) -> str:
@@ -148,8 +148,8 @@ class _Run:
                 "preference": None if shown is None else (3.0 - shown if it.swapped else shown),
                 "status": "ok" if prefs is not None else "failed", "error": error, "raw_completion": raw,
                 "prompt_tokens": usage[0] // n, "completion_tokens": usage[1] // n, "price_usd": price,
-                "latency_s": latency,
-                "created": cache.now(), "prompt_format": a.prompt_format, "item": k, "items": n, "swapped": it.swapped,
+                "latency_s": latency, "created": cache.now(), "prompt_format": a.prompt_format, "item": k, "items": n,
+                "swapped": it.swapped,
             })
         if self.writer is not None:
             self.writer.add(rows)

@@ -155,7 +155,8 @@ def build_app(state: JudgeState) -> FastAPI:
         if cfg.api_key is not None and request.headers.get("authorization") != f"Bearer {cfg.api_key}":
             state.stats["status_401"] += 1
             given = request.headers.get("authorization", "").removeprefix("Bearer ")
-            return _error(401, f"Incorrect API key provided: {given}.", "invalid_request_error")  # echoed, as some servers do
+            # the key is echoed, as some servers do: the client must scrub it from its messages
+            return _error(401, f"Incorrect API key provided: {given}.", "invalid_request_error")
         try:
             body = await request.json()
             model, messages = body["model"], body["messages"]
@@ -164,9 +165,11 @@ def build_app(state: JudgeState) -> FastAPI:
             state.stats["status_400"] += 1
             return _error(400, f"cannot read the request: {err}", "invalid_request_error")
         bias = body.get("logit_bias")
-        if bias is not None and (not isinstance(bias, dict) or not bias or not all(isinstance(v, float) for v in bias.values())):
+        floats = isinstance(bias, dict) and bool(bias) and all(isinstance(v, float) for v in bias.values())
+        if bias is not None and not floats:
             state.stats["status_400"] += 1
-            return _error(400, "logit_bias must map token ids to float biases (and not be empty)", "invalid_request_error")
+            return _error(400, "logit_bias must map token ids to float biases (and not be empty)",
+                          "invalid_request_error")
         if body.get("max_tokens") is None:
             state.stats["no_max_tokens"] += 1
         with state.lock:
@@ -191,8 +194,8 @@ def build_app(state: JudgeState) -> FastAPI:
             return _error(500, "The server had an error while processing your request.", "server_error")
         if fault == "400":
             state.stats["status_400"] += 1
-            return _error(400, "This model's maximum context length is 4096 tokens; your messages resulted in 5120 tokens.",
-                          "invalid_request_error")
+            return _error(400, "This model's maximum context length is 4096 tokens; your messages resulted in 5120 "
+                          "tokens.", "invalid_request_error")
         if fault == "409":
             state.stats["status_409"] += 1
             return _error(409, "Another request with the same idempotency key is in progress.", "conflict_error")
@@ -230,11 +233,10 @@ def build_app(state: JudgeState) -> FastAPI:
             choice["logprobs"] = {"content": [first | {"top_logprobs": top[: int(body.get("top_logprobs") or 2)]}], "refusal": None}
         prompt_tokens = sum(len(m.get("content") or "") for m in messages) // 4
         completion_tokens = len(content) // 4 + 1
-        reply = {
-            "id": f"chatcmpl-{state.stats['requests']}", "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [choice],
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens},
-        }
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                 "total_tokens": prompt_tokens + completion_tokens}
+        reply = {"id": f"chatcmpl-{state.stats['requests']}", "object": "chat.completion", "created": int(time.time()),
+                 "model": model, "choices": [choice], "usage": usage}
         if fault == "truncated_body":  # the client gets half of the JSON: nothing it can read (not counted as answered)
             data = json.dumps(reply).encode()
             state.stats["status_200_truncated"] += 1

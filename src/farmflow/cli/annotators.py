@@ -29,7 +29,8 @@ def judge_server(
     port: int = typer.Option(LOCAL_JUDGE_PORT, help="Port (0: any free port; the URL is printed)."),
     latency_ms: float = typer.Option(0.0, help="Milliseconds every answer takes."),
     fault_rate: float = typer.Option(0.0, help="Probability that a request gets an injected fault."),
-    faults: str = typer.Option("429,500,400,409,timeout,garbage,truncated,wrong_count,html,truncated_body", help="Fault kinds to draw from, comma-separated."),
+    faults: str = typer.Option("429,500,400,409,timeout,garbage,truncated,wrong_count,html,truncated_body",
+                               help="Fault kinds to draw from (in turn), comma-separated."),
     retry_after: float = typer.Option(1.0, help="Retry-After seconds of injected 429s."),
     timeout_sleep: float = typer.Option(30.0, help="Seconds an injected timeout holds the answer."),
     api_key_env: Optional[str] = typer.Option(None, help="Require the key in this environment variable (401 otherwise); default: any key."),
@@ -69,7 +70,8 @@ def _annotator_config(name: str, base_url: Optional[str], max_cost_usd: Optional
                       served_model: Optional[str] = None):
     from farmflow.config import ANNOTATOR_PRESETS, AnnotatorConfig, ConfigError
 
-    given = {"base_url": base_url, "max_cost_usd": max_cost_usd, "max_in_flight": max_in_flight, "served_model": served_model}
+    given = {"base_url": base_url, "max_cost_usd": max_cost_usd, "max_in_flight": max_in_flight,
+             "served_model": served_model}
     extra = {k: v for k, v in given.items() if v is not None}
     try:
         if name == "oracle":

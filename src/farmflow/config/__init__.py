@@ -402,10 +402,11 @@ class AnnotatorConfig(Section):
         None, description="OpenAI-compatible endpoint for API annotators without their own; None: $OPENAI_BASE_URL or OpenAI's."
     )
     served_model: str | None = Field(
-        None,
-        description="Model name sent in every request of the API pool instead of each annotator's model, for an endpoint that "
-        "serves one fixed model (transformers serve, a single-model vLLM or Ollama); each annotator keeps its prompt format, "
-        "style, temperature and batch size. Part of each judge's identity in the row cache. None: each annotator's model.",
+        None, min_length=1,
+        description="Model name sent in every request of the API pool instead of each annotator's model, for an "
+        "endpoint that serves one fixed model (transformers serve, a single-model vLLM or Ollama); each annotator "
+        "keeps its prompt format, style, temperature and batch size. Part of each judge's identity in the row cache. "
+        "None: each annotator's model.",
     )
     api_key_env: str = Field("OPENAI_API_KEY", json_schema_extra={"stage_key": False}, description="Environment variable holding the API key (never logged or stored).")
     api_key_secret: str | None = Field(None, json_schema_extra={"stage_key": False}, description="Name of a Prefect Secret block with the API key; used instead of api_key_env when set.")
@@ -422,10 +423,14 @@ class AnnotatorConfig(Section):
     timeout_s: float = Field(60.0, gt=0, json_schema_extra={"stage_key": False}, description="Seconds before one HTTP request times out (the SDK then retries it).")
     max_retries: int = Field(
         2, ge=0, le=10, json_schema_extra={"stage_key": False},
-        description="SDK retries per request on 408/429/5xx/timeouts/connection errors, honoring Retry-After; other 4xx are never retried.",
+        description="SDK retries per request on 408/429/5xx/timeouts/connection errors, honoring Retry-After; "
+        "other 4xx are never retried.",
     )
-    chunk_size: int = Field(100, ge=1, json_schema_extra={"stage_key": False}, description="Judged pairs written to the row cache per append (at least every 10 s); "
-        "each answer is also journaled on local disk as it arrives, so a killed run loses only the requests in flight.")
+    chunk_size: int = Field(
+        100, ge=1, json_schema_extra={"stage_key": False},
+        description="Judged pairs written to the row cache per append (at least every 10 s); each answer is also "
+        "journaled on local disk as it arrives, so a killed run loses only the requests in flight.",
+    )
     max_cost_usd: float | None = Field(
         None, gt=0, json_schema_extra={"stage_key": False}, description="Stop sending new requests once the run has spent this much (requests in flight still finish); None: no cap."
     )
@@ -438,9 +443,9 @@ class AnnotatorConfig(Section):
 
     def stage_key_extra(self) -> dict:
         """Part of the key of every stage that uses this config (`farmflow.tasks.core.key_config`): for API annotators,
-        each judge's identity as the row cache hashes it (resolved endpoint, $OPENAI_BASE_URL included, model asked, prompt
-        format and version, batch size, temperature, token cap), so another judge never reuses these labels. Nothing
-        for the oracle."""
+        each judge's identity as the row cache hashes it (resolved endpoint, $OPENAI_BASE_URL included, model asked,
+        prompt format and version, batch size, temperature, token cap), so another judge never reuses these labels.
+        Nothing for the oracle."""
         if self.kind != "api":
             return {}
         from farmflow.annotators.cache import annotator_hash, resolve_base_url
