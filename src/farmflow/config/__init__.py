@@ -432,7 +432,10 @@ class AnnotatorConfig(Section):
         "journaled on local disk as it arrives, so a killed run loses only the requests in flight.",
     )
     max_cost_usd: float | None = Field(
-        None, gt=0, json_schema_extra={"stage_key": False}, description="Stop sending new requests once the run has spent this much (requests in flight still finish); None: no cap."
+        None, gt=0, json_schema_extra={"stage_key": False},
+        description="Spending cap of one run: each request reserves its estimated cost (prompt at 4 characters a token "
+        "plus its whole token cap, at the model's price) before it is sent, so the run spends at most this much and stops "
+        "within one request's cost of it; what is done is kept. None: no cap.",
     )
     prices: dict[str, ModelPrice] = Field(default_factory=_default_prices, json_schema_extra={"stage_key": False}, description="Model name -> token prices, for cost per annotation and run totals.")
 
