@@ -107,11 +107,14 @@ def test_logprobs_preference_is_the_oracle_probability(monkeypatch, tmp_path):
 
 def test_logit_bias_is_sent(monkeypatch, tmp_path):
     rows = make_rows(12)
-    with sharp_server(monkeypatch) as url:  # the server's token ids: 97 = "a", 98 = "b"
+    server = sharp_server(monkeypatch)
+    with server as url:  # the server's token ids: 97 = "a", 98 = "b"
         cfg = pool(judge(prompt_format="logprobs", logit_bias={"97": 100, "98": -100}, base_url=url))
         table = annotate_pairs(rows, cfg, str(tmp_path))
     # everything biased to "(a)": the first output shown always wins
     assert [t["preference"] for t in table.to_pylist()] == [pytest.approx(2.0 if t["swapped"] else 1.0) for t in table.to_pylist()]
+    # the server refuses integer or empty biases (400), as transformers serve does (500): none was refused
+    assert server.state.stats["status_400"] == 0 and server.state.stats["no_max_tokens"] == 0
 
 
 def test_noised_label_of_a_flipped_pair_is_flipped_too(tmp_path):
@@ -197,21 +200,37 @@ def test_cost_per_annotation_and_run_totals(server, tmp_path):
     assert sum(log.column("price_usd").to_pylist()) == pytest.approx(totals["cost_usd"])
 
 
-def test_max_cost_stops_sending_and_keeps_what_is_done(server, tmp_path):
+def request_estimate(row, cfg):
+    """What a one-pair 'choice' request reserves: its prompt at 4 characters a token plus its whole token cap."""
+    from farmflow.annotators.budget import cost, prompt_tokens_estimate
+    from farmflow.annotators.prompts import Item, render
+
+    a = cfg.api_pool[0]
+    item = Item(row["instruction"], row["input"], row["output_1"], row["output_2"])
+    messages = render([item], a.prompt_format, a.style)
+    return cost(cfg.prices[a.model], prompt_tokens_estimate(messages), cache.max_tokens(a))
+
+
+def test_max_cost_is_reserved_before_sending_and_stops_within_one_request_of_the_cap(server, tmp_path):
+    """Eight requests in flight and a cap of a few requests: spending stays under the cap, less than one request short.
+
+    Regression: the cost was counted when replies arrived, so every request in flight passed the cap
+    (a 4x overshoot at small caps)."""
     rows = make_rows(40)
-    cfg = pool(judge(base_url=server.url), max_in_flight=1)
-    _, probe = annotate(rows[:1], cfg, str(tmp_path / "probe"))
-    cap = probe["cost_usd"] * 9.5
+    cfg = pool(judge(base_url=server.url), max_in_flight=8)
+    one = max(request_estimate(r, cfg) for r in rows)
+    cap = 3.5 * one
     with pytest.raises(AnnotationIncomplete, match=r"max_cost_usd=\$.* reached after \$.*: \d+ pairs not sent") as err:
         annotate(rows, cfg.model_copy(update={"max_cost_usd": cap}), str(tmp_path))
-    done = sorted(open_store(tmp_path).read_rows("annotations", "annotations").to_pylist(), key=lambda r: r["created"])
-    prices = [r["price_usd"] for r in done]
-    # one request in flight: sent while spent < cap, so the last one crossed it
-    assert sum(prices[:-1]) < cap <= sum(prices) and 5 <= len(done) <= 15
+    done = open_store(tmp_path).read_rows("annotations", "annotations").to_pylist()
+    spent = sum(r["price_usd"] for r in done)
+    assert spent <= cap < spent + one
+    assert server.state.stats["requests"] == len(done) and 3 <= len(done) < 40  # a request is sent only if it fits
     assert f"{40 - len(done)} pairs not sent" in str(err.value)
     # the cap is per run: a rerun reuses what is cached and spends up to the cap again
     table, totals = annotate(rows, cfg.model_copy(update={"max_cost_usd": cap}), str(tmp_path), allow_incomplete=True)
-    assert totals["cached"] == len(done) and totals["cost_usd"] >= cap and totals["judged"] + totals["unsent"] == 40 - len(done)
+    assert totals["cached"] == len(done) and totals["cost_usd"] <= cap < totals["cost_usd"] + one
+    assert totals["judged"] + totals["unsent"] == 40 - len(done) and totals["judged"] >= 3
     assert table.column("preference").null_count == totals["unsent"] > 0
     _, last = annotate(rows, cfg, str(tmp_path))  # no cap: finishes, pays only for the rest
     assert last["cached"] == len(done) + totals["judged"] and last["judged"] == totals["unsent"]
@@ -326,7 +345,7 @@ def test_local_rate_limit(server, tmp_path, monkeypatch):
     """
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from farmflow.annotators import api
+    from farmflow.annotators import ratelimit
 
     cfg = pool(judge(base_url=server.url), requests_per_minute=1200, rate_limit_name="test-local")  # one request per 50 ms
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
@@ -334,7 +353,7 @@ def test_local_rate_limit(server, tmp_path, monkeypatch):
         start = time.perf_counter()
         annotate_pairs(make_rows(21), cfg, str(tmp_path))
         seconds = time.perf_counter() - start
-    assert ("test-local", 1200) in api._LIMITERS  # the local limiter did the spacing
+    assert ("test-local", 1200) in ratelimit.LIMITERS  # the local limiter did the spacing
     # 21 requests at one per 50 ms cannot finish sooner than ~1 s; the upper bound only catches a hang
     assert 0.95 <= seconds < 60
 
@@ -447,3 +466,175 @@ def test_judge_listening_socket_turns_nagle_off():
         assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
     finally:
         sock.close()
+
+
+# ----------------------------------------------------------------------------- request failures
+def test_a_cut_json_body_fails_its_request_not_the_run(monkeypatch, tmp_path):
+    """Regression: a 200 reply whose JSON body was cut mid-way made the SDK raise json.JSONDecodeError (not an
+    APIError); it escaped asyncio.gather, so the run ended in a traceback with nothing written for the pairs
+    in flight. Now the request is asked once more, then its pairs are failed rows with the reason."""
+    rows = make_rows(20)
+    srv = sharp_server(monkeypatch, fault_rate=1.0, faults=["truncated_body"])
+    with srv as url:
+        table, totals = annotate(rows, pool(judge(base_url=url)), str(tmp_path), allow_incomplete=True)
+    assert srv.state.stats["status_200_truncated"] == srv.state.stats["requests"] == 40  # each asked twice
+    assert totals["failed"] == 20 and table.column("preference").null_count == 20
+    log = open_store(tmp_path).read_rows("annotations", "annotations").to_pylist()
+    assert len(log) == 20 and {r["status"] for r in log} == {"failed"}
+    assert all(r["error"].startswith("bad_response: unreadable reply") and "JSONDecodeError" in r["error"]
+               and r["error"].endswith("(after one re-ask)") for r in log)
+
+
+def test_half_the_bodies_cut_every_pair_judged_or_failed_none_lost(monkeypatch, tmp_path):
+    rows = make_rows(40)
+    srv = sharp_server(monkeypatch, fault_rate=0.5, faults=["truncated_body"])
+    with srv as url:
+        cfg = pool(judge(base_url=url), judge("j5", batch_size=5, base_url=url))
+        table, totals = annotate(rows, cfg, str(tmp_path), allow_incomplete=True)
+    log = open_store(tmp_path).read_rows("annotations", "annotations").to_pylist()
+    assert len(log) == len({r["key"] for r in log}) == 40 == totals["judged"] + totals["failed"]
+    assert totals["reasks"] > 0 and totals["judged"] > 20  # a re-ask usually gets a readable reply
+    assert [p for p in table.column("preference").to_pylist() if p is not None] == [
+        gold_pref(r) for r, p in zip(rows, table.column("preference").to_pylist()) if p is not None]
+
+
+@pytest.mark.parametrize("fault, status", [("409", 409), ("400", 400)])
+def test_a_client_error_is_not_retried_and_shows_the_server_body(monkeypatch, tmp_path, fault, status):
+    """The SDK would retry a 409 on its own; no 4xx other than 408/429 is worth asking again."""
+    rows = make_rows(6)
+    srv = sharp_server(monkeypatch, fault_rate=1.0, faults=[fault])
+    with srv as url:
+        _, totals = annotate(rows, pool(judge(base_url=url), max_retries=3), str(tmp_path), allow_incomplete=True)
+    assert srv.state.stats["requests"] == 6 and totals["failed"] == 6
+    errors = {r["error"] for r in open_store(tmp_path).read_rows("annotations", "annotations").to_pylist()}
+    body = {"409": "idempotency key is in progress", "400": "maximum context length is 4096 tokens"}[fault]
+    assert len(errors) == 1 and (error := errors.pop()).startswith(f"http_{status}: the server said: {{")
+    assert body in error and error.endswith("(not retried)") and "\n" not in error
+
+
+def test_server_errors_are_retried_and_say_how_often(monkeypatch, tmp_path):
+    srv = sharp_server(monkeypatch, fault_rate=1.0, faults=["500"])
+    with srv as url:
+        cfg = pool(judge(base_url=url), max_retries=2)
+        _, totals = annotate(make_rows(3), cfg, str(tmp_path), allow_incomplete=True)
+    assert srv.state.stats["requests"] == 9 and totals["failed"] == 3  # 1 + 2 retries each
+    log = open_store(tmp_path).read_rows("annotations", "annotations").to_pylist()
+    body = '{"error":{"message":"The server had an error while processing your request.","type":"server_error",' \
+           '"param":null,"code":null}}'
+    assert {r["error"] for r in log} == {f"http_500: the server said: {body} (after 2 retries)"}
+
+
+# ----------------------------------------------------------------------------- served_model
+def three_models(url, **kw):
+    return pool(judge("g4", model="gpt-4o", prompt_format="json", batch_size=4, base_url=url),
+                judge("mini", batch_size=1, style="strict", base_url=url),
+                judge("d3", model="gpt-4.1-mini", batch_size=5, temperature=0.5, base_url=url), **kw)
+
+
+def test_served_model_sends_one_model_name_and_is_part_of_the_cache_identity(monkeypatch, tmp_path, caplog):
+    caplog.set_level(logging.DEBUG)
+    rows = make_rows(30)
+    srv = sharp_server(monkeypatch, models=["judge-7b"])
+    with srv as url:
+        with pytest.raises(AnnotationError) as err:  # the pool's own model names: the endpoint does not serve them
+            annotate(rows, three_models(url), str(tmp_path))
+        assert srv.state.stats["requests"] == 1  # the first request goes alone, a 404 is not retried, no other is sent
+        assert "does not serve model" in str(err.value) and "annotation.served_model" in str(err.value)
+        assert "The model 'gpt-4o" in str(err.value)  # the server's own words
+        _no_key_anywhere(caplog, str(err.value))
+
+        table, totals = annotate(rows, three_models(url, served_model="judge-7b"), str(tmp_path))
+        assert sum(n for m, n in srv.state.models.items() if m != "judge-7b") == 1  # only the first, refused request
+        assert srv.state.models["judge-7b"] == totals["requests"] and totals["failed"] == 0
+        assert table.column("preference").to_pylist() == [gold_pref(r) for r in rows]
+        assert {r["annotator"] for r in table.to_pylist()} == {"g4", "mini", "d3"}  # each annotator keeps its format...
+        log = open_store(tmp_path).read_rows("annotations", "annotations").to_pylist()
+        assert {r["model"] for r in log} == {"judge-7b"} and {r["prompt_format"] for r in log} == {"json", "choice"}
+        biggest = {}
+        for r in log:
+            biggest[r["annotator"]] = max(biggest.get(r["annotator"], 0), r["items"])
+        assert biggest == {"g4": 4, "mini": 1, "d3": 5}  # ...and batch size
+
+        # the same served model: all cached; another served model: other judges, asked again
+        _, again = annotate(rows, three_models(url, served_model="judge-7b"), str(tmp_path))
+        assert again["cached"] == 30 and again["requests"] == 0
+        srv.state.config.models = None
+        _, other = annotate(rows, three_models(url, served_model="judge-13b"), str(tmp_path))
+        assert other["cached"] == 0 and other["judged"] == 30 and srv.state.models["judge-13b"] == other["requests"]
+
+
+def test_served_model_in_the_stage_key_and_prices():
+    from farmflow.config import ModelPrice
+
+    a = three_models("http://127.0.0.1:9/v1")
+    b = a.model_copy(update={"served_model": "judge-7b"})
+    assert a.stage_key_extra() != b.stage_key_extra() != b.model_copy(update={"served_model": "x"}).stage_key_extra()
+    # a cost cap needs the price of the model asked: the served one, not the pool's
+    with pytest.raises(ValueError, match=r"add \['judge-7b'\] to prices"):
+        three_models("http://127.0.0.1:9/v1", served_model="judge-7b", max_cost_usd=1.0)
+    three_models("http://127.0.0.1:9/v1", served_model="judge-7b", max_cost_usd=1.0,
+                 prices={"judge-7b": ModelPrice(prompt_usd_per_mtok=0.1, completion_usd_per_mtok=0.2)})
+
+
+def test_cli_served_model_and_a_stopped_run_still_writes_its_output(monkeypatch, tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from farmflow.cli import app
+
+    rows = make_rows(10)
+    src = tmp_path / "pairs.json"
+    src.write_text(json.dumps([{k: r[k] for k in ("instruction", "input", "output_1", "output_2")} for r in rows]))
+    runner = CliRunner()
+    with sharp_server(monkeypatch, models=["judge-7b"]) as url:
+        args = ["annotate", str(src), "--annotator", "p_sim_eval", "--base-url", url, "--store", str(tmp_path / "st")]
+        res = runner.invoke(app, args)
+        assert res.exit_code == 1
+        assert "annotation.served_model" in " ".join(res.output.split())
+        summary = json.loads(res.stdout[res.stdout.index("{"):res.stdout.rindex("}") + 1])
+        assert summary["pairs"] == 10 and summary["unsent"] == 10 and summary["judged"] == 0
+        assert [r["preference"] for r in json.loads((tmp_path / "pairs.annotated.json").read_text())] == [None] * 10
+        res = runner.invoke(app, [*args, "--served-model", "judge-7b"])
+    assert res.exit_code == 0, res.output
+    out = json.loads((tmp_path / "pairs.annotated.json").read_text())
+    assert [round(r["preference"]) for r in out] == [gold_pref(r) for r in rows]  # logprobs annotators give fractions
+
+
+INTERRUPTED_RUN = """
+import sys
+sys.path.insert(0, {tests!r})
+from test_api_annotators import make_rows, pool, judge
+from farmflow.annotators import annotate
+annotate(make_rows(400, seed=2), pool(judge(base_url={url!r}), max_in_flight=4, chunk_size=1000), {store!r})
+"""
+
+
+def test_ctrl_c_writes_every_answer_received_to_the_row_cache(monkeypatch, tmp_path):
+    """SIGINT cancels the run; on the way out every answer received is appended to the row log, the journal is gone."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from procs import python_env
+
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    store = tmp_path / "store"
+    srv = JudgeServer(JudgeConfig(latency_s=0.02))
+    with srv as url:
+        code = INTERRUPTED_RUN.format(tests=str(Path(__file__).parent), url=url, store=str(store))
+        proc = subprocess.Popen([sys.executable, "-c", code], env=python_env(), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 120
+        while srv.state.stats["items_answered"] < 100:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1].decode()[-2000:]
+            time.sleep(0.01)
+        os.kill(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        answered = srv.state.stats["items_answered"]
+    assert proc.returncode != 0 and b"KeyboardInterrupt" in err  # interrupted, not finished
+    rows = open_store(store).read_rows("annotations", "annotations").num_rows
+    assert answered - 4 <= rows <= answered < 400  # chunk_size 1000: one append, on the way out
+    assert list((store / "_journal" / "annotations").glob("*.jsonl")) == []

@@ -6,15 +6,20 @@
 2. every other pair gets its annotator (seeded hash of instruction + input) and the order
    its outputs are shown in (seeded hash of the pair), and is looked up in the row cache;
 3. the pairs not in the cache are grouped per annotator into requests of `batch_size`
-   numbered items and sent, at most `max_in_flight` at once, under the rate limit. The
-   first request to each endpoint and model goes alone (once per process), so a bad key,
-   a wrong model or an unreachable endpoint gives one clear error instead of a burst. The SDK
-   retries 408/409/429/5xx, timeouts and connection errors (`max_retries`, honoring
-   Retry-After); a completion that does not parse is asked again once; what still fails
-   is stored as failed with its reason and raw completion;
-4. judged rows are appended to the cache every `chunk_size` pairs, so a killed run
-   loses at most one chunk plus the requests in flight;
-5. once the run has spent `max_cost_usd`, no new request is sent; what is done is kept.
+   numbered items and sent, at most `max_in_flight` at once, under the rate limit, with
+   the pool's `served_model` as the model name when set. The first request to each
+   endpoint and model goes alone, one after another (once per process), so a bad key, a
+   model the endpoint does not serve or an unreachable endpoint gives one clear error
+   instead of a burst. The SDK retries 408/429/5xx, timeouts and connection errors
+   (`max_retries`, honoring Retry-After) and no other 4xx (`failures`). A reply that cannot
+   be read (a completion that does not parse, a body that is not JSON) is asked again
+   once. Any other failure of a request, whatever raised it, fails that request's rows
+   with the reason (`failures.describe`), the raw completion kept for `reparse`;
+4. each answer is journaled on local disk as it arrives and appended to the row cache
+   every `chunk_size` pairs or 10 s and whenever the run ends (`journal`), so a killed run
+   re-asks only the requests that were in flight;
+5. each request reserves its estimated cost before it is sent (`budget`): the run spends at
+   most `max_cost_usd` and stops within one request's cost of it; what is done is kept.
 
 The API key comes from the environment variable `api_key_env` or the Prefect Secret block
 `api_key_secret`; it is never logged, stored, or put into an exception message.
@@ -26,23 +31,30 @@ import asyncio
 import concurrent.futures
 import hashlib
 import os
-import threading
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Callable
 
 import openai
-from openai.types.chat import ChatCompletion
 
-from farmflow.annotators import cache, prompts
+from farmflow.annotators import budget, cache, failures, prompts
 from farmflow.annotators.oracle import unit_hash
+from farmflow.annotators.ratelimit import make_limiter
 from farmflow.config import AnnotatorConfig, ApiAnnotatorConfig
 from farmflow.progress import log
 
 
 class AnnotationError(RuntimeError):
-    """The endpoint cannot be used at all (unreachable, bad key, unknown model): one clear message."""
+    """The endpoint cannot be used at all (unreachable, bad key, unknown model): one clear message.
+
+    `judged` holds the per-row results of the run so far (as `annotate_api` returns them) when
+    the error stopped a run, so a caller can still write what was judged and a summary.
+    """
+
+    def __init__(self, message: str, judged: list[dict] | None = None, stats: RunStats | None = None):
+        super().__init__(message)
+        self.judged, self.stats = judged, stats
 
 
 @dataclass
@@ -98,221 +110,129 @@ def api_key(cfg: AnnotatorConfig) -> str:
     return value
 
 
-def scrub(text: str, secret: str) -> str:
-    return text.replace(secret, "***") if secret else text
-
-
-# ----------------------------------------------------------------------------- rate limits
-class _LocalLimiter:
-    """Requests evenly spaced at `per_minute`, shared by every caller in the process."""
-
-    def __init__(self, per_minute: float):
-        self.interval, self.next, self.lock = 60.0 / per_minute, 0.0, threading.Lock()
-
-    async def wait(self) -> None:
-        with self.lock:
-            now = time.monotonic()
-            slot = max(now, self.next)
-            self.next = slot + self.interval
-        if slot > now:
-            await asyncio.sleep(slot - now)
-
-
-_LIMITERS: dict[tuple[str, float], _LocalLimiter] = {}
-_LIMITERS_LOCK = threading.Lock()
-
-
-def _prefect_api_configured() -> bool:
-    from prefect.settings import get_current_settings
-
-    return bool(get_current_settings().api.url)
-
-
-async def _prefect_limiter(name: str, per_minute: float):
-    """Prefect's `rate_limit` on a global concurrency limit with slot decay, created if missing."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
-    from prefect.concurrency.asyncio import rate_limit
-    from prefect.exceptions import ObjectNotFound
-
-    async with get_client() as client:
-        try:
-            await client.read_global_concurrency_limit_by_name(name)
-        except ObjectNotFound:
-            per_s = per_minute / 60.0
-            await client.create_global_concurrency_limit(
-                GlobalConcurrencyLimitCreate(name=name, limit=max(1, int(per_s)), slot_decay_per_second=per_s)
-            )
-            log("created Prefect rate limit %r: %.3g requests/s", name, per_s)
-
-    async def wait() -> None:
-        await rate_limit(name, occupy=1, strict=True)
-
-    return wait
-
-
-async def make_limiter(cfg: AnnotatorConfig):
-    """An async `wait()` per request: Prefect's global limit with a server, a process-wide one otherwise."""
-    if cfg.requests_per_minute is None:
-        async def unlimited() -> None:
-            return None
-        return unlimited
-    if _prefect_api_configured():
-        return await _prefect_limiter(cfg.rate_limit_name, cfg.requests_per_minute)
-    with _LIMITERS_LOCK:
-        limiter = _LIMITERS.setdefault((cfg.rate_limit_name, cfg.requests_per_minute), _LocalLimiter(cfg.requests_per_minute))
-    return limiter.wait
-
-
 # ----------------------------------------------------------------------------- the run
+Outcome = tuple  # (preferences or None, error or None, raw completion, [prompt, completion tokens], seconds)
+
+
 class _Run:
     def __init__(self, cfg: AnnotatorConfig, store, key: str, limiter, progress: Callable[[int], None] | None = None):
         self.cfg, self.store, self.key, self.limiter, self.progress = cfg, store, key, limiter, progress
         self.sem = asyncio.Semaphore(cfg.max_in_flight)
+        self.budget = budget.Budget(cfg.max_cost_usd)
         self.stats = RunStats()
         self.results: dict[str, dict] = {}
-        self.buffer: list[dict] = []
+        self.writer = cache.Writer(store, cfg.chunk_size) if store is not None else None
         self.fatal: str | None = None
         self.clients: dict[str, openai.AsyncOpenAI] = {}
 
     def client(self, base_url: str) -> openai.AsyncOpenAI:
         if base_url not in self.clients:
-            self.clients[base_url] = openai.AsyncOpenAI(
-                base_url=base_url, api_key=self.key, max_retries=self.cfg.max_retries, timeout=self.cfg.timeout_s
-            )
+            http = openai.DefaultAsyncHttpxClient(event_hooks={"response": [failures.no_retry_on_client_errors]})
+            self.clients[base_url] = openai.AsyncOpenAI(base_url=base_url, api_key=self.key, http_client=http,
+                                                        max_retries=self.cfg.max_retries, timeout=self.cfg.timeout_s)
         return self.clients[base_url]
 
-    def price(self, model: str, prompt_tokens: int, completion_tokens: int) -> float:
-        p = self.cfg.prices.get(model)
-        if p is None:
-            return 0.0
-        return (prompt_tokens * p.prompt_usd_per_mtok + completion_tokens * p.completion_usd_per_mtok) / 1e6
+    def model(self, a: ApiAnnotatorConfig) -> str:
+        return cache.asked_model(a, self.cfg)
 
-    def flush(self, force: bool = False) -> None:
-        if self.store is not None and self.buffer and (force or len(self.buffer) >= self.cfg.chunk_size):
-            rows, self.buffer = self.buffer, []
-            self.store.append_rows(cache.NAMESPACE, cache.to_table(rows), cache.NAMESPACE)
-
-    def record(self, a: ApiAnnotatorConfig, ahash: str, items: list[Pending], prefs: list[float] | None, error: str | None,
-               raw: str | None, usage: tuple[int, int], latency: float) -> None:
-        n = len(items)
-        price = self.price(a.model, *usage) / n
+    def record(self, a: ApiAnnotatorConfig, ahash: str, items: list[Pending], outcome: Outcome) -> None:
+        prefs, error, raw, usage, latency = outcome
+        n, model = len(items), self.model(a)
+        price = budget.cost(self.cfg.prices.get(model), *usage) / n
+        rows = []
         for k, it in enumerate(items, 1):
             shown = prefs[k - 1] if prefs is not None else None
-            row = {
-                "key": it.key, "annotator": a.name, "annotator_hash": ahash, "model": a.model, "instruction": it.instruction,
-                "input": it.input, "output_1": it.output_1, "output_2": it.output_2,
+            rows.append({
+                "key": it.key, "annotator": a.name, "annotator_hash": ahash, "model": model,
+                "instruction": it.instruction, "input": it.input, "output_1": it.output_1, "output_2": it.output_2,
                 "preference": None if shown is None else (3.0 - shown if it.swapped else shown),
                 "status": "ok" if prefs is not None else "failed", "error": error, "raw_completion": raw,
-                "prompt_tokens": usage[0] // n, "completion_tokens": usage[1] // n, "price_usd": price, "latency_s": latency,
-                "created": cache.now(), "prompt_format": a.prompt_format, "item": k, "items": n, "swapped": it.swapped,
-            }
-            self.results[it.key] = row
-            self.buffer.append(row)
-        if self.progress:
-            self.progress(n)
+                "prompt_tokens": usage[0] // n, "completion_tokens": usage[1] // n, "price_usd": price,
+                "latency_s": latency, "created": cache.now(), "prompt_format": a.prompt_format, "item": k, "items": n,
+                "swapped": it.swapped,
+            })
+        if self.writer is not None:
+            self.writer.add(rows)
+        self.results |= {r["key"]: r for r in rows}
         if prefs is None:
             self.stats.failed += n
             self.stats.errors[error.split(":")[0] if error else "error"] += n
         else:
             self.stats.judged += n
-        self.flush()
-
-    def _stop_reason(self) -> str | None:
-        if self.fatal:
-            return self.fatal
-        if self.cfg.max_cost_usd is not None and self.stats.cost_usd >= self.cfg.max_cost_usd:
-            return "budget"
-        return None
+        if self.progress:
+            self.progress(n)
 
     async def ask(self, a: ApiAnnotatorConfig, base_url: str, ahash: str, items: list[Pending]) -> None:
         async with self.sem:
-            if self._stop_reason():
+            try:
+                outcome = await self._attempts(a, base_url, items)
+            except Exception as err:  # noqa: BLE001  (whatever raised, this request fails and the run goes on)
+                reason = f"error: {type(err).__name__}: {failures.one_line(str(err), self.key, 160)}"
+                outcome = (None, reason, None, [0, 0], 0.0)
+            if outcome is None:  # not sent: a fatal error or the budget
                 self.stats.unsent += len(items)
                 return
+            self.record(a, ahash, items, outcome)
+
+    async def _attempts(self, a: ApiAnnotatorConfig, base_url: str, items: list[Pending]) -> Outcome | None:
+        """Send one request (again once if its reply cannot be read); None when it was not sent."""
+        model = self.model(a)
+        request = chat_request(a, model, items)
+        estimate = budget.cost(self.cfg.prices.get(model), budget.prompt_tokens_estimate(request["messages"]),
+                               request["max_tokens"])
+        usage, raw, error, start = [0, 0], None, "", time.perf_counter()
+
+        def failed(reason: str) -> Outcome:
+            return None, reason, raw, usage, time.perf_counter() - start
+
+        for attempt in (0, 1):
+            if self.fatal or not await self.budget.reserve(estimate):
+                stop = "the run stopped" if self.fatal else "max_cost_usd reached"
+                return None if attempt == 0 else failed(f"{error} (not re-asked: {stop})")
             await self.limiter()
-            messages = prompts.render([it.shown() for it in items], a.prompt_format, a.style)
-            extra: dict = {}
-            if a.prompt_format == "logprobs":
-                extra |= {"logprobs": True, "top_logprobs": 5}
-            if a.logit_bias:
-                extra["logit_bias"] = a.logit_bias
-            usage, raw, start = [0, 0], None, time.perf_counter()
-            for attempt in (0, 1):
+            self.stats.requests += 1
+            try:
+                resp = await self.client(base_url).chat.completions.create(**request)
+            except Exception as err:  # noqa: BLE001  (SDK errors, and anything else a reply can raise)
+                await self.budget.settle(estimate, 0.0)
+                failure = failures.describe(err, secret=self.key, base_url=base_url, annotator=a.name, model=model,
+                                            key_source=self._key_source(), timeout_s=self.cfg.timeout_s)
+                if failure.fatal:
+                    self.fatal = self.fatal or failure.message
+                    return None
+                error, reask = failure.message, failure.reask
+            else:
+                spent = self._count_usage(model, resp, usage)
+                await self.budget.settle(estimate, estimate if spent is None else spent)
                 try:
-                    self.stats.requests += 1
-                    resp = await self.client(base_url).chat.completions.create(
-                        model=a.model, messages=messages, temperature=a.temperature, max_tokens=cache.max_tokens(a), **extra
-                    )
-                except openai.APIError as err:
-                    error = self._classify(err, a, base_url)
-                    if error is None:  # fatal: already recorded in self.fatal
-                        self.stats.unsent += len(items)
-                        return
-                    self.record(a, ahash, items, None, error, raw, tuple(usage), time.perf_counter() - start)
-                    return
-                if not isinstance(resp, ChatCompletion):  # e.g. HTTP 200 with a web page: base_url is not an API
-                    reply = scrub(str(resp), self.key)[:80]
-                    self.record(a, ahash, items, None, f"bad_response: not a chat completion from {scrub(base_url, self.key)} "
-                                f"(got {type(resp).__name__} {reply!r})", raw, tuple(usage), time.perf_counter() - start)
-                    return
-                try:
-                    text, top = self._account(a, resp, usage)
-                except (AttributeError, IndexError, TypeError, ValueError) as err:  # a chat completion with the wrong fields
-                    self.record(a, ahash, items, None, f"bad_response: {type(err).__name__}: {scrub(str(err), self.key)[:120]}",
-                                raw, tuple(usage), time.perf_counter() - start)
-                    return
+                    text, top = failures.read_reply(resp, base_url, self.key)
+                except failures.BadReply as err:
+                    return failed(str(err))
                 raw = prompts.raw_completion(a.prompt_format, text, top)
                 try:
                     prefs = prompts.parse(a.prompt_format, len(items), text, top)
+                    return prefs, None, raw, usage, time.perf_counter() - start
                 except prompts.ParseError as err:
-                    if attempt == 0:
-                        self.stats.reasks += 1
-                        continue
-                    self.record(a, ahash, items, None, f"parse: {err} (after one re-ask)", raw, tuple(usage), time.perf_counter() - start)
-                    return
-                self.record(a, ahash, items, prefs, None, raw, tuple(usage), time.perf_counter() - start)
-                return
+                    error, reask = f"parse: {err}", True
+            if not reask:
+                return failed(error)
+            if attempt == 0:
+                self.stats.reasks += 1
+        return failed(f"{error} (after one re-ask)")
 
-    def _account(self, a: ApiAnnotatorConfig, resp: ChatCompletion, usage: list[int]) -> tuple[str, list[tuple[str, float]] | None]:
-        """Count a reply's tokens and cost; its text and, for the logprobs format, the first token's top log-probs."""
-        if resp.usage is not None:
-            prompt, completion = resp.usage.prompt_tokens or 0, resp.usage.completion_tokens or 0
-            usage[0] += prompt
-            usage[1] += completion
-            self.stats.prompt_tokens += prompt
-            self.stats.completion_tokens += completion
-            self.stats.cost_usd += self.price(a.model, prompt, completion)
-        choice = resp.choices[0] if resp.choices else None
-        text = (choice.message.content if choice and choice.message else None) or ""
-        top = None
-        if choice is not None and choice.logprobs is not None and choice.logprobs.content:
-            top = [(t.token, t.logprob) for t in choice.logprobs.content[0].top_logprobs or []]
-        return text, top
-
-    def _classify(self, err: openai.APIError, a: ApiAnnotatorConfig, base_url: str) -> str | None:
-        """A per-request failure reason, or None after recording a fatal error (stop sending)."""
-        retries = f"after {self.cfg.max_retries} retries"
-        if isinstance(err, openai.APITimeoutError):
-            return f"timeout: no answer within {self.cfg.timeout_s:g}s, {retries}"
-        where = f"endpoint {base_url}, annotator {a.name!r}, model {a.model!r}"
-        if isinstance(err, openai.APIConnectionError):
-            fatal = f"cannot connect to {where} ({retries}); is the server running and base_url right?"
-        elif isinstance(err, openai.AuthenticationError):
-            fatal = f"the API key was rejected (HTTP 401) by {where}; check {self._key_source()}"
-        elif isinstance(err, openai.PermissionDeniedError):
-            fatal = f"permission denied (HTTP 403) by {where}; check {self._key_source()}"
-        elif isinstance(err, openai.NotFoundError):
-            fatal = f"HTTP 404 from {where}: unknown model or wrong base_url"
-        elif isinstance(err, openai.RateLimitError):
-            return f"rate_limited: HTTP 429 {retries}"
-        elif isinstance(err, openai.APIStatusError):
-            return f"http_{err.status_code}: {scrub(str(err.message), self.key)[:200]} ({retries})"
-        else:
-            return f"error: {type(err).__name__}"
-        if self.fatal is None:
-            self.fatal = scrub(fatal, self.key)
-        return None
+    def _count_usage(self, model: str, resp: object, usage: list[int]) -> float | None:
+        """Add a reply's token counts to the request's and the run's; its cost, None without usage."""
+        u = getattr(resp, "usage", None)
+        if u is None:
+            return None
+        prompt, completion = int(getattr(u, "prompt_tokens", 0) or 0), int(getattr(u, "completion_tokens", 0) or 0)
+        usage[0] += prompt
+        usage[1] += completion
+        self.stats.prompt_tokens += prompt
+        self.stats.completion_tokens += completion
+        cost = budget.cost(self.cfg.prices.get(model), prompt, completion)
+        self.stats.cost_usd += cost
+        return cost
 
     def _key_source(self) -> str:
         return f"Prefect Secret {self.cfg.api_key_secret!r}" if self.cfg.api_key_secret else f"${self.cfg.api_key_env}"
@@ -321,24 +241,31 @@ class _Run:
         start = time.perf_counter()
         try:
             # the first request to each endpoint and model not yet seen working in this process goes
-            # alone: a bad key, model or endpoint fails once, not max_in_flight times
+            # alone, one after another: a bad key, model or endpoint fails once, not max_in_flight times
             firsts: dict[tuple, tuple] = {}
             for r in requests:
-                firsts.setdefault((r[1], r[0].model), r)
+                firsts.setdefault((r[1], self.model(r[0])), r)
             probes = [r for k, r in firsts.items() if self._verified(k) not in _VERIFIED]
-            await asyncio.gather(*(self.ask(*r) for r in probes))
             for r in probes:
+                await self.ask(*r)
                 if self.fatal is None:
-                    _VERIFIED.add(self._verified((r[1], r[0].model)))
+                    _VERIFIED.add(self._verified((r[1], self.model(r[0]))))
             rest = [r for r in requests if not any(r is p for p in probes)]
             rest.sort(key=lambda r: r[3][0].key)  # interleave annotators; deterministic order
             await asyncio.gather(*(self.ask(*r) for r in rest))
         finally:
-            self.flush(force=True)
+            await self._close(time.perf_counter() - start)
+
+    async def _close(self, seconds: float) -> None:
+        """On every exit (done, error, cancelled): the last rows to the row cache, the clients closed."""
+        try:
+            if self.writer is not None:
+                self.writer.close()
+        finally:
             for c in self.clients.values():
                 await c.close()
-            self.stats.seconds = time.perf_counter() - start
-            self.stats.stopped = self._stop_reason()
+            self.stats.seconds = seconds
+            self.stats.stopped = self.fatal or ("budget" if self.budget.exhausted else None)
 
     def _verified(self, endpoint_model: tuple) -> tuple:
         return (*endpoint_model, hashlib.sha256(self.key.encode()).hexdigest()[:16])
@@ -346,6 +273,18 @@ class _Run:
 
 _VERIFIED: set[tuple] = set()
 """(base_url, model, key digest) that answered in this process: later runs skip the lone first request."""
+
+
+def chat_request(a: ApiAnnotatorConfig, model: str, items: list[Pending]) -> dict:
+    """The chat-completion parameters for one request: only what OpenAI-compatible servers accept."""
+    messages = prompts.render([it.shown() for it in items], a.prompt_format, a.style)
+    request: dict = {"model": model, "messages": messages, "temperature": a.temperature,
+                     "max_tokens": cache.max_tokens(a)}
+    if a.prompt_format == "logprobs":  # servers without log-probabilities ignore these: the text is parsed then
+        request |= {"logprobs": True, "top_logprobs": 5}
+    if a.logit_bias:  # never empty, and floats only: some servers (transformers serve) fail on either
+        request["logit_bias"] = {k: float(v) for k, v in a.logit_bias.items()}
+    return request
 
 
 def _run_coro(factory):
@@ -374,7 +313,11 @@ def annotate_api(rows: list[dict], cfg: AnnotatorConfig, store,
     """
     pool = cfg.api_pool
     urls = [cache.resolve_base_url(a, cfg) for a in pool]
-    hashes = [cache.annotator_hash(a, u) for a, u in zip(pool, urls)]
+    hashes = [cache.annotator_hash(a, u, cfg.served_model) for a, u in zip(pool, urls)]
+    if store is not None:
+        recovered = cache.recover(store)
+        if recovered:
+            log("annotate: %d rows of an interrupted run recovered from its journal", recovered)
     ok, _ = cache.read(store, set(hashes)) if store is not None else ({}, {})
 
     plan: list[dict] = []
@@ -418,23 +361,27 @@ def annotate_api(rows: list[dict], cfg: AnnotatorConfig, store,
 
         run = _run_coro(main)
         stats, results = run.stats, run.results
-        if run.fatal:
-            raise AnnotationError(run.fatal + f" ({stats.judged} pairs judged and cached before the error)")
-        log("annotate: %d requests (%d re-asks), %d judged, %d failed, %d not sent, $%.4f, %.1fs",
-            stats.requests, stats.reasks, stats.judged, stats.failed, stats.unsent, stats.cost_usd, stats.seconds)
+        reasons = ", ".join(f"{k}: {v}" for k, v in stats.errors.most_common())
+        log("annotate: %d requests (%d re-asks), %d judged, %d failed%s, %d not sent, $%.4f, %.1fs",
+            stats.requests, stats.reasks, stats.judged, stats.failed, f" ({reasons})" if reasons else "", stats.unsent,
+            stats.cost_usd, stats.seconds)
 
+    stopped_by_error = stats.stopped not in (None, "budget")
+    unsent = "not sent: the run stopped at an error" if stopped_by_error else "not sent: max_cost_usd reached"
     out = []
     for e in plan:
         if "key" in e:
             hit = results.get(e["key"]) or ok.get(e["key"])
             if hit is None:
-                e |= {"preference": None, "status": "unsent", "error": "not sent: max_cost_usd reached"}
+                e |= {"preference": None, "status": "unsent", "error": unsent}
             else:
                 p = hit["preference"]
                 e |= {"preference": None if p is None else (3.0 - p if e["flipped"] else p), "status": hit["status"],
                       "error": hit["error"], "price_usd": hit["price_usd"] if e["key"] in results else 0.0,
                       "cached": e["key"] not in results}
         out.append(e)
+    if stopped_by_error:
+        raise AnnotationError(f"{stats.stopped} ({stats.judged} pairs judged and cached before the error)", out, stats)
     return out, stats
 
 

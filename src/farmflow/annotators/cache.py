@@ -2,15 +2,18 @@
 
 A row's key is ``sha256(annotator hash, instruction, input, output_1, output_2)`` with the
 two outputs in canonical (sorted) order, and its preference is relative to that order.
-The annotator hash covers everything that changes an answer: endpoint, model, prompt
-format and style, batch size, temperature, token cap, logit bias and the prompt version;
-not the annotator's name, nor limits, prices or retries. So a pair judged once by an
+The annotator hash covers everything that changes an answer: endpoint, the model asked
+(the pool's `served_model` when set, else the annotator's), prompt format and style, batch
+size, temperature, token cap, logit bias and the prompt version; not the annotator's name,
+nor limits, prices or retries. So a pair judged once by an
 annotator is never paid for again, in any run or flow, whichever order its outputs come
 in.
 
 The log is append-only (``store.append_rows``, one Parquet file per chunk). The latest
 ``ok`` row of a key wins; failed rows (``status`` 'failed', with ``error`` and the raw
 completion when there was one) stay for `reparse` and are asked again by the next run.
+A run writes through a `Writer`: rows not yet in a chunk wait in a local `journal`, which
+`recover` commits after a crash.
 """
 
 from __future__ import annotations
@@ -18,14 +21,17 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from datetime import datetime, timezone
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from farmflow.annotators import prompts
+from farmflow.annotators import journal, prompts
 from farmflow.config import AnnotatorConfig, ApiAnnotatorConfig
-from farmflow.storage import canonical_json
+from farmflow.progress import log
+from farmflow.storage import LocalStore, canonical_json
 from farmflow.storage.schemas import SCHEMAS
 
 NAMESPACE = "annotations"
@@ -49,9 +55,14 @@ def max_tokens(annotator: ApiAnnotatorConfig) -> int:
     return annotator.max_tokens or prompts.default_max_tokens(annotator.prompt_format, annotator.batch_size)
 
 
-def annotator_hash(annotator: ApiAnnotatorConfig, base_url: str) -> str:
+def asked_model(annotator: ApiAnnotatorConfig, cfg: AnnotatorConfig) -> str:
+    """The model name sent for this annotator: the pool's served_model when set."""
+    return cfg.served_model or annotator.model
+
+
+def annotator_hash(annotator: ApiAnnotatorConfig, base_url: str, served_model: str | None = None) -> str:
     payload = {
-        "prompt_version": prompts.PROMPT_VERSION, "base_url": base_url, "model": annotator.model,
+        "prompt_version": prompts.PROMPT_VERSION, "base_url": base_url, "model": served_model or annotator.model,
         "prompt_format": annotator.prompt_format, "style": annotator.style, "batch_size": annotator.batch_size,
         "temperature": annotator.temperature, "max_tokens": max_tokens(annotator), "logit_bias": annotator.logit_bias,
     }
@@ -88,11 +99,69 @@ def read(store, hashes: set[str] | None = None) -> tuple[dict[str, dict], dict[s
     return ok, {k: r for k, r in failed.items() if k not in ok}
 
 
+def journal_dir(store) -> Path:
+    """Where runs on this machine journal rows for `store`: inside a local store, else in its local cache."""
+    if isinstance(store, LocalStore):
+        return store.root / "_journal" / NAMESPACE
+    digest = hashlib.sha256(str(store.root).encode()).hexdigest()[:16]
+    return Path(getattr(store, "cache", "~/.cache/farmflow")).expanduser() / "journal" / digest / NAMESPACE
+
+
+def _from_journal(row: dict) -> dict:
+    return row | {"created": datetime.fromisoformat(row["created"])}
+
+
+def recover(store) -> int:
+    """Commit to the row log the journaled rows of runs that died before writing them (see `journal`)."""
+    def commit(rows: list[dict]) -> None:
+        store.append_rows(NAMESPACE, to_table([_from_journal(r) for r in rows]), NAMESPACE)
+
+    return journal.recover(journal_dir(store), commit)
+
+
+class Writer:
+    """A run's rows on their way to the log: journaled as they come, appended every `chunk_size` rows or
+    `flush_s` seconds, and at `close` (on every exit path; if that append fails the journal stays for `recover`)."""
+
+    def __init__(self, store, chunk_size: int, flush_s: float = 10.0):
+        self.store, self.chunk_size, self.flush_s = store, chunk_size, flush_s
+        self.buffer: list[dict] = []
+        self.since = time.monotonic()
+        self.journal = journal.Journal(journal_dir(store))
+
+    def add(self, rows: list[dict]) -> None:
+        self.journal.write(rows)
+        if not self.buffer:
+            self.since = time.monotonic()
+        self.buffer += rows
+        if len(self.buffer) >= self.chunk_size or time.monotonic() - self.since >= self.flush_s:
+            try:
+                self.flush()
+            except Exception as err:  # noqa: BLE001  (the rows stay journaled and buffered; the next flush tries again)
+                log("annotate: cannot append to the row cache yet (%s: %s); will try again",
+                    type(err).__name__, str(err)[:160])
+
+    def flush(self) -> None:
+        if self.buffer:
+            self.store.append_rows(NAMESPACE, to_table(self.buffer), NAMESPACE)
+            self.buffer = []
+            self.journal.committed()
+
+    def close(self) -> None:
+        try:
+            self.flush()
+        except BaseException:
+            self.journal.close(keep=True)
+            raise
+        self.journal.close()
+
+
 def reparse(store) -> dict[str, int]:
     """Parse the raw completions of failed rows again (no API calls); append the rows that now parse.
 
     Useful after a parser fix: the completions were paid for once and are kept.
     """
+    recover(store)
     _, failed = read(store)
     fixed, still = [], 0
     for row in failed.values():

@@ -10,17 +10,26 @@ more likely choice; otherwise the choice is drawn with a hash of the request con
 the same question always gets the same answer.
 
 For tests and benchmarks: fixed latency, an optional API key (401 otherwise), an optional
-model list (404 otherwise) and fault injection. With probability `fault_rate` a request
-gets one of the faults in `faults`, drawn from a seeded generator:
+model list (404 otherwise) and fault injection. With probability `fault_rate` (a seeded
+generator) a request gets a fault, the kinds in `faults` taking turns, so a run with at
+least that many faults sees every kind:
 
 * ``429``: HTTP 429 with a Retry-After header; ``500``: HTTP 500;
+* ``400``: HTTP 400 refusing the request (its context is too long); ``409``: HTTP 409, a
+  conflict (neither is worth retrying);
 * ``timeout``: the answer is held for `timeout_sleep_s` (longer than the client waits);
 * ``garbage``: text that answers nothing; ``truncated``: the right answer cut in half;
 * ``wrong_count``: one answer too few (or one too many for a single item);
-* ``html``: HTTP 200 with an HTML page, as a web UI answers when base_url points at it.
+* ``html``: HTTP 200 with an HTML page, as a web UI answers when base_url points at it;
+* ``truncated_body``: HTTP 200, Content-Type application/json, the JSON body cut in half
+  (a proxy or server that dropped the rest of the reply).
+
+Like some real servers (transformers serve fails on them), it refuses a ``logit_bias`` that
+is empty or holds integers (HTTP 400), and counts requests without ``max_tokens``.
 
 `stats` counts requests, status codes, faults, tokens and how often each pair was
-answered, so tests can check that nothing was asked or paid for twice.
+answered, so tests can check that nothing was asked or paid for twice; `models` counts the
+model names asked for.
 
 Run it with ``farmflow judge-server`` or, in-process, ``with JudgeServer(JudgeConfig()) as url: ...``.
 """
@@ -38,7 +47,7 @@ from collections import Counter
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from pydantic import BaseModel, Field
 
 from farmflow.annotators.oracle import OracleAnnotator, sigmoid, task_from_text, unit_hash
@@ -46,7 +55,7 @@ from farmflow.annotators.prompts import Item, parse_prompt
 from farmflow.config import AnnotatorConfig, OracleAnnotatorConfig
 from farmflow.data.synthetic import task_to_json
 
-FAULTS = ("429", "500", "timeout", "garbage", "truncated", "wrong_count", "html")
+FAULTS = ("429", "500", "400", "409", "timeout", "garbage", "truncated", "wrong_count", "html", "truncated_body")
 
 
 class JudgeConfig(BaseModel):
@@ -74,8 +83,10 @@ class JudgeState:
         self.rng = random.Random(config.seed)
         self.stats: Counter[str] = Counter()
         self.pairs: Counter[tuple] = Counter()  # (instruction, input, first, second) -> answered with 200
+        self.models: Counter[str] = Counter()  # model name -> requests asking for it
         self.lock = threading.Lock()
         self.in_flight = 0
+        self.faults_drawn = 0
 
     def oracle_for(self, model: str) -> OracleAnnotator:
         return self.oracles[int(unit_hash("model", model) * len(self.oracles))]
@@ -143,7 +154,9 @@ def build_app(state: JudgeState) -> FastAPI:
             state.stats["requests"] += 1
         if cfg.api_key is not None and request.headers.get("authorization") != f"Bearer {cfg.api_key}":
             state.stats["status_401"] += 1
-            return _error(401, "Incorrect API key provided.", "invalid_request_error")
+            given = request.headers.get("authorization", "").removeprefix("Bearer ")
+            # the key is echoed, as some servers do: the client must scrub it from its messages
+            return _error(401, f"Incorrect API key provided: {given}.", "invalid_request_error")
         try:
             body = await request.json()
             model, messages = body["model"], body["messages"]
@@ -151,6 +164,16 @@ def build_app(state: JudgeState) -> FastAPI:
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
             state.stats["status_400"] += 1
             return _error(400, f"cannot read the request: {err}", "invalid_request_error")
+        bias = body.get("logit_bias")
+        floats = isinstance(bias, dict) and bool(bias) and all(isinstance(v, float) for v in bias.values())
+        if bias is not None and not floats:
+            state.stats["status_400"] += 1
+            return _error(400, "logit_bias must map token ids to float biases (and not be empty)",
+                          "invalid_request_error")
+        if body.get("max_tokens") is None:
+            state.stats["no_max_tokens"] += 1
+        with state.lock:
+            state.models[model] += 1
         if cfg.models is not None and model not in cfg.models:
             state.stats["status_404"] += 1
             return _error(404, f"The model '{model}' does not exist.", "invalid_request_error")
@@ -158,7 +181,8 @@ def build_app(state: JudgeState) -> FastAPI:
         fault = None
         with state.lock:
             if cfg.fault_rate and state.rng.random() < cfg.fault_rate and cfg.faults:
-                fault = state.rng.choice(cfg.faults)
+                fault = cfg.faults[state.faults_drawn % len(cfg.faults)]
+                state.faults_drawn += 1
         if fault:
             state.stats[f"fault_{fault}"] += 1
         await asyncio.sleep(cfg.latency_s)
@@ -168,6 +192,13 @@ def build_app(state: JudgeState) -> FastAPI:
         if fault == "500":
             state.stats["status_500"] += 1
             return _error(500, "The server had an error while processing your request.", "server_error")
+        if fault == "400":
+            state.stats["status_400"] += 1
+            return _error(400, "This model's maximum context length is 4096 tokens; your messages resulted in 5120 "
+                          "tokens.", "invalid_request_error")
+        if fault == "409":
+            state.stats["status_409"] += 1
+            return _error(409, "Another request with the same idempotency key is in progress.", "conflict_error")
         if fault == "timeout":
             await asyncio.sleep(cfg.timeout_sleep_s)
             if await request.is_disconnected():  # the client gave up: nothing answered, nothing billed
@@ -202,6 +233,14 @@ def build_app(state: JudgeState) -> FastAPI:
             choice["logprobs"] = {"content": [first | {"top_logprobs": top[: int(body.get("top_logprobs") or 2)]}], "refusal": None}
         prompt_tokens = sum(len(m.get("content") or "") for m in messages) // 4
         completion_tokens = len(content) // 4 + 1
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                 "total_tokens": prompt_tokens + completion_tokens}
+        reply = {"id": f"chatcmpl-{state.stats['requests']}", "object": "chat.completion", "created": int(time.time()),
+                 "model": model, "choices": [choice], "usage": usage}
+        if fault == "truncated_body":  # the client gets half of the JSON: nothing it can read (not counted as answered)
+            data = json.dumps(reply).encode()
+            state.stats["status_200_truncated"] += 1
+            return Response(data[: len(data) // 2], media_type="application/json")
         with state.lock:
             state.stats["status_200"] += 1
             state.stats["prompt_tokens"] += prompt_tokens
@@ -209,11 +248,7 @@ def build_app(state: JudgeState) -> FastAPI:
             state.stats["items_answered"] += len(items)
             for it in items:
                 state.pairs[(it.instruction, it.input, it.first, it.second)] += 1
-        return JSONResponse({
-            "id": f"chatcmpl-{state.stats['requests']}", "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [choice],
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens},
-        })
+        return JSONResponse(reply)
 
     return app
 

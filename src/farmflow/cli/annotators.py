@@ -29,7 +29,8 @@ def judge_server(
     port: int = typer.Option(LOCAL_JUDGE_PORT, help="Port (0: any free port; the URL is printed)."),
     latency_ms: float = typer.Option(0.0, help="Milliseconds every answer takes."),
     fault_rate: float = typer.Option(0.0, help="Probability that a request gets an injected fault."),
-    faults: str = typer.Option("429,500,timeout,garbage,truncated,wrong_count,html", help="Fault kinds to draw from, comma-separated."),
+    faults: str = typer.Option("429,500,400,409,timeout,garbage,truncated,wrong_count,html,truncated_body",
+                               help="Fault kinds to draw from (in turn), comma-separated."),
     retry_after: float = typer.Option(1.0, help="Retry-After seconds of injected 429s."),
     timeout_sleep: float = typer.Option(30.0, help="Seconds an injected timeout holds the answer."),
     api_key_env: Optional[str] = typer.Option(None, help="Require the key in this environment variable (401 otherwise); default: any key."),
@@ -65,10 +66,13 @@ def judge_server(
         pass
 
 
-def _annotator_config(name: str, base_url: Optional[str], max_cost_usd: Optional[float], max_in_flight: Optional[int]):
+def _annotator_config(name: str, base_url: Optional[str], max_cost_usd: Optional[float], max_in_flight: Optional[int],
+                      served_model: Optional[str] = None):
     from farmflow.config import ANNOTATOR_PRESETS, AnnotatorConfig, ConfigError
 
-    extra = {k: v for k, v in {"base_url": base_url, "max_cost_usd": max_cost_usd, "max_in_flight": max_in_flight}.items() if v is not None}
+    given = {"base_url": base_url, "max_cost_usd": max_cost_usd, "max_in_flight": max_in_flight,
+             "served_model": served_model}
+    extra = {k: v for k, v in given.items() if v is not None}
     try:
         if name == "oracle":
             return AnnotatorConfig(label_noise=0.0, **extra)
@@ -112,6 +116,9 @@ def annotate_file(
     base_url: Optional[str] = typer.Option(None, help="OpenAI-compatible endpoint (default: the config's, $OPENAI_BASE_URL or OpenAI)."),
     max_cost_usd: Optional[float] = typer.Option(None, help="Stop sending requests once this much is spent."),
     max_in_flight: Optional[int] = typer.Option(None, help="Requests in flight at once."),
+    served_model: Optional[str] = typer.Option(
+        None, help="Send every request with this model name (an endpoint serving one model, e.g. transformers serve); "
+        "each annotator keeps its prompt format, style, temperature and batch size."),
 ) -> None:
     """Annotate an AlpacaEval-format file; writes the same rows with 'preference' (1: output_1, 2: output_2) and 'annotator'."""
     from farmflow.annotators import AnnotationError, annotate, task_from_text
@@ -121,7 +128,7 @@ def annotate_file(
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("farmflow").setLevel(logging.INFO)
-    cfg = _annotator_config(annotator, base_url, max_cost_usd, max_in_flight)
+    cfg = _annotator_config(annotator, base_url, max_cost_usd, max_in_flight, served_model)
     try:
         data = read_alpaca_eval(path)
     except ValueError as err:
@@ -136,13 +143,16 @@ def annotate_file(
                 console.print(f"[red]{path}: row {i} is not a synthetic-farm task; the oracle cannot judge it (use an API annotator)[/red]")
                 raise typer.Exit(2)
             r["task"] = task_to_json(task)
+    error = None
     try:
         with progress("annotate", len(rows), unit="pair") as bar:
             table, totals = annotate(rows, cfg, store or StoreConfig().uri, allow_incomplete=True, progress=bar.update)
+        judged = table.to_pylist()
     except AnnotationError as err:
-        console.print(f"[red]annotation failed:[/red] {err}")
-        raise typer.Exit(1)
-    judged = table.to_pylist()
+        if err.judged is None:  # nothing was asked (e.g. no API key): nothing to write
+            console.print(f"[red]annotation failed:[/red] {err}", soft_wrap=True)
+            raise typer.Exit(1)
+        error, judged, totals = err, err.judged, _totals(err.judged, err.stats)
     out = [r | {"preference": j["preference"], "annotator": j["annotator"]} for r, j in zip(data, judged)]
     target = output or path.with_suffix(".annotated.json")
     tmp = target.with_name(f".{target.name}.tmp")
@@ -150,9 +160,22 @@ def annotate_file(
     os.replace(tmp, target)
     missing = sum(j["preference"] is None for j in judged)
     print(json.dumps({"file": str(target), **{k: (int(v) if float(v).is_integer() else v) for k, v in totals.items()}}, indent=2))
+    if error is not None:
+        console.print(f"[red]annotation failed:[/red] {error}", soft_wrap=True)
+        raise typer.Exit(1)
     if missing:
         console.print(f"[yellow]{missing} rows have no preference (failed or not sent; see above); rerun to ask them again[/yellow]")
         raise typer.Exit(1)
+
+
+def _totals(judged: list[dict], stats) -> dict[str, float]:
+    """The summary of a run that stopped at an error, from its per-row results and its `RunStats`."""
+    count = lambda status: float(sum(j["status"] == status for j in judged))  # noqa: E731
+    return {"pairs": float(len(judged)), "noised": count("noised"), "ties": count("tie"),
+            "cached": float(sum(bool(j.get("cached")) and j["status"] == "ok" for j in judged)),
+            "judged": float(sum(j["status"] == "ok" and not j.get("cached") for j in judged)),
+            "failed": count("failed"), "unsent": count("unsent"),
+            "requests": float(stats.requests if stats else 0), "cost_usd": stats.cost_usd if stats else 0.0}
 
 
 @annotations_app.command("reparse")

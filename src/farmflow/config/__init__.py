@@ -490,6 +490,13 @@ class AnnotatorConfig(Section):
     base_url: str | None = Field(
         None, description="OpenAI-compatible endpoint for API annotators without their own; None: $OPENAI_BASE_URL or OpenAI's."
     )
+    served_model: str | None = Field(
+        None, min_length=1,
+        description="Model name sent in every request of the API pool instead of each annotator's model, for an "
+        "endpoint that serves one fixed model (transformers serve, a single-model vLLM or Ollama); each annotator "
+        "keeps its prompt format, style, temperature and batch size. Part of each judge's identity in the row cache. "
+        "None: each annotator's model.",
+    )
     api_key_env: str = Field("OPENAI_API_KEY", json_schema_extra={"stage_key": False}, description="Environment variable holding the API key (never logged or stored).")
     api_key_secret: str | None = Field(None, json_schema_extra={"stage_key": False}, description="Name of a Prefect Secret block with the API key; used instead of api_key_env when set.")
     max_in_flight: int = Field(32, ge=1, json_schema_extra={"stage_key": False}, description="Requests in flight at once (per annotation call).")
@@ -503,10 +510,21 @@ class AnnotatorConfig(Section):
         "when a Prefect server is configured (PREFECT_API_URL), else a limiter shared within the process.",
     )
     timeout_s: float = Field(60.0, gt=0, json_schema_extra={"stage_key": False}, description="Seconds before one HTTP request times out (the SDK then retries it).")
-    max_retries: int = Field(2, ge=0, le=10, json_schema_extra={"stage_key": False}, description="SDK retries per request on 408/409/429/5xx/timeouts/connection errors, honoring Retry-After.")
-    chunk_size: int = Field(100, ge=1, json_schema_extra={"stage_key": False}, description="Judged pairs written to the row cache per append; a killed run loses at most this many plus those in flight.")
+    max_retries: int = Field(
+        2, ge=0, le=10, json_schema_extra={"stage_key": False},
+        description="SDK retries per request on 408/429/5xx/timeouts/connection errors, honoring Retry-After; "
+        "other 4xx are never retried.",
+    )
+    chunk_size: int = Field(
+        100, ge=1, json_schema_extra={"stage_key": False},
+        description="Judged pairs written to the row cache per append (at least every 10 s); each answer is also "
+        "journaled on local disk as it arrives, so a killed run loses only the requests in flight.",
+    )
     max_cost_usd: float | None = Field(
-        None, gt=0, json_schema_extra={"stage_key": False}, description="Stop sending new requests once the run has spent this much (requests in flight still finish); None: no cap."
+        None, gt=0, json_schema_extra={"stage_key": False},
+        description="Spending cap of one run: each request reserves its estimated cost (prompt at 4 characters a token "
+        "plus its whole token cap, at the model's price) before it is sent, so the run spends at most this much and stops "
+        "within one request's cost of it; what is done is kept. None: no cap.",
     )
     prices: dict[str, ModelPrice] = Field(default_factory=_default_prices, json_schema_extra={"stage_key": False}, description="Model name -> token prices, for cost per annotation and run totals.")
 
@@ -517,9 +535,9 @@ class AnnotatorConfig(Section):
 
     def stage_key_extra(self) -> dict:
         """Part of the key of every stage that uses this config (`farmflow.tasks.core.key_config`): for API annotators,
-        each judge's identity as the row cache hashes it (resolved endpoint, $OPENAI_BASE_URL included, model, prompt
-        format and version, batch size, temperature, token cap), so another judge never reuses these labels; for the
-        hf judge, its identity (`annotators.hf.judge_hash`). Nothing for the oracle."""
+        each judge's identity as the row cache hashes it (resolved endpoint, $OPENAI_BASE_URL included, model asked,
+        prompt format and version, batch size, temperature, token cap), so another judge never reuses these labels;
+        for the hf judge, its identity (`annotators.hf.judge_hash`). Nothing for the oracle."""
         if self.kind == "hf":
             from farmflow.annotators.hf import judge_hash
 
@@ -528,7 +546,7 @@ class AnnotatorConfig(Section):
             return {}
         from farmflow.annotators.cache import annotator_hash, resolve_base_url
 
-        return {"judges": [annotator_hash(a, resolve_base_url(a, self)) for a in self.api_pool]}
+        return {"judges": [annotator_hash(a, resolve_base_url(a, self), self.served_model) for a in self.api_pool]}
 
     @field_validator("api_key_env")
     @classmethod
@@ -563,7 +581,7 @@ class AnnotatorConfig(Section):
             if len(set(names)) != len(names):
                 raise ValueError(f"api_pool: annotator names must be unique, got {names}")
             if self.max_cost_usd is not None:
-                unpriced = sorted({a.model for a in self.api_pool} - set(self.prices))
+                unpriced = sorted({self.served_model or a.model for a in self.api_pool} - set(self.prices))
                 if unpriced:
                     raise ValueError(f"max_cost_usd needs a price for every model; add {unpriced} to prices")
         return self
