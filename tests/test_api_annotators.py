@@ -120,9 +120,9 @@ def test_logit_bias_is_sent(monkeypatch, tmp_path):
 def test_noised_label_of_a_flipped_pair_is_flipped_too(tmp_path):
     """A coin-flip label belongs to the pair, not to the order its outputs are stored in.
 
-    Regression: the coin was drawn for the canonical order and stored as is, so a pair and
-    its flipped copy could both say "output_2" (found when the farm's data changed which
-    pairs were noised). label_noise=1.0: every pair is a coin, no request is sent.
+    The coin is drawn for the canonical order and un-flipped for the row, so a pair and its
+    flipped copy never both say "output_2". label_noise=1.0: every pair is a coin, no request
+    is sent.
     """
     rows = make_rows(40)
     flipped = [r | {"id": r["id"] + "-flip", "output_1": r["output_2"], "output_2": r["output_1"]} for r in rows]
@@ -214,8 +214,8 @@ def request_estimate(row, cfg):
 def test_max_cost_is_reserved_before_sending_and_stops_within_one_request_of_the_cap(server, tmp_path):
     """Eight requests in flight and a cap of a few requests: spending stays under the cap, less than one request short.
 
-    Regression: the cost was counted when replies arrived, so every request in flight passed the cap
-    (a 4x overshoot at small caps)."""
+    Each request reserves its estimated cost before it is sent; counting cost only as replies arrive would let
+    every request in flight pass the cap (a 4x overshoot at small caps)."""
     rows = make_rows(40)
     cfg = pool(judge(base_url=server.url), max_in_flight=8)
     one = max(request_estimate(r, cfg) for r in rows)
@@ -339,9 +339,9 @@ def test_missing_key_is_named_and_cached_rows_need_no_key(server, tmp_path, monk
 def test_local_rate_limit(server, tmp_path, monkeypatch):
     """Without a Prefect API the process-wide limiter spaces requests evenly.
 
-    Regression (test order): once the session's Prefect harness had started, PREFECT_API_URL was
-    set and the run used Prefect's global limit instead (a burst of one second's worth of slots),
-    so this test passed or failed depending on which tests ran before it.
+    The test clears PREFECT_API_URL: with the session's Prefect harness started, the run would use
+    Prefect's global limit instead (a burst of one second's worth of slots), and the result would
+    depend on which tests ran before it.
     """
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
@@ -401,7 +401,8 @@ def test_prefect_secret_and_global_rate_limit(prefect_harness, monkeypatch, tmp_
 
 
 def test_a_json_secret_gives_its_api_key_and_a_key_is_not_taken_for_a_variable_name(prefect_harness):
-    """Review finding: a JSON Secret block became str(dict) as the key; api_key_env=<the key> was echoed in errors."""
+    """A JSON Secret block gives its api_key field (never str(dict)); a key passed as api_key_env is refused without
+    being echoed."""
     from prefect.blocks.system import Secret
 
     from farmflow.annotators.api import AnnotationError, api_key
@@ -438,9 +439,9 @@ def test_annotate_task_uses_the_row_cache_across_flows(server, tmp_path):
 
 
 def test_judge_answers_on_a_kept_alive_connection_without_the_nagle_stall(monkeypatch):
-    """Regression: the listening socket lacked IPPROTO_TCP, so asyncio left Nagle on and every
-    answer on a reused connection waited ~40 ms for the client's delayed ACK (the benchmark's
-    throughput was capped at 76% of its ceiling by it)."""
+    """The listening socket turns Nagle off (asyncio only does for sockets created with IPPROTO_TCP): with it on,
+    every answer on a reused connection waits ~40 ms for the client's delayed ACK (76% of the benchmark's
+    ceiling)."""
     import httpx
     from farmflow.annotators.prompts import Item, render
 
@@ -470,9 +471,9 @@ def test_judge_listening_socket_turns_nagle_off():
 
 # ----------------------------------------------------------------------------- request failures
 def test_a_cut_json_body_fails_its_request_not_the_run(monkeypatch, tmp_path):
-    """Regression: a 200 reply whose JSON body was cut mid-way made the SDK raise json.JSONDecodeError (not an
-    APIError); it escaped asyncio.gather, so the run ended in a traceback with nothing written for the pairs
-    in flight. Now the request is asked once more, then its pairs are failed rows with the reason."""
+    """A 200 reply whose JSON body is cut mid-way makes the SDK raise json.JSONDecodeError (not an APIError): the
+    request is asked once more, then its pairs are failed rows with the reason; the run goes on and writes
+    everything (escaping asyncio.gather, it would end the run in a traceback with the pairs in flight lost)."""
     rows = make_rows(20)
     srv = sharp_server(monkeypatch, fault_rate=1.0, faults=["truncated_body"])
     with srv as url:

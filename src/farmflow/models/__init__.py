@@ -250,11 +250,10 @@ def response_window(
     attention_mask, labels, position_ids, keep); pass ``logits_to_keep=keep`` to the model and
     compare its logits with ``labels[:, -keep:]``. On short answers to long prompts (the
     synthetic farm: ~30% of positions) this skips most of the vocabulary projection; the
-    result is the same up to float rounding. DPO's log-probs use it. SFT does not (yet): it
-    cut an SFT step by ~15%, but its float rounding re-draws the synthetic farm's pairs and
-    the 0.6M-parameter reward model trained on them is weak enough for that to decide
-    whether best-of-n beats SFT (measured on farm version 2: 0.516 held-out accuracy instead of
-    0.583, best-of-4 below SFT); see docs/evaluation.md, "Known limits of the synthetic reward model".
+    result is the same up to float rounding. DPO's log-probs use it. SFT does not: it would cut
+    an SFT step by ~15%, but its float rounding re-draws the synthetic farm's pairs, and the
+    0.6M-parameter reward model trained on them is weak enough for that to decide whether
+    best-of-n beats SFT; see docs/evaluation.md, "Known limits of the synthetic reward model".
     """
     width = input_ids.shape[1]
     shift = width - attention_mask.sum(1)
@@ -284,7 +283,7 @@ def _left_pad(tokenizer: PreTrainedTokenizerFast, prompts: Sequence[str], max_pr
 
 
 # ------------------------------------------------------------------- sampling
-SAMPLER_VERSION = "3"  # 3: an over-long prompt keeps its BOS when cut to fit (was cut from the left, BOS too)
+SAMPLER_VERSION = "3"  # part of the sampling stages' keys; 3: an over-long prompt keeps its BOS when cut to fit
 """Bump when the samples drawn for a given seed change; part of the key of every stage that samples."""
 
 
