@@ -328,11 +328,9 @@ def annotate_api(rows: list[dict], cfg: AnnotatorConfig, store,
         c1, c2, flipped = cache.canonical(o1, o2)
         swapped_canon = unit_hash(cfg.seed, "order", ins, inp, c1, c2) < 0.5
         entry = {"annotator": pool[i].name, "i": i, "flipped": flipped, "swapped": swapped_canon != flipped, "noised": False}
-        if o1 == o2:
-            entry |= {"preference": 1.5, "status": "tie"}
-        elif cfg.label_noise > 0 and unit_hash(cfg.seed, "noise", ins, inp, c1, c2) < cfg.label_noise:
-            coin = 1.0 if unit_hash(cfg.seed, "coin", ins, inp, c1, c2) < 0.5 else 2.0  # for (c1, c2): un-flip it
-            entry |= {"preference": 3.0 - coin if flipped else coin, "status": "noised", "noised": True}
+        settled = cache.without_judge(cfg, ins, inp, o1, o2)
+        if settled:
+            entry |= settled
         else:
             key = cache.row_key(hashes[i], ins, inp, c1, c2)
             entry["key"] = key

@@ -29,6 +29,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from farmflow.annotators import journal, prompts
+from farmflow.annotators.oracle import unit_hash
 from farmflow.config import AnnotatorConfig, ApiAnnotatorConfig
 from farmflow.progress import log
 from farmflow.storage import LocalStore, canonical_json
@@ -77,6 +78,21 @@ def row_key(ahash: str, instruction: str, input: str, output_1: str, output_2: s
 def canonical(output_1: str, output_2: str) -> tuple[str, str, bool]:
     """(first, second, flipped): the outputs sorted, and whether that reversed them."""
     return (output_2, output_1, True) if output_2 < output_1 else (output_1, output_2, False)
+
+
+def without_judge(cfg: AnnotatorConfig, instruction: str, input: str, output_1: str, output_2: str) -> dict | None:
+    """The label of a pair that no judge is asked for, relative to (output_1, output_2): a tie (identical outputs,
+    1.5) or, with probability `label_noise`, a fair coin (p_sim^ann's noise). None: the pair is to be judged.
+
+    The coin is drawn for the canonical order and un-flipped, so a pair gets the same label whichever order its
+    outputs come in, in any run, batch or judge kind."""
+    if output_1 == output_2:
+        return {"preference": 1.5, "status": "tie", "noised": False}
+    c1, c2, flipped = canonical(output_1, output_2)
+    if cfg.label_noise > 0 and unit_hash(cfg.seed, "noise", instruction, input, c1, c2) < cfg.label_noise:
+        coin = 1.0 if unit_hash(cfg.seed, "coin", instruction, input, c1, c2) < 0.5 else 2.0
+        return {"preference": 3.0 - coin if flipped else coin, "status": "noised", "noised": True}
+    return None
 
 
 def now() -> datetime:

@@ -42,7 +42,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 from farmflow.annotators import cache
 from farmflow.annotators.api import AnnotationError
-from farmflow.annotators.oracle import unit_hash
 from farmflow.config import AnnotatorConfig, HFJudgeConfig, folder_digest
 from farmflow.modelcache import resolve_model
 from farmflow.progress import log
@@ -311,11 +310,9 @@ def annotate_hf(rows: list[dict], cfg: AnnotatorConfig, store,
         ins, inp, o1, o2 = row["instruction"], row.get("input") or "", row["output_1"], row["output_2"]
         c1, c2, flipped = cache.canonical(o1, o2)
         entry = {"annotator": name, "flipped": flipped, "swapped": False, "noised": False}
-        if o1 == o2:
-            entry |= {"preference": 1.5, "status": "tie"}
-        elif cfg.label_noise > 0 and unit_hash(cfg.seed, "noise", ins, inp, c1, c2) < cfg.label_noise:
-            coin = 1.0 if unit_hash(cfg.seed, "coin", ins, inp, c1, c2) < 0.5 else 2.0  # for (c1, c2): un-flip it
-            entry |= {"preference": 3.0 - coin if flipped else coin, "status": "noised", "noised": True}
+        settled = cache.without_judge(cfg, ins, inp, o1, o2)
+        if settled:
+            entry |= settled
         else:
             entry["key"] = cache.row_key(ahash, ins, inp, c1, c2)
             if entry["key"] not in ok:
