@@ -95,7 +95,12 @@ def _board(rows: list[dict], title: str) -> Table:
 
 
 def _print_summary(summary: dict, wall: float) -> None:
-    console.print(_board(summary["leaderboard"], f"Leaderboard ({summary['preset']}, vs reference outputs, p_sim^eval)"))
+    from rich.markup import escape
+
+    judges = sorted({r["annotator"] for r in summary["leaderboard"] if r.get("annotator")})
+    console.print(_board(summary["leaderboard"], escape(f"Leaderboard ({summary['preset']}, vs reference outputs)")))
+    for judge in judges:
+        console.print(escape(f"judged by {judge}"), soft_wrap=True, highlight=False)
     console.print(f"reference outputs: mean gold {_num(summary['reference_mean_gold'])}")
     rm = summary["reward_model"]
     if rm:

@@ -1066,8 +1066,8 @@ def _smol_cpu() -> FarmConfig:
 
 def _smol_micro() -> FarmConfig:
     """`smol-micro`: the same path at toy sizes, for tests (a few minutes once the model is in the cache)."""
-    return _smol("smol-micro", {"sft_size": 16, "pref_size": 12, "unlabeled_size": 8, "val_size": 4, "eval_size": 8},
-                 max_seq_len=256, new_tokens=24, batch=8, n=2, rl_batch=8)
+    return _smol("smol-micro", {"sft_size": 8, "pref_size": 8, "unlabeled_size": 8, "val_size": 4, "eval_size": 6},
+                 max_seq_len=192, new_tokens=16, batch=8, n=2, rl_batch=8)
 
 
 PRESETS: dict[str, Any] = {
