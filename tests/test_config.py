@@ -47,7 +47,7 @@ def test_unknown_preset_lists_known_presets():
     assert "'synthetic-huge'" in msg
     for name in PRESETS:
         assert name in msg
-    with pytest.raises(ConfigError, match="known presets: alpaca-small, alpacafarm-7b, synthetic-micro, synthetic-tiny"):
+    with pytest.raises(ConfigError, match="known presets: alpaca-small, alpacafarm-7b, smol-cpu, smol-micro, synthetic-micro, synthetic-tiny"):
         load_config("nope")
 
 

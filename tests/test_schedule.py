@@ -135,3 +135,41 @@ def test_the_scheduler_creates_the_nightly_run_and_it_completes(server, tmp_path
     assert set(history.column("flow_run_id").to_pylist()) == {str(run.id)}
     crashes = [line for line in server_log.read_text().splitlines() if CRASH.search(line)]
     assert not crashes, "\n".join(crashes[:20])
+
+
+def test_three_comparisons_at_once_on_one_server(server, tmp_path):
+    """Three compare runs at once on one local server (SQLite), each in its own flow-run process: all complete, and
+    neither the server nor the runs log a locked database."""
+    from prefect.client.orchestration import get_client
+    from prefect.deployments import run_deployment
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from farmflow.deployments import deploy
+
+    api_url, env, server_log = server
+    pool = "concurrent-cpu"
+    overrides = [f"store.uri={tmp_path / 'store'}", f"execution.cpu_pool={pool}", "execution.unresponsive_after_s=null"]
+    worker_log = tmp_path / "worker.log"
+    with temporary_settings({PREFECT_API_URL: api_url}):
+        deploy("synthetic-micro", overrides)
+        worker = _prefect("worker", "start", "--pool", pool, "--limit", "3",
+                          env=env | {"PREFECT_WORKER_QUERY_SECONDS": "1"}, log=worker_log)
+        try:
+            seeds = (1, 2, 3)  # three different comparisons, sharing the store
+            runs = [run_deployment("compare/farmflow", timeout=0, parameters={
+                "methods": ["best_of_n"], "overrides": overrides + [f"best_of_n.seed={s}", f"sft.seed={s}"]}) for s in seeds]
+            deadline = time.monotonic() + 420
+            with get_client(sync_client=True) as client:
+                while not all(client.read_flow_run(r.id).state.is_final() for r in runs):
+                    assert time.monotonic() < deadline, worker_log.read_text()[-3000:]
+                    time.sleep(2)
+                finished = [client.read_flow_run(r.id) for r in runs]
+                starts = sorted(r.start_time for r in finished)
+                ends = sorted(r.end_time for r in finished)
+        finally:
+            _stop(worker)
+    assert [r.state.name for r in finished] == ["Completed"] * 3, [r.state.message for r in finished]
+    assert starts[-1] < ends[0]  # the three really ran at the same time
+    locked = [line for log in (server_log, worker_log) for line in log.read_text().splitlines()
+              if "database is locked" in line.lower()]
+    assert not locked, "\n".join(locked[:10])
