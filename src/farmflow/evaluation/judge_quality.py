@@ -58,11 +58,12 @@ SPEC_HELP = ("hf:MODEL[?batch_size=N&max_prompt_tokens=N&dtype=D&device=D&gguf_f
              "longer or coin (the baselines, always included)")
 # Agreement of other judges with human majority labels, for scale (the reference here is a file's judge instead).
 PAPER = [
-    {"who": "GPT-4 judge vs human majority", "agreement": 0.65,
+    {"who": "GPT-4 vs human majority", "agreement": 0.65,
      "source": "AlpacaFarm (Dubois et al., 2023), annotator agreement"},
-    {"who": "human vs human majority", "agreement": 0.66, "source": "AlpacaFarm (Dubois et al., 2023), annotator agreement"},
+    {"who": "human vs human majority", "agreement": 0.66,
+     "source": "AlpacaFarm (Dubois et al., 2023), annotator agreement"},
     {"who": "longest output vs human majority", "agreement": 0.622,
-     "source": "AlpacaEval annotator leaderboard ('longest'; 'gpt4' 66.6, 'humans' 65.7)"},
+     "source": "AlpacaEval annotator leaderboard ('longest'; there 'gpt4' 66.6%, 'humans' 65.7%)"},
 ]
 HF_OPTIONS = {"batch_size", "max_prompt_tokens", "dtype", "device", "gguf_file", "revision"}
 API_OPTIONS = {"temperature": "temperature", "format": "prompt_format", "style": "style"}
@@ -367,24 +368,28 @@ def report_markdown(report: dict) -> str:
         return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.1f}"
 
     lines = [
-        f"Reference: {report['reference']} in {report['file']}: {report['pairs']} pairs (the first with a decisive "
-        f"preference; {report['skipped_ties']} ties and {report['skipped_invalid']} unreadable skipped before them). "
-        f"The reference prefers the longer output in {pct(report['reference_prefers_longer'])}%. "
-        f"Interval: {report['interval']}.", "",
-        "| judge | agreement % | 95% interval | undecided | same slot both orders % | prefers longer % "
-        "| parse failures | s / pair |",
+        (f"Reference: {report['reference']} in {report['file']}: {report['pairs']} pairs (the first with a decisive "
+         f"preference; {report['skipped_ties']} ties and {report['skipped_invalid']} unreadable skipped before them). "
+         f"The reference prefers the longer output in {pct(report['reference_prefers_longer'])}%. "
+         f"Interval: {report['interval']}."),
+        "",
+        ("| judge | agreement % | 95% interval | undecided | same slot both orders % | prefers longer % "
+         "| parse failures | s / pair |"),
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in report["judges"] + report["baselines"]:
         name = r["judge"] + (" (baseline, expected 50.0)" if "expected_agreement" in r else
                              " (baseline)" if r["kind"] == "baseline" else "")
         secs = r.get("seconds_per_pair")
+        speed = f"{secs:.2f}" if secs is not None else "cached" if r.get("cached") else "—"
+        slots = "—" if r["position_bias"] is None else \
+            f"{pct(r['position_bias'])} (a {pct(r['first_slot'])}, b {pct(r['second_slot'])})"
         lines.append(f"| {name} | {pct(r['agreement'])} | {pct(r['ci_low'])}–{pct(r['ci_high'])} | {r['undecided']} "
-                     f"| {pct(r['position_bias'])} | {pct(r['prefers_longer'])} | {r.get('parse_failures', '—')} "
-                     f"| {'—' if secs is None else f'{secs:.2f}'} |")
+                     f"| {slots} | {pct(r['prefers_longer'])} | {r.get('parse_failures', '—')} | {speed} |")
     for ref in report["paper"]:
-        lines.append(f"| {ref['who']} ({ref['source']}) | {pct(ref['agreement'])} | | | | | | |")
-    lines += ["", "The reference points measure agreement with human majority labels, not with this file's judge."]
+        lines.append(f"| {ref['who']} (published) | {pct(ref['agreement'])} | | | | | | |")
+    lines += ["", "Published points agree with human majority labels, not with this file's reference: "
+              + "; ".join(f"{ref['who']}: {ref['source']}" for ref in report["paper"]) + "."]
     return "\n".join(lines) + "\n"
 
 
