@@ -516,19 +516,64 @@ _register_store_commands(app)
 
 @eval_app.command("annotators")
 def annotators(
-    files: list[Path] = typer.Argument(None, help="Label files: AlpacaEval annotation JSON or Parquet tables (annotations cache, preferences)."),
+    files: list[Path] = typer.Argument(
+        None, help="Label files: AlpacaEval annotation JSON or Parquet tables (annotations cache, preferences); with "
+        "--judge one AlpacaEval annotations JSON whose preferences are the reference."),
     oracle: bool = typer.Option(False, "--oracle", help="Synthetic farm: every oracle annotator of the preset's evaluation pool labels the same pairs (offline)."),
     preset: str = typer.Option("synthetic-tiny", help="Preset whose data and evaluation pool --oracle uses."),
-    store: Optional[str] = typer.Option(None, help="With --oracle: take the val pairs of the latest sample_pairs artifact in this store (default: generated pairs)."),
+    store: Optional[str] = typer.Option(
+        None, help="With --oracle: take the val pairs of the latest sample_pairs artifact in this store (default: "
+        "generated pairs). With --judge: the store holding the annotation row cache (default $FARMFLOW_STORE, else "
+        "./.farmflow/store)."),
     pairs: int = typer.Option(400, min=1, help="With --oracle: at most this many pairs."),
     draws: int = typer.Option(3, min=1, help="With --oracle: labels per annotator and pair (variance needs >= 2)."),
     reference: str = typer.Option("auto", help="Agreement reference: gold, others (majority of the other annotators) or auto (gold when known)."),
     plot: Optional[Path] = typer.Option(None, help="Write the agreement-vs-price plot (PNG) here."),
     as_json: bool = typer.Option(False, "--json", help="Print the table as JSON."),
+    judge: list[str] = typer.Option(
+        [], "--judge", metavar="SPEC",
+        help="Measure a judge against FILE's reference preferences (repeatable), beside the baselines 'longer' and "
+        "'coin' (always included). SPEC: hf:MODEL (a model-cache name, folder or hub id), api:BASE_URL@MODEL (an "
+        "OpenAI-compatible endpoint serving MODEL; key in $OPENAI_API_KEY, any value for a local server without one; "
+        "prompt format choice, temperature 0), longer, coin. Options follow '?', joined by '&': for hf batch_size, "
+        "max_prompt_tokens, dtype, device, gguf_file, revision; for api temperature, format (choice, json, logprobs), "
+        "style. Examples: hf:smollm2-135m-instruct, hf:smollm2-135m-instruct?batch_size=4, "
+        "api:http://localhost:8000/v1@m, 'api:http://localhost:8000/v1@m?temperature=1'."),
+    limit: Optional[int] = typer.Option(
+        None, "--limit", min=1,
+        help="With --judge: the first N pairs of FILE with a decisive (non-tie, readable) reference; default: all."),
+    seed: int = typer.Option(0, "--seed", help="With --judge: seed of the coin baseline."),
 ) -> None:
-    """Agreement, bias, variance, length/list preference, price and time per 1000 of each annotator on shared pairs."""
+    """Agreement, bias, variance, length/list preference, price and time per 1000 of each annotator on shared pairs.
+
+    With --judge: agreement with FILE's reference preferences, position and length bias, beside baselines.
+    """
     from farmflow.evaluation import analysis
 
+    if judge:
+        if oracle or len(files or []) != 1:
+            console.print("[red]--judge needs exactly one annotations FILE (and no --oracle)[/red]")
+            raise typer.Exit(2)
+        from farmflow.annotators import AnnotationError
+        from farmflow.evaluation.judge_quality import judge_quality, report_markdown
+        from farmflow.modelcache import ModelUnavailable
+
+        try:
+            report = judge_quality(files[0], judge, limit, seed, store)
+        except ModelUnavailable as err:
+            typer.echo(f"error: {err}", err=True)
+            raise typer.Exit(2)
+        except ValueError as err:
+            typer.echo(f"error: {err}", err=True)
+            raise typer.Exit(2)
+        except (AnnotationError, RuntimeError) as err:
+            typer.echo(f"error: {err}", err=True)
+            raise typer.Exit(1)
+        if as_json:
+            print_json(report)
+        else:
+            console.print(report_markdown(report), soft_wrap=True, highlight=False, markup=False)
+        return
     if bool(files) == oracle:
         console.print("[red]give label FILES or --oracle (not both)[/red]")
         raise typer.Exit(2)
