@@ -239,3 +239,17 @@ def test_cli_baselines_alone(tmp_path):
     report = run_cli(str(GPT4), "--judge", "coin", "--limit", "40", "--store", str(tmp_path))
     assert report["judges"] == [] and [b["judge"] for b in report["baselines"]] == ["longer", "coin"]
     assert report["pairs"] == 40 and report["skipped_ties"] + report["skipped_invalid"] == report["rows_read"] - 40
+
+
+def test_leaderboards_state_their_judges_measured_agreement():
+    from farmflow.evaluation.leaderboard import judge_quality, leaderboard_markdown
+
+    row = {"method": "sft", "win_rate": 49.3, "standard_error": 0.7, "avg_length": 99, "n": 8,
+           "annotator": "hf judge smollm2-135m-instruct", "reference": "reference outputs of data 1234"}
+    md = leaderboard_markdown([row])
+    assert "Annotator: hf judge smollm2-135m-instruct; reference: reference outputs of data 1234." in md
+    assert "The judge agrees with GPT-4 on 54.0% (95% CI 47.1-60.8) of 200 AlpacaEval pairs" in md and "plumbing" in md
+    assert judge_quality("hf judge /models/my-judge, noise 0.5") == (
+        "agreement with human or GPT-4 labels not measured: farmflow eval annotators --judge hf:/models/my-judge FILE")
+    assert judge_quality("p_sim_eval") is None and judge_quality("oracle pool (5)") is None
+    assert "The judge" not in leaderboard_markdown([row | {"annotator": "p_sim_eval"}])

@@ -99,8 +99,11 @@ def _print_summary(summary: dict, wall: float) -> None:
 
     judges = sorted({r["annotator"] for r in summary["leaderboard"] if r.get("annotator")})
     console.print(_board(summary["leaderboard"], escape(f"Leaderboard ({summary['preset']}, vs reference outputs)")))
+    from farmflow.evaluation.leaderboard import judge_quality
+
     for judge in judges:
-        console.print(escape(f"judged by {judge}"), soft_wrap=True, highlight=False)
+        note = judge_quality(judge)
+        console.print(escape(f"judged by {judge}" + (f"; the judge {note}" if note else "")), soft_wrap=True, highlight=False)
     console.print(f"reference outputs: mean gold {_num(summary['reference_mean_gold'])}")
     rm = summary["reward_model"]
     if rm:
@@ -394,7 +397,13 @@ def leaderboard(
         return
     console.print(_board(rows, f"Leaderboard ({latest.created})"))
     if rows and rows[0].get("annotator"):
-        console.print(f"annotator: {rows[0]['annotator']}; reference: {rows[0].get('reference') or '?'}")
+        from rich.markup import escape
+
+        from farmflow.evaluation.leaderboard import judge_quality
+
+        note = judge_quality(rows[0]["annotator"])
+        console.print(escape(f"annotator: {rows[0]['annotator']}; reference: {rows[0].get('reference') or '?'}"
+                             + (f"; the judge {note}" if note else "")), soft_wrap=True, highlight=False)
     gold = [r for r in rows if r["mean_gold"] is not None and r["mean_gold"] == r["mean_gold"]]
     if len(gold) >= 3:  # the synthetic farm: does the simulated ranking match the true (gold) one?
         from farmflow.evaluation.analysis import ranking_correlation

@@ -53,6 +53,23 @@ def annotator_label(config: dict[str, Any] | None) -> str:
     return f"oracle pool ({len(pool)}){suffix}"
 
 
+MEASURED_JUDGES: dict[str, str] = {
+    "smollm2-135m-instruct": "agrees with GPT-4 on 54.0% (95% CI 47.1-60.8) of 200 AlpacaEval pairs, a fair coin "
+    "50%, 'the longer answer wins' 71.0%: a plumbing check, not a quality signal (docs/evaluation.md)",
+}
+"""hf judge model -> its measured agreement with reference labels (`farmflow eval annotators --judge hf:MODEL`)."""
+
+
+def judge_quality(label: str | None) -> str | None:
+    """What is known of how good the judge of an annotator label is: for an hf judge its measured agreement with GPT-4
+    on AlpacaEval pairs, or how to measure it; None for the oracle and API pools (see docs/annotators.md)."""
+    if not label or not label.startswith("hf judge "):
+        return None
+    model = label.removeprefix("hf judge ").split(",")[0]
+    return MEASURED_JUDGES.get(model) or (
+        f"agreement with human or GPT-4 labels not measured: farmflow eval annotators --judge hf:{model} FILE")
+
+
 def reference_label(data_key: str, data_config: dict[str, Any] | None = None) -> str:
     """What the evaluated outputs were judged against: the data artifact and, in the real farm, the
     evaluation set its references came from (e.g. the AlpacaEval file of Davinci003 outputs)."""
@@ -117,6 +134,7 @@ def leaderboard_markdown(rows: Sequence[dict], title: str = "Leaderboard") -> st
     if judges:
         lines.append("")
         lines += [f"Annotator: {a}; reference: {ref}." for a, ref in judges]
+        lines += [f"The judge {note}." for note in sorted({judge_quality(a) for a, _ in judges} - {None})]
     return "\n".join(lines) + "\n"
 
 
