@@ -187,3 +187,16 @@ def test_a_greedy_annotator_through_served_model_is_judged_and_cached(served, ke
     again, totals = annotate(rows, cfg, str(tmp_path))
     assert totals["cached"] == 12 and totals["requests"] == 0 and len(served.posts()) == before + 12
     assert again.column("preference").to_pylist() == table.column("preference").to_pylist()
+
+
+def test_a_judge_at_temperature_one_samples(served, key):
+    """The checkpoint's generation config sets do_sample (as `farmflow models get` writes it), so a judge at
+    temperature > 0 really samples: the same request sent again gets other answers. At temperature 0 it does not."""
+    import openai
+
+    client = openai.OpenAI(base_url=served.url, api_key="local", max_retries=0)
+    ask = lambda t: client.chat.completions.create(  # noqa: E731
+        model=served.model, messages=[{"role": "user", "content": "Which output is better, (a) or (b)?"}],
+        temperature=t, max_tokens=8).choices[0].message.content
+    assert len({ask(1.0) for _ in range(6)}) > 1
+    assert len({ask(0.0) for _ in range(3)}) == 1
