@@ -272,7 +272,7 @@ def test_config_diff_shows_an_annotator_preset_as_one_row_and_presets_one_line_e
     assert "annotation.preset" in out.output and "'p_sim_ann'" in out.output and "best_of_n.n" in out.output
     assert "api_pool" not in out.output
     listed = CliRunner().invoke(app, ["config", "presets"], terminal_width=200)
-    assert [ln.split(":")[0] for ln in listed.output.splitlines()[:-1]] == ["alpaca-small", "alpacafarm-7b", "synthetic-micro", "synthetic-tiny"]
+    assert [ln.split(":")[0] for ln in listed.output.splitlines()[:-1]] == ["alpaca-small", "alpacafarm-7b", "smol-cpu", "smol-micro", "synthetic-micro", "synthetic-tiny"]
 
 
 @pytest.mark.parametrize("args, message", [

@@ -979,15 +979,16 @@ def _alpaca_small() -> FarmConfig:
     """Real AlpacaFarm-format data at a size one GPU (or a patient CPU) runs: a few thousand instructions.
 
     Data from local files (override data.instructions_path / data.eval_path), split 10 : 10 : 20 : 2
-    at 2000 / 2000 / 4000 / 400, evaluated on all 805 AlpacaEval instructions. The base model is a
-    small causal LM by hub name or local path (override model.pretrained). Annotation through the
+    at 2000 / 2000 / 4000 / 400, evaluated on all 805 AlpacaEval instructions. The base model is
+    SmolLM2-135M-Instruct from the model cache (`farmflow models get smollm2-135m-instruct`; override
+    model.pretrained with any cache name, folder or hub id). Annotation through the
     paper's API pools (p_sim_ann for the pairs, p_sim_eval for evaluation); cost in docs/real-farm.md.
     """
     return FarmConfig(
         name="alpaca-small",
         data=DataConfig(source="local", instructions_path="data/alpaca_instructions.json", eval_path="data/alpaca_eval.json",
                         sft_size=2000, pref_size=2000, unlabeled_size=4000, val_size=400, eval_size=805),
-        model=ModelConfig(pretrained="HuggingFaceTB/SmolLM2-135M", dtype="bfloat16", max_seq_len=768),
+        model=ModelConfig(pretrained="smollm2-135m-instruct", dtype="bfloat16", max_seq_len=768),
         sft=SFTConfig(epochs=3, batch_size=32, lr=5e-5),
         pairs=SampleConfig(temperature=1.0, max_new_tokens=256, batch_size=32),
         annotation=AnnotatorConfig(preset="p_sim_ann"),
