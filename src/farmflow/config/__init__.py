@@ -1060,13 +1060,14 @@ def _smol(name: str, sizes: dict, max_seq_len: int, new_tokens: int, batch: int,
 
 
 def _smol_cpu() -> FarmConfig:
-    """`smol-cpu`: the real farm in about half an hour on 2 CPU cores (measured in docs/real-farm.md)."""
+    """The real farm on 2 CPU cores in well under half an hour: every method, 64 evaluation instructions
+    (time per stage in docs/real-farm.md)."""
     return _smol("smol-cpu", {"sft_size": 200, "pref_size": 64, "unlabeled_size": 32, "val_size": 16, "eval_size": 64},
                  max_seq_len=384, new_tokens=64, batch=8, n=4, rl_batch=16)
 
 
 def _smol_micro() -> FarmConfig:
-    """`smol-micro`: the same path at toy sizes, for tests (a few minutes once the model is in the cache)."""
+    """The smol-cpu path at toy sizes, for tests: a few minutes once the model is in the cache."""
     return _smol("smol-micro", {"sft_size": 8, "pref_size": 8, "unlabeled_size": 8, "val_size": 4, "eval_size": 6},
                  max_seq_len=192, new_tokens=16, batch=8, n=2, rl_batch=8)
 
