@@ -157,6 +157,17 @@ def test_a_preset_by_name_keeps_the_other_fields_in_any_order():
     assert load_config("alpaca-small", ["annotation.preset=p_sim_eval"]).annotation.label_noise == 0.0
 
 
+def test_a_field_the_preset_fixes_is_never_silently_replaced():
+    """Another kind or label noise beside an annotator preset is an error naming the field (the preset would win
+    silently otherwise); with the preset set to null the field applies."""
+    with pytest.raises(ConfigError, match=r"kind is fixed by preset 'p_sim_ann' \(kind='api'\); set preset to null"):
+        load_config("alpaca-small", ['annotation={"kind": "hf"}'])
+    with pytest.raises(ConfigError, match=r"label_noise is fixed by preset 'p_sim_eval'"):
+        load_config("alpaca-small", ["evaluation.annotator.label_noise=0.25"])
+    ann = load_config("alpaca-small", ['annotation={"preset": null, "kind": "hf", "label_noise": 0.5}']).annotation
+    assert (ann.preset, ann.kind, ann.label_noise) == (None, "hf", 0.5)
+
+
 def test_config_errors_name_the_problem():
     with pytest.raises(ConfigError, match="unknown annotator preset 'nope'") as err:
         load_config("synthetic-micro", ["annotation.preset=nope"])

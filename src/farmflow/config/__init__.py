@@ -570,6 +570,10 @@ class AnnotatorConfig(Section):
         norm = lambda pool: [ApiAnnotatorConfig.model_validate(a).model_dump() for a in pool]  # noqa: E731
         if given and norm(given) != norm(fixed["api_pool"]):
             raise ValueError(f"api_pool is fixed by preset {name!r}; set preset to null to define your own pool")
+        clash = sorted(k for k, v in fixed.items() if k != "api_pool" and k in data and data[k] != v)
+        if clash:  # e.g. kind 'hf' with preset p_sim_ann: never silently the preset's value instead
+            raise ValueError(f"{', '.join(clash)} is fixed by preset {name!r} "
+                             f"({', '.join(f'{k}={fixed[k]!r}' for k in clash)}); set preset to null to choose it")
         return {**data, **{k: (list(v) if isinstance(v, list) else v) for k, v in fixed.items()}}
 
     @model_validator(mode="after")
@@ -1150,13 +1154,19 @@ def _select_preset(section: dict, name: str) -> None:
     after them (endpoint, limits, prices, seed stay); the fields the previous preset fixed
     make way for the new one's.
     """
-    if section.get("preset") in ANNOTATOR_PRESETS:
-        for field in ANNOTATOR_PRESETS[section["preset"]]:
+    for chosen in (section.get("preset"), name):  # what the old and the new preset fix takes the new preset's values
+        for field in ANNOTATOR_PRESETS.get(chosen or "", {}):
             section.pop(field, None)
     section["preset"] = name
 
 
 def _merge(target: dict, update: dict, where: str) -> None:
+    if "preset" in update and "api_pool" in target:  # an annotator section: its preset first, then the fields given
+        _select_preset(target, update["preset"])
+        update = {k: v for k, v in update.items() if k != "preset"}
+        for k in update.keys() - target.keys():  # a field the preset fixed, given again: validation says if it clashes
+            if k in AnnotatorConfig.model_fields:
+                target[k] = None
     for k, v in update.items():
         if k not in target:
             raise ConfigError(f"unknown field {where + '.' + k!r}")
