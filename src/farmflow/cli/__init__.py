@@ -376,25 +376,52 @@ def reward_report(
 @app.command()
 def leaderboard(
     store: Optional[str] = typer.Option(None, help="Artifact store (default $FARMFLOW_STORE, else ./.farmflow/store)."),
-    as_json: bool = typer.Option(False, "--json", help="Print the leaderboard's rows, artifact folder and creation time as JSON."),
+    run: Optional[str] = typer.Option(None, "--run", help="The run to show: its run id or flow-run id (or a unique prefix of one)."),
+    preset: Optional[str] = typer.Option(None, "--preset", help="Show the newest run of this preset (default: synthetic-tiny, else the newest run's preset)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the run, its leaderboard rows and artifact folder as JSON."),
 ) -> None:
-    """Print the most recent leaderboard in the store, and where its Parquet, Markdown and plot are."""
+    """Print one run's leaderboard from the store's runs table, and where its Parquet, Markdown and plot are."""
     from farmflow.config import StoreConfig
-    from farmflow.storage import open_store
+    from farmflow.evaluation.history import RUN_COLUMNS, pick_run
+    from farmflow.storage import SCHEMAS, open_store
 
-    st = open_store(store or StoreConfig().uri)
-    boards = [r for r in st.list() if r.stage == "leaderboard"]
-    if not boards:
-        console.print(f"no leaderboard in {st.root} yet: run `farmflow demo` first")
-        raise typer.Exit(1)
-    latest = boards[-1]
-    rows = st.read_table(latest).to_pylist()
+    if run and preset:
+        err_console.print("[red]error:[/red] give --run or --preset, not both")
+        raise typer.Exit(2)
+    st = open_store(store or StoreConfig().location)
+    recorded = st.read_rows("runs", "runs").to_pylist()
+    if recorded:
+        try:
+            rows, why = pick_run(recorded, run, preset)
+        except LookupError as err:
+            err_console.print(f"[red]error:[/red] {err}", soft_wrap=True, highlight=False, markup=False)
+            raise typer.Exit(2)
+        about = {k: rows[0][k] for k in RUN_COLUMNS}
+        rows = [{k: r[k] for k in SCHEMAS["leaderboard"].names} for r in rows]
+        latest = st.get("leaderboard", about["leaderboard_key"])
+        created = about["run_at"].isoformat()
+    else:  # a store written before the runs table: its newest leaderboard artifact
+        boards = [r for r in st.list() if r.stage == "leaderboard"]
+        if not boards or run or preset:
+            what = "no runs recorded" if boards else "no leaderboard"
+            err_console.print(f"error: {what} in {st.root} yet: run `farmflow demo` first", soft_wrap=True, highlight=False, markup=False)
+            raise typer.Exit(1)
+        latest, about, why = boards[-1], None, "the newest leaderboard artifact (this store has no runs table)"
+        rows, created = st.read_table(latest).to_pylist(), latest.created
+    uri = latest.uri if latest else None
     if as_json:
-        print_json({"artifact": latest.uri, "created": latest.created, "leaderboard": rows})
+        print_json({"shown": why, "run": about and about | {"run_at": created}, "artifact": uri, "created": created, "leaderboard": rows})
         return
-    console.print(_board(rows, f"Leaderboard ({latest.created})"))
+    from rich.markup import escape
+
+    title = f"Leaderboard ({about['preset']}, run {about['run_id']}, {created[:16].replace('T', ' ')} UTC)" if about else f"Leaderboard ({created})"
+    console.print(escape(f"showing {why}"), soft_wrap=True, highlight=False)
+    console.print(_board(rows, escape(title)))
+    if about:
+        console.print(escape(f"flow run {about['flow_run_name'] or about['flow_run_id'] or '?'}; config key {about['config_key']}"),
+                      soft_wrap=True, highlight=False)
     if rows and rows[0].get("annotator"):
-        console.print(f"annotator: {rows[0]['annotator']}; reference: {rows[0].get('reference') or '?'}")
+        console.print(escape(f"annotator: {rows[0]['annotator']}; reference: {rows[0].get('reference') or '?'}"), soft_wrap=True, highlight=False)
     gold = [r for r in rows if r["mean_gold"] is not None and r["mean_gold"] == r["mean_gold"]]
     if len(gold) >= 3:  # the synthetic farm: does the simulated ranking match the true (gold) one?
         from farmflow.evaluation.analysis import ranking_correlation
@@ -403,7 +430,8 @@ def leaderboard(
             if all(r.get(col) is not None for r in gold):
                 c = ranking_correlation({r["method"]: r[col] for r in gold}, {r["method"]: r["mean_gold"] for r in gold})
                 console.print(f"{col.replace('_', ' ')} vs mean gold over {c['n']} methods: Spearman {c['spearman']:.2f}, Pearson {c['pearson']:.2f}")
-    console.print(f"files: {latest.uri}/data.parquet, leaderboard.md, leaderboard.png")
+    if uri:
+        console.print(f"files: {uri}/data.parquet, leaderboard.md, leaderboard.png", soft_wrap=True, highlight=False)
 
 
 @config_app.command("presets")
@@ -609,6 +637,10 @@ _register_annotators(app)  # judge-server, annotate FILE, annotations reparse
 from farmflow.cli.models import register as _register_models  # noqa: E402
 
 _register_models(app)  # models get | import | ls
+
+from farmflow.cli.history import register as _register_history  # noqa: E402
+
+_register_history(app)  # history
 
 
 def main() -> None:
