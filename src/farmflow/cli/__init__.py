@@ -416,7 +416,7 @@ def leaderboard(
 
     title = f"Leaderboard ({about['preset']}, run {about['run_id']}, {created[:16].replace('T', ' ')} UTC)" if about else f"Leaderboard ({created})"
     console.print(escape(f"showing {why}"), soft_wrap=True, highlight=False)
-    console.print(_board(rows, escape(title)))
+    Console(width=max(console.width, 120)).print(_board(rows, escape(title)))  # never cut to 80 columns in a pipe
     if about:
         console.print(escape(f"flow run {about['flow_run_name'] or about['flow_run_id'] or '?'}; config key {about['config_key']}"),
                       soft_wrap=True, highlight=False)

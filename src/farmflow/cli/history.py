@@ -41,14 +41,14 @@ def history(
     if plot:
         plot_trend(t, str(plot), f"Win rate across runs: {name}")
     title = f"History of {why}: {len(t['runs'])} run(s), oldest first"
+    long = [r | {"run_at": r["run_at"].isoformat()} for r in trend_long(t)]
     if as_json:
         runs = [r | {"run_at": r["run_at"].isoformat()} for r in t["runs"]]
-        long = [r | {"run_at": r["run_at"].isoformat()} for r in trend_long(t)]
         print_json({"preset": name, "shown": why, "runs": runs, "trend": long, "changes": t["changes"]})
     elif format == "csv":
         writer = csv.DictWriter(sys.stdout, LONG_COLUMNS, lineterminator="\n")
         writer.writeheader()
-        writer.writerows(trend_long(t))
+        writer.writerows(long)
     elif format == "md":
         sys.stdout.write(trend_markdown(t, title))
     else:
