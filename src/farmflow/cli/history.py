@@ -11,17 +11,33 @@ import typer
 
 
 def history(
-    preset: Optional[str] = typer.Option(None, "--preset", help="Preset whose runs to show (default: synthetic-tiny, else the newest run's preset)."),
+    preset: Optional[str] = typer.Option(
+        None, "--preset", help="Preset whose runs to show (default: synthetic-tiny, else the newest run's preset)."
+    ),
     last: int = typer.Option(10, "--last", min=1, help="Show the newest N runs."),
-    as_json: bool = typer.Option(False, "--json", help="Print the runs, one row per (run, method) and the flagged changes as JSON."),
-    format: str = typer.Option("text", "--format", "-f", help="text (one column per run), md (Markdown) or csv (one row per run and method)."),
-    plot: Optional[Path] = typer.Option(None, "--plot", help="Also write the plot of win rate ± SE per method across runs (PNG) here."),
+    as_json: bool = typer.Option(
+        False, "--json", help="Print the runs, one row per (run, method) and the flagged changes as JSON."
+    ),
+    format: str = typer.Option(
+        "text", "--format", "-f", help="text (one column per run), md (Markdown) or csv (one row per run and method)."
+    ),
+    plot: Optional[Path] = typer.Option(
+        None, "--plot", help="Also write the plot of win rate ± SE per method across runs (PNG) here."
+    ),
     store: Optional[str] = typer.Option(None, help="Artifact store (default $FARMFLOW_STORE, else ./.farmflow/store)."),
 ) -> None:
     """Win rate ± SE of each method across runs, oldest first; ▲/▼ marks a change larger than 2 combined SEs."""
     from farmflow.cli import print_json
     from farmflow.config import StoreConfig
-    from farmflow.evaluation.history import LONG_COLUMNS, pick_preset, plot_trend, trend, trend_long, trend_markdown, trend_text
+    from farmflow.evaluation.history import (
+        LONG_COLUMNS,
+        pick_preset,
+        plot_trend,
+        trend,
+        trend_long,
+        trend_markdown,
+        trend_text,
+    )
 
     if format not in ("text", "md", "csv"):
         raise typer.BadParameter(f"unknown format {format!r}; use text, md or csv", param_hint="--format")

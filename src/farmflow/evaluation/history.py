@@ -26,10 +26,15 @@ import pyarrow as pa
 from farmflow.storage.schemas import SCHEMAS
 
 DEFAULT_PRESET = "synthetic-tiny"
-RUN_COLUMNS = ("run_id", "flow_run_id", "flow_run_name", "flow", "run_at", "preset", "config_key", "history", "leaderboard_key")
+RUN_COLUMNS = (
+    "run_id", "flow_run_id", "flow_run_name", "flow", "run_at", "preset", "config_key", "history", "leaderboard_key",
+)
 """The columns of a ``runs`` row that describe the run (the same on each of its method rows)."""
-LONG_COLUMNS = ("run_id", "run_at", "preset", "config_key", "method", "win_rate", "standard_error", "n", "lc_win_rate",
-                "mean_gold", "gold_standard_error", "avg_length", "delta", "flag")
+LONG_COLUMNS = (
+    "run_id", "run_at", "preset", "config_key", "method", "win_rate", "standard_error", "n", "lc_win_rate", "mean_gold",
+    "gold_standard_error", "avg_length", "delta", "flag",
+)
+"""The columns of `trend_long` (CSV and JSON): one row per run and method; delta and flag against its previous run."""
 RISE, DROP = "▲", "▼"
 
 
@@ -48,7 +53,10 @@ def _finite(x: Any) -> float | None:
 def run_rows(board: Sequence[dict], run: dict[str, Any]) -> pa.Table:
     """The ``runs`` rows of one run: `run` (the `RUN_COLUMNS`) followed by each leaderboard row; NaN becomes null."""
     leaderboard = SCHEMAS["leaderboard"].names
-    rows = [run | {k: (_finite(row.get(k)) if isinstance(row.get(k), float) else row.get(k)) for k in leaderboard} for row in board]
+    rows = [
+        run | {k: (_finite(row.get(k)) if isinstance(row.get(k), float) else row.get(k)) for k in leaderboard}
+        for row in board
+    ]
     return pa.Table.from_pylist(rows, schema=SCHEMAS["runs"])
 
 
@@ -79,14 +87,20 @@ def pick_preset(rows: Sequence[dict], preset: str | None = None) -> tuple[str, s
 
 def pick_run(rows: Sequence[dict], run: str | None = None, preset: str | None = None) -> tuple[list[dict], str]:
     """(the rows of one run, best win rate first; why that run): the run whose run id or flow-run id starts with
-    `run`, else the newest run of `pick_preset(rows, preset)`. Raises LookupError (one line) when none or several match."""
+    `run`, else the newest run of `pick_preset(rows, preset)`.
+
+    Raises LookupError (one line) when none or several match."""
     if run is not None:
         wanted = run.strip().lower()
-        found = [r for r in runs_of(rows) if r["run_id"].startswith(wanted) or (r["flow_run_id"] or "").startswith(wanted)]
+        found = [
+            r for r in runs_of(rows) if r["run_id"].startswith(wanted) or (r["flow_run_id"] or "").startswith(wanted)
+        ]
         if len(found) != 1:
             some = ", ".join(r["run_id"] for r in (found or runs_of(rows)[-5:]))
-            raise LookupError(f"{'several runs match' if found else 'no run matches'} {run!r}; "
-                              f"{'matching' if found else 'newest'} runs: {some or 'none'}")
+            raise LookupError(
+                f"{'several runs match' if found else 'no run matches'} {run!r}; "
+                f"{'matching' if found else 'newest'} runs: {some or 'none'}"
+            )
         chosen, why = found[0], f"run {found[0]['run_id']}"
     else:
         name, why = pick_preset(rows, preset)
@@ -98,8 +112,8 @@ def pick_run(rows: Sequence[dict], run: str | None = None, preset: str | None = 
 
 def significant(before: dict, after: dict) -> bool:
     """Did the win rate change by more than two combined standard errors? (False when a value is missing.)"""
-    w1, w2, s1, s2 = (_finite(x) for x in (before.get("win_rate"), after.get("win_rate"),
-                                            before.get("standard_error"), after.get("standard_error")))
+    w1, w2, s1, s2 = (_finite(d.get(k)) for k, d in (("win_rate", before), ("win_rate", after),
+                                                         ("standard_error", before), ("standard_error", after)))
     if None in (w1, w2, s1, s2):
         return False
     return abs(w2 - w1) > 2 * math.sqrt(s1**2 + s2**2)
@@ -107,7 +121,8 @@ def significant(before: dict, after: dict) -> bool:
 
 def flag_changes(rows: Sequence[dict]) -> list[dict]:
     """Every change larger than two combined SEs between consecutive runs of the same method, oldest first:
-    method, from_run, to_run, before, after, delta, threshold (2·sqrt(se₁² + se₂²)) and mark (▲ rise, ▼ drop)."""
+    method, from_run, to_run, before, after, delta, threshold (2·sqrt(se₁² + se₂²)) and mark (▲ rise, ▼ drop).
+    """
     order = {r["run_id"]: i for i, r in enumerate(runs_of(rows))}
     by_method: dict[str, list[dict]] = {}
     for r in sorted(rows, key=lambda r: order[r["run_id"]]):
@@ -118,8 +133,8 @@ def flag_changes(rows: Sequence[dict]) -> list[dict]:
             if significant(before, after):
                 delta = after["win_rate"] - before["win_rate"]
                 changes.append({
-                    "method": method, "from_run": before["run_id"], "to_run": after["run_id"], "before": before["win_rate"],
-                    "after": after["win_rate"], "delta": delta,
+                    "method": method, "from_run": before["run_id"], "to_run": after["run_id"],
+                    "before": before["win_rate"], "after": after["win_rate"], "delta": delta,
                     "threshold": 2 * math.sqrt(before["standard_error"] ** 2 + after["standard_error"] ** 2),
                     "mark": RISE if delta > 0 else DROP,
                 })
@@ -130,7 +145,8 @@ def trend(rows: Sequence[dict], last: int | None = None) -> dict[str, Any]:
     """The trend of each method across the runs in `rows` (the newest `last` runs when given), oldest run first.
 
     Returns {"runs": [run, ...], "methods": [{"method", "cells": [row or None per run]}], "changes": flag_changes};
-    each cell is the method's ``runs`` row in that run plus "delta" (vs its previous shown run) and "flag" (▲, ▼ or "").
+    each cell is the method's ``runs`` row in that run plus "delta" (vs its previous shown run) and "flag"
+    (▲, ▼ or "").
     Methods are ordered by their win rate in the newest run they appear in, best first."""
     runs = runs_of(rows)
     if last is not None:
@@ -179,7 +195,11 @@ def _cell(cell: dict | None) -> str:
     if cell is None or _finite(cell["win_rate"]) is None:
         return "—"
     se = _finite(cell["standard_error"])
-    return f"{cell['win_rate']:.1f}" + (f" ± {se:.1f}" if se is not None else "") + (f" {cell['flag']}" if cell["flag"] else "")
+    return (
+        f"{cell['win_rate']:.1f}"
+        + (f" ± {se:.1f}" if se is not None else "")
+        + (f" {cell['flag']}" if cell["flag"] else "")
+    )
 
 
 def _gold(cell: dict | None) -> str:
@@ -208,31 +228,44 @@ def change_lines(t: dict[str, Any]) -> list[str]:
         return ["No change larger than 2 combined SEs between consecutive runs of a method."]
     lines = ["Changes larger than 2 combined SEs (|Δ| > 2·sqrt(se₁² + se₂²)):"]
     for c in t["changes"]:
-        lines.append(f"{c['mark']} {c['method']}: {c['before']:.1f} → {c['after']:.1f} (Δ {c['delta']:+.1f}, "
-                     f"2 combined SEs {c['threshold']:.1f}), run {c['from_run']} → {c['to_run']}")
+        lines.append(
+            f"{c['mark']} {c['method']}: {c['before']:.1f} → {c['after']:.1f} (Δ {c['delta']:+.1f}, "
+            f"2 combined SEs {c['threshold']:.1f}), run {c['from_run']} → {c['to_run']}"
+        )
     return lines
 
 
 def _grid(t: dict[str, Any], value) -> list[list[str]]:
     """Header rows (run id, time, config key) and one row per method, as strings."""
     runs = t["runs"]
-    head = [["run", *[r["run_id"] for r in runs]], ["at (UTC)", *[_time(r["run_at"]) for r in runs]],
-            ["config", *[r["config_key"] or "?" for r in runs]]]
+    head = [
+        ["run", *[r["run_id"] for r in runs]],
+        ["at (UTC)", *[_time(r["run_at"]) for r in runs]],
+        ["config", *[r["config_key"] or "?" for r in runs]],
+    ]
     return head + [[m["method"], *[value(c) for c in m["cells"]]] for m in t["methods"]]
 
 
 def _aligned(grid: list[list[str]]) -> list[str]:
     widths = [max(len(row[i]) for row in grid) for i in range(len(grid[0]))]
-    return ["  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(row, widths))).rstrip() for row in grid]
+    return [
+        "  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(row, widths))).rstrip()
+        for row in grid
+    ]
 
 
 def trend_text(t: dict[str, Any], title: str = "") -> str:
-    """Plain-text tables (win rate ± SE, and mean gold ± SE where known), one column per run, then the flagged changes."""
+    """Plain-text tables (win rate ± SE, and mean gold ± SE where known), one column per run, then the flagged
+    changes."""
     lines = [title] if title else []
     grid = _grid(t, _cell)
     body = _aligned(grid)
-    lines += ["win rate vs reference outputs (%) ± SE; ▲/▼: a change larger than 2 combined SEs", *body[:3],
-              "-" * max(len(line) for line in body), *body[3:]]
+    lines += [
+        "win rate vs reference outputs (%) ± SE; ▲/▼: a change larger than 2 combined SEs",
+        *body[:3],
+        "-" * max(len(line) for line in body),
+        *body[3:],
+    ]
     if _has_gold(t):
         gold = _aligned(_grid(_with_gold(t), _gold))
         lines += ["", "mean gold reward ± SE", gold[0], "-" * max(len(line) for line in gold), *gold[3:]]
@@ -243,18 +276,33 @@ def trend_markdown(t: dict[str, Any], title: str = "History") -> str:
     """A Markdown table of a `trend` (one column per run, oldest first) and the list of flagged changes."""
     runs = t["runs"]
     heads = [f"`{r['run_id']}` {_time(r['run_at'])}<br>config `{r['config_key']}`" for r in runs]
-    lines = [f"### {title}", "", "Win rate vs reference outputs (%) ± SE; ▲/▼: a change larger than 2 combined SEs.", "",
-             "| method | " + " | ".join(heads) + " |", "|---|" + "---:|" * len(runs)]
+    lines = [
+        f"### {title}",
+        "",
+        "Win rate vs reference outputs (%) ± SE; ▲/▼: a change larger than 2 combined SEs.",
+        "",
+        "| method | " + " | ".join(heads) + " |",
+        "|---|" + "---:|" * len(runs),
+    ]
     lines += [f"| {m['method']} | " + " | ".join(_cell(c) for c in m["cells"]) + " |" for m in t["methods"]]
     if _has_gold(t):
-        lines += ["", "Mean gold reward ± SE:", "", "| method | " + " | ".join(f"`{r['run_id']}`" for r in runs) + " |",
-                  "|---|" + "---:|" * len(runs)]
-        lines += [f"| {m['method']} | " + " | ".join(_gold(c) for c in m["cells"]) + " |" for m in _with_gold(t)["methods"]]
+        lines += [
+            "",
+            "Mean gold reward ± SE:",
+            "",
+            "| method | " + " | ".join(f"`{r['run_id']}`" for r in runs) + " |",
+            "|---|" + "---:|" * len(runs),
+        ]
+        lines += [
+            f"| {m['method']} | " + " | ".join(_gold(c) for c in m["cells"]) + " |" for m in _with_gold(t)["methods"]
+        ]
     return "\n".join([*lines, "", *[f"* {line}" if i else line for i, line in enumerate(change_lines(t))]]) + "\n"
 
 
 def plot_trend(rows: Sequence[dict] | dict[str, Any], path: str, title: str = "Win rate across runs") -> None:
-    """Win rate ± SE of each method across runs (oldest left), flagged changes ringed (PNG). `rows`: ``runs`` rows or a `trend`."""
+    """Win rate ± SE of each method across runs (oldest left), flagged changes ringed (PNG).
+
+    `rows`: ``runs`` rows or a `trend`."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -355,9 +355,9 @@ def record_run_task(store_uri: str, board: ArtifactRef, preset: str, key: str, h
     from farmflow.evaluation.history import run_id_of, run_rows
 
     store = open_store(store_uri)
-    run = {"run_id": run_id_of(flow_run.id), "flow_run_id": str(flow_run.id or ""), "flow_run_name": flow_run.name or "",
-           "flow": flow_run.flow_name or "", "run_at": datetime.now(timezone.utc), "preset": preset, "config_key": key,
-           "history": history, "leaderboard_key": board.key}
+    run = {"run_id": run_id_of(flow_run.id), "flow_run_id": str(flow_run.id or ""),
+           "flow_run_name": flow_run.name or "", "flow": flow_run.flow_name or "", "run_at": datetime.now(timezone.utc),
+           "preset": preset, "config_key": key, "history": history, "leaderboard_key": board.key}
     table = run_rows(store.read_table(board).to_pylist(), run)
     store.append_rows("runs", table, "runs")
     log("runs: run %s, %d rows appended", run["run_id"], table.num_rows)
@@ -396,7 +396,8 @@ def history_task(store_uri: str, preset: str) -> ArtifactRef | None:
         table = pa.Table.from_pylist([r for r in rows if r["run_id"] in set(ids)], schema=SCHEMAS["runs"])
         ref = store.put_table("history", key, table, "runs", config={"preset": preset, "runs": ids},
                               extra_files={"history.md": markdown.encode(), "history.png": png})
-    create_markdown_artifact(markdown + f"\nRows, Markdown and plot (history.png): `{ref.uri}`\n", key="history", description=title)
+    where = f"\nRows, Markdown and plot (history.png): `{ref.uri}`\n"
+    create_markdown_artifact(markdown + where, key="history", description=title)
     log("history: %d runs of %s, %d flagged change(s), plot in %s", len(ids), preset, len(t["changes"]), ref.uri)
     return ref
 
@@ -501,7 +502,8 @@ def _args_doc(extra: str = ""):
 # ---------------------------------------------------------------------- flows
 @flow(name="compare", flow_run_name=_flow_run_name, log_prints=True)
 @_args_doc("""    methods: Methods to compare (default: all); the baselines (untrained, SFT) are always evaluated.
-    history: Publish the trend of this preset's runs (Prefect artifact history, plot in the store) and count the run in the leaderboard_history view (the nightly comparison does); every run is recorded in the store's runs table.
+    history: Publish the trend of this preset's runs (Prefect artifact history, plot in the store) and count the run
+        in the leaderboard_history view (the nightly comparison does); every run is recorded in the store's runs table.
 """)
 def compare_flow(
     config: FarmConfig | None = None, preset: PresetName = "synthetic-tiny", methods: list[MethodName] | None = None,

@@ -80,8 +80,8 @@ SCHEMAS: dict[str, pa.Schema] = {
             ("run_at", pa.timestamp("us", tz="UTC")), ("preset", _STR), ("config_key", _STR), ("history", _B),
             ("leaderboard_key", _STR),
             ("method", _STR), ("family", _STR), ("win_rate", _F), ("standard_error", _F), ("discrete_win_rate", _F),
-            ("lc_win_rate", _F), ("lc_standard_error", _F), ("mean_gold", _F), ("gold_standard_error", _F), ("avg_length", _I),
-            ("n", _I), ("annotator", _STR), ("reference", _STR), ("evaluation_key", _STR),
+            ("lc_win_rate", _F), ("lc_standard_error", _F), ("mean_gold", _F), ("gold_standard_error", _F),
+            ("avg_length", _I), ("n", _I), ("annotator", _STR), ("reference", _STR), ("evaluation_key", _STR),
         ]
     ),
     # the leaderboard history as stores kept it before the runs table (_rows/leaderboard_history/, one chunk

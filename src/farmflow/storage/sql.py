@@ -123,7 +123,8 @@ def _row_view_sql(store: Store, namespace: str) -> str:
 def _leaderboard_history_sql(store: Store) -> str:
     """The runs recorded with history, in the legacy columns, then the legacy chunks (union by name: a column an
     old chunk lacks is NULL there)."""
-    recorded = f"SELECT {', '.join(SCHEMAS['leaderboard_history'].names)} FROM ({_row_view_sql(store, 'runs')}) WHERE history"
+    columns = ", ".join(SCHEMAS["leaderboard_history"].names)
+    recorded = f"SELECT {columns} FROM ({_row_view_sql(store, 'runs')}) WHERE history"
     legacy = _rows_sql(store, "leaderboard_history")
     return recorded if legacy is None else f"{recorded}\nUNION ALL BY NAME\n{legacy}"
 
