@@ -10,7 +10,6 @@ import logging
 import threading
 import time
 from contextlib import contextmanager
-from datetime import datetime, timezone
 from pathlib import Path
 
 import pyarrow as pa
@@ -22,7 +21,7 @@ from farmflow import tasks
 from farmflow.annotators import AnnotationIncomplete
 from farmflow.annotators.api import AnnotationError
 from farmflow.config import AnnotatorConfig, ApiAnnotatorConfig, CheckpointConfig, ExecutionConfig, SFTConfig, load_config
-from farmflow.flows import StageRunner, compare_flow, history_rows, retry_options, transient
+from farmflow.flows import StageRunner, compare_flow, retry_options, transient
 from farmflow.flows.distributed import stage_flow, stage_key_of, stage_tasks
 from farmflow.storage import ArtifactRef, LocalStore, StoreError
 from farmflow.storage.schemas import SCHEMAS
@@ -60,37 +59,6 @@ def test_retries_with_backoff_only_where_the_network_is():
     assert not transient(AnnotationIncomplete("annotation incomplete: max_cost_usd=$1 reached after $1.01: 4 pairs not sent"))
     assert transient(StoreError("s3://farm: endpoint unreachable")) and transient(ConnectionResetError()) and transient(TimeoutError())
     assert not transient(AnnotationError("HTTP 401")) and not transient(ValueError("bad config")) and not transient(None)
-
-
-def test_history_rows_repeat_the_run_before_each_leaderboard_row():
-    board = [{f.name: None for f in SCHEMAS["leaderboard"]} | {"method": m, "win_rate": w, "n": 16} for m, w in (("sft", 40.0), ("dpo", 55.5))]
-    run = {"run_at": datetime(2026, 1, 2, 3, tzinfo=timezone.utc), "flow_run_id": "abc", "flow_run_name": "compare/synthetic-micro/1234abcd",
-           "preset": "synthetic-micro", "config_key": "1234abcd", "leaderboard_key": "lb"}
-    table = history_rows(board, run)
-    assert table.schema == SCHEMAS["leaderboard_history"]
-    assert table.column("method").to_pylist() == ["sft", "dpo"] and table.column("win_rate").to_pylist() == [40.0, 55.5]
-    assert table.column("flow_run_id").to_pylist() == ["abc", "abc"]
-
-
-def test_history_written_before_a_new_column_still_reads(tmp_path):
-    """A store's leaderboard_history keeps chunks from older farmflow versions: DuckDB reads them beside new
-    ones (union by name), the column they lack is NULL there."""
-    board = [{f.name: None for f in SCHEMAS["leaderboard"]} | {"method": "sft", "win_rate": 40.0, "mean_gold": 0.5, "n": 16}]
-    run = {"run_at": datetime(2026, 1, 2, 3, tzinfo=timezone.utc), "flow_run_id": "old", "flow_run_name": "compare/x/1",
-           "preset": "synthetic-micro", "config_key": "k", "leaderboard_key": "lb"}
-    import pyarrow.parquet as pq
-
-    store = LocalStore(tmp_path / "store")
-    old = history_rows(board, run).drop_columns(["gold_standard_error"])  # a chunk written before the column existed
-    folder = tmp_path / "store" / "_rows" / "leaderboard_history"
-    folder.mkdir(parents=True)
-    pq.write_table(old, folder / "2026-01-02T030000.000000Z0000-00000000.parquet")  # named like append_rows names chunks
-    board[0]["gold_standard_error"] = 0.02
-    store.append_rows("leaderboard_history", history_rows(board, run | {"flow_run_id": "new"}), "leaderboard_history")
-    got = connect(store).sql("SELECT flow_run_id, mean_gold, gold_standard_error FROM leaderboard_history ORDER BY flow_run_id").fetchall()
-    assert got == [("new", 0.5, 0.02), ("old", 0.5, None)]
-    rows = store.read_rows("leaderboard_history", "leaderboard_history")
-    assert rows.schema == SCHEMAS["leaderboard_history"] and rows.column("gold_standard_error").to_pylist() == [None, 0.02]
 
 
 # ------------------------------------------------------------- the GPU stage flow
@@ -214,7 +182,7 @@ def test_failed_stage_resumes_from_cached_inputs_then_history_accumulates(micro_
     with run_log() as logs:
         again = compare_flow(config=micro_config, methods=["best_of_n"], history=True)
     assert dict(tasks.EXECUTED) == {} and again["leaderboard"] == first["leaderboard"]
-    assert again["history_rows"] == 3
+    assert again["run"]["rows"] == 3
 
     # the history: two recorded runs (the failed one recorded nothing), queryable with DuckDB
     con = connect(LocalStore(root))

@@ -130,9 +130,9 @@ def test_the_scheduler_creates_the_nightly_run_and_it_completes(server, tmp_path
             _stop(worker)
     from farmflow.storage import LocalStore
 
-    history = LocalStore(store).read_rows("leaderboard_history", "leaderboard_history")
-    assert sorted(set(history.column("method").to_pylist())) == ["best_of_4", "sft", "untrained"]
-    assert set(history.column("flow_run_id").to_pylist()) == {str(run.id)}
+    recorded = LocalStore(store).read_rows("runs", "runs")
+    assert sorted(set(recorded.column("method").to_pylist())) == ["best_of_4", "sft", "untrained"]
+    assert set(recorded.column("flow_run_id").to_pylist()) == {str(run.id)} and all(recorded.column("history").to_pylist())
     crashes = [line for line in server_log.read_text().splitlines() if CRASH.search(line)]
     assert not crashes, "\n".join(crashes[:20])
 

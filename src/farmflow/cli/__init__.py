@@ -379,31 +379,63 @@ def reward_report(
 @app.command()
 def leaderboard(
     store: Optional[str] = typer.Option(None, help="Artifact store (default $FARMFLOW_STORE, else ./.farmflow/store)."),
-    as_json: bool = typer.Option(False, "--json", help="Print the leaderboard's rows, artifact folder and creation time as JSON."),
+    run: Optional[str] = typer.Option(
+        None, "--run", help="The run to show: its run id or flow-run id (or a unique prefix of one)."),
+    preset: Optional[str] = typer.Option(
+        None, "--preset", help="Show the newest run of this preset (default: synthetic-tiny, else the newest run's)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the run, its leaderboard rows and artifact as JSON."),
 ) -> None:
-    """Print the most recent leaderboard in the store, and where its Parquet, Markdown and plot are."""
+    """Print one run's leaderboard from the store's runs table, and where its Parquet, Markdown and plot are."""
+    from rich.markup import escape
+
     from farmflow.config import StoreConfig
-    from farmflow.storage import open_store
+    from farmflow.evaluation.history import RUN_COLUMNS, pick_run
+    from farmflow.storage import SCHEMAS, open_store
 
-    st = open_store(store or StoreConfig().uri)
-    boards = [r for r in st.list() if r.stage == "leaderboard"]
-    if not boards:
-        console.print(f"no leaderboard in {st.root} yet: run `farmflow demo` first")
-        raise typer.Exit(1)
-    latest = boards[-1]
-    rows = st.read_table(latest).to_pylist()
+    if run and preset:
+        typer.echo("error: give --run or --preset, not both", err=True)
+        raise typer.Exit(2)
+    st = open_store(store or StoreConfig().location)
+    recorded = st.read_rows("runs", "runs").to_pylist()
+    if recorded:
+        try:
+            rows, why = pick_run(recorded, run, preset)
+        except LookupError as err:
+            typer.echo(f"error: {err}", err=True)
+            raise typer.Exit(2)
+        about = {k: rows[0][k] for k in RUN_COLUMNS}
+        rows = [{k: r[k] for k in SCHEMAS["leaderboard"].names} for r in rows]
+        latest = st.get("leaderboard", about["leaderboard_key"])
+        created = about["run_at"].isoformat()
+        title = f"Leaderboard ({about['preset']}, run {about['run_id']}, {created[:16].replace('T', ' ')} UTC)"
+    else:  # a store written before the runs table: its newest leaderboard artifact
+        boards = [r for r in st.list() if r.stage == "leaderboard"]
+        if not boards:
+            typer.echo(f"error: no leaderboard in {st.root} yet: run `farmflow demo` first", err=True)
+            raise typer.Exit(1)
+        if run or preset:
+            typer.echo(f"error: --run and --preset read the runs table, and {st.root} has none yet "
+                       "(`farmflow leaderboard` alone shows its newest leaderboard)", err=True)
+            raise typer.Exit(1)
+        latest, about, why = boards[-1], None, "the newest leaderboard artifact (this store has no runs table)"
+        rows, created = st.read_table(latest).to_pylist(), latest.created
+        title = f"Leaderboard ({created})"
+    uri = latest.uri if latest else None
     if as_json:
-        print_json({"artifact": latest.uri, "created": latest.created, "leaderboard": rows})
+        run_json = about and about | {"run_at": created}
+        print_json({"shown": why, "run": run_json, "artifact": uri, "created": created, "leaderboard": rows})
         return
-    console.print(_board(rows, f"Leaderboard ({latest.created})"))
+    say = lambda text: console.print(escape(text), soft_wrap=True, highlight=False)  # noqa: E731
+    say(f"showing {why}")
+    Console(width=max(console.width, 120)).print(_board(rows, escape(title)))  # never cut to 80 columns in a pipe
+    if about:
+        say(f"flow run {about['flow_run_name'] or about['flow_run_id'] or '?'}; config key {about['config_key']}")
     if rows and rows[0].get("annotator"):
-        from rich.markup import escape
-
         from farmflow.evaluation.leaderboard import judge_quality
 
         note = judge_quality(rows[0]["annotator"])
-        console.print(escape(f"annotator: {rows[0]['annotator']}; reference: {rows[0].get('reference') or '?'}"
-                             + (f"; the judge {note}" if note else "")), soft_wrap=True, highlight=False)
+        say(f"annotator: {rows[0]['annotator']}; reference: {rows[0].get('reference') or '?'}"
+            + (f"; the judge {note}" if note else ""))
     gold = [r for r in rows if r["mean_gold"] is not None and r["mean_gold"] == r["mean_gold"]]
     if len(gold) >= 3:  # the synthetic farm: does the simulated ranking match the true (gold) one?
         from farmflow.evaluation.analysis import ranking_correlation
@@ -411,8 +443,10 @@ def leaderboard(
         for col in ("win_rate", "lc_win_rate"):
             if all(r.get(col) is not None for r in gold):
                 c = ranking_correlation({r["method"]: r[col] for r in gold}, {r["method"]: r["mean_gold"] for r in gold})
-                console.print(f"{col.replace('_', ' ')} vs mean gold over {c['n']} methods: Spearman {c['spearman']:.2f}, Pearson {c['pearson']:.2f}")
-    console.print(f"files: {latest.uri}/data.parquet, leaderboard.md, leaderboard.png")
+                say(f"{col.replace('_', ' ')} vs mean gold over {c['n']} methods: "
+                    f"Spearman {c['spearman']:.2f}, Pearson {c['pearson']:.2f}")
+    if uri:
+        say(f"files: {uri}/data.parquet, leaderboard.md, leaderboard.png")
 
 
 @config_app.command("presets")
@@ -663,6 +697,10 @@ _register_annotators(app)  # judge-server, annotate FILE, annotations reparse
 from farmflow.cli.models import register as _register_models  # noqa: E402
 
 _register_models(app)  # models get | import | ls
+
+from farmflow.cli.history import register as _register_history  # noqa: E402
+
+_register_history(app)  # history
 
 
 def main() -> None:

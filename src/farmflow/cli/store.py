@@ -37,7 +37,7 @@ def _print_table(columns: list[str], rows: list[tuple]) -> None:
 
 
 def sql(
-    query: Optional[str] = typer.Argument(None, help="SQL over the views artifacts, instructions, pairs, preferences, outputs, evaluations, leaderboard, overoptimization, reward_report, annotations, leaderboard_history."),
+    query: Optional[str] = typer.Argument(None, help="SQL over the views artifacts, instructions, pairs, preferences, outputs, evaluations, leaderboard, overoptimization, reward_report, annotations, runs, leaderboard_history."),
     store: Optional[str] = typer.Option(None, help=STORE_HELP),
     format: str = typer.Option("table", "--format", "-f", help="table (aligned), csv, json (a list of objects) or parquet (needs --output)."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write the result to this file instead of stdout."),

@@ -7,7 +7,8 @@ method and of the baselines (untrained, SFT) against the reference outputs, and 
 leaderboard. There is one flow per method (`best_of_n_flow`, `dpo_flow`, ...) and
 `compare_flow`, which runs any list of methods over the same upstream artifacts, the
 methods in parallel (`fan_out`, `execution.max_parallel_methods`), and ends with the
-over-optimization curve and, for the nightly deployment, a row in the leaderboard history.
+over-optimization curve. Every run appends its leaderboard to the store's ``runs`` table; the
+nightly deployment (``history``) also publishes the trend across runs.
 
 Where a stage runs is `StageRunner`'s business (`execution.mode`): in this process, or,
 for GPU stages in distributed mode, as a flow run on the GPU work pool
@@ -346,23 +347,59 @@ def _publish_curve(run: StageRunner, curve: ArtifactRef, title: str) -> list[dic
     return rows
 
 
-def history_rows(board: list[dict], run: dict[str, Any]) -> pa.Table:
-    """The ``leaderboard_history`` rows of one run: `run` (run_at, flow_run_id, ...) followed by each leaderboard row."""
-    return pa.Table.from_pylist([run | row for row in board], schema=SCHEMAS["leaderboard_history"])
-
-
-@task(name="leaderboard_history", cache_policy=NO_CACHE, persist_result=False)
-def leaderboard_history_task(store_uri: str, board: ArtifactRef, preset: str, key: str) -> int:
-    """Append the leaderboard's rows to the store's ``leaderboard_history`` row log; returns the rows appended."""
+@task(name="record_run", cache_policy=NO_CACHE, persist_result=False)
+def record_run_task(store_uri: str, board: ArtifactRef, preset: str, key: str, history: bool = False) -> dict[str, Any]:
+    """Append the run's leaderboard rows to the store's ``runs`` row log; returns its run id and the rows appended."""
     from prefect.runtime import flow_run
 
+    from farmflow.evaluation.history import run_id_of, run_rows
+
     store = open_store(store_uri)
-    run = {"run_at": datetime.now(timezone.utc), "flow_run_id": str(flow_run.id or ""), "flow_run_name": flow_run.name or "",
-           "preset": preset, "config_key": key, "leaderboard_key": board.key}
-    table = history_rows(store.read_table(board).to_pylist(), run)
-    store.append_rows("leaderboard_history", table, "leaderboard_history")
-    log("leaderboard_history: appended %d rows", table.num_rows)
-    return table.num_rows
+    run = {"run_id": run_id_of(flow_run.id), "flow_run_id": str(flow_run.id or ""),
+           "flow_run_name": flow_run.name or "", "flow": flow_run.flow_name or "", "run_at": datetime.now(timezone.utc),
+           "preset": preset, "config_key": key, "history": history, "leaderboard_key": board.key}
+    table = run_rows(store.read_table(board).to_pylist(), run)
+    store.append_rows("runs", table, "runs")
+    log("runs: run %s, %d rows appended", run["run_id"], table.num_rows)
+    return {"run_id": run["run_id"], "rows": table.num_rows}
+
+
+HISTORY_RUNS = 10
+"""How many of a preset's newest runs the published trend shows."""
+
+
+@task(name="history", cache_policy=NO_CACHE, persist_result=False)
+def history_task(store_uri: str, preset: str) -> ArtifactRef | None:
+    """The trend of the preset's newest runs (`HISTORY_RUNS`) as a ``history`` artifact (the runs rows, ``history.md``,
+    ``history.png``) and a Prefect markdown artifact (key ``history``); nothing with fewer than 2 runs of the preset."""
+    import tempfile
+    from pathlib import Path
+
+    from farmflow.evaluation.history import plot_trend, trend, trend_markdown
+    from farmflow.storage import stage_key
+
+    store = open_store(store_uri)
+    rows = [r for r in store.read_rows("runs", "runs").to_pylist() if r["preset"] == preset]
+    t = trend(rows, last=HISTORY_RUNS)
+    if len(t["runs"]) < 2:
+        log("history: %d run(s) of %s so far, no trend to publish", len(t["runs"]), preset)
+        return None
+    ids = [r["run_id"] for r in t["runs"]]
+    title = f"History: {preset}, the newest {len(ids)} runs"
+    markdown = trend_markdown(t, title)
+    key = stage_key("history", "1", {"preset": preset, "runs": ids})
+    ref = store.get("history", key)
+    if ref is None:
+        with tempfile.TemporaryDirectory() as tmp:
+            plot_trend(t, f"{tmp}/history.png", f"Win rate across runs: {preset}")
+            png = Path(f"{tmp}/history.png").read_bytes()
+        table = pa.Table.from_pylist([r for r in rows if r["run_id"] in set(ids)], schema=SCHEMAS["runs"])
+        ref = store.put_table("history", key, table, "runs", config={"preset": preset, "runs": ids},
+                              extra_files={"history.md": markdown.encode(), "history.png": png})
+    where = f"\nRows, Markdown and plot (history.png): `{ref.uri}`\n"
+    create_markdown_artifact(markdown + where, key="history", description=title)
+    log("history: %d runs of %s, %d flagged change(s), plot in %s", len(ids), preset, len(t["changes"]), ref.uri)
+    return ref
 
 
 def run_methods(cfg: FarmConfig, methods: list[str] | tuple[str, ...], title: str, curve: bool = False,
@@ -372,8 +409,9 @@ def run_methods(cfg: FarmConfig, methods: list[str] | tuple[str, ...], title: st
     The shared upstream stages run first, then the methods fan out (`fan_out`). With
     `curve`, a proxy reward per method joins its branch and the over-optimization curve
     (proxy reward vs win rate and gold reward, one point per method) ends the run, when a
-    reward model was trained. With `history`, the leaderboard rows are appended to the
-    store's ``leaderboard_history`` table. Returns a JSON-able summary: leaderboard rows,
+    reward model was trained. Every run appends its leaderboard rows to the store's ``runs``
+    table (`record_run_task`); with `history`, the trend of the preset's runs is published too
+    (`history_task`). Returns a JSON-able summary: leaderboard rows, the run's id,
     reward-model metrics (when a method used it), per-stage timing, rows and cache hits.
     """
     unknown = [m for m in methods if m not in METHODS]
@@ -417,8 +455,9 @@ def run_methods(cfg: FarmConfig, methods: list[str] | tuple[str, ...], title: st
         curve_ref = evaluate_points(up, points, {"p_sim^eval": cfg.evaluation.annotator}, curve_title)
         summary["overoptimization"] = {"rows": _publish_curve(run, curve_ref, curve_title), "artifact": curve_ref.uri}
         summary["artifacts"]["overoptimization"] = curve_ref.uri
-    if history:
-        summary["history_rows"] = leaderboard_history_task(run.store_uri, board, cfg.name, summary["config_key"])
+    summary["run"] = record_run_task(run.store_uri, board, cfg.name, summary["config_key"], history)
+    if history and (published := history_task(run.store_uri, cfg.name)) is not None:
+        summary["artifacts"]["history"] = published.uri
     return summary
 
 
@@ -463,7 +502,8 @@ def _args_doc(extra: str = ""):
 # ---------------------------------------------------------------------- flows
 @flow(name="compare", flow_run_name=_flow_run_name, log_prints=True)
 @_args_doc("""    methods: Methods to compare (default: all); the baselines (untrained, SFT) are always evaluated.
-    history: Append the leaderboard rows to the store's leaderboard_history table (the nightly comparison does).
+    history: Publish the trend of this preset's runs (Prefect artifact history, plot in the store) and count the run
+        in the leaderboard_history view (the nightly comparison does); every run is recorded in the store's runs table.
 """)
 def compare_flow(
     config: FarmConfig | None = None, preset: PresetName = "synthetic-tiny", methods: list[MethodName] | None = None,

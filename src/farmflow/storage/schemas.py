@@ -70,9 +70,23 @@ SCHEMAS: dict[str, pa.Schema] = {
             ("n", _I), ("annotator", _STR), ("reference", _STR), ("evaluation_key", _STR),
         ]
     ),
-    # the leaderboard history (a row log under _rows/leaderboard_history/, one chunk per recorded run, e.g.
-    # the nightly comparison): the run (when, which flow run, preset, config key, leaderboard artifact)
-    # followed by that run's leaderboard rows, so trends are one DuckDB query away.
+    # the runs (a row log under _rows/runs/, one chunk per flow run that ends in a leaderboard: compare runs,
+    # nightly and manual, and single-method flows): the run (run_id: the last 8 hex digits of its flow-run id,
+    # when, which flow, preset, config key, whether it publishes the trend, its leaderboard artifact) followed
+    # by one leaderboard row per method; mean gold null where there is no gold reward (the real farm).
+    "runs": pa.schema(
+        [
+            ("run_id", _STR), ("flow_run_id", _STR), ("flow_run_name", _STR), ("flow", _STR),
+            ("run_at", pa.timestamp("us", tz="UTC")), ("preset", _STR), ("config_key", _STR), ("history", _B),
+            ("leaderboard_key", _STR),
+            ("method", _STR), ("family", _STR), ("win_rate", _F), ("standard_error", _F), ("discrete_win_rate", _F),
+            ("lc_win_rate", _F), ("lc_standard_error", _F), ("mean_gold", _F), ("gold_standard_error", _F),
+            ("avg_length", _I), ("n", _I), ("annotator", _STR), ("reference", _STR), ("evaluation_key", _STR),
+        ]
+    ),
+    # the leaderboard history as stores kept it before the runs table (_rows/leaderboard_history/, one chunk
+    # per nightly run; no longer written): read through the `leaderboard_history` DuckDB view, which adds the
+    # runs recorded with history (farmflow.storage.sql).
     "leaderboard_history": pa.schema(
         [
             ("run_at", pa.timestamp("us", tz="UTC")), ("flow_run_id", _STR), ("flow_run_name", _STR), ("preset", _STR),

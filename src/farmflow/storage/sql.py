@@ -9,8 +9,11 @@ from, so any row can be traced back to its artifact):
   ``overoptimization``, ``reward_report``: the rows of every committed table of that format
   (read from each ``_COMMIT.json``);
 * ``annotations``: the row-level annotation cache, every chunk of ``_rows/annotations/``.
-* ``leaderboard_history``: one row per method and recorded run (the nightly comparison), every
-  chunk of ``_rows/leaderboard_history/``.
+* ``runs``: one row per method and flow run that ended in a leaderboard, every chunk of
+  ``_rows/runs/`` (what `farmflow leaderboard` and `farmflow history` read).
+* ``leaderboard_history``: the nightly trend in the columns it always had: the runs recorded
+  with ``history`` plus the chunks stores kept in ``_rows/leaderboard_history/`` before the
+  ``runs`` table existed (no longer written), so old queries keep their meaning.
 
 The views are built from the commit records, so they only ever read committed data, in
 the attempt folder the record names (uncommitted or losing S3 uploads are never read).
@@ -99,17 +102,31 @@ def _table_sql(store: Store, records: list[dict], format: str) -> str:
     return "\nUNION ALL BY NAME\n".join(parts)
 
 
-ROW_VIEWS = {"annotations": "annotations", "leaderboard_history": "leaderboard_history"}
+ROW_VIEWS = {"annotations": "annotations", "runs": "runs"}
 """View name → row log (``_rows/<name>/``) it reads; each log's chunks have the schema of the same name."""
 
 
-def _rows_sql(store: Store, namespace: str) -> str:
+def _rows_sql(store: Store, namespace: str) -> str | None:
+    """Every chunk of a row log, or None when it has none."""
     folder = store._p("_rows", namespace)
     with store._io():
         chunks = [p for p in store.fs.find(folder) if p.endswith(".parquet") and not p.rsplit("/", 1)[-1].startswith(".")] if store.fs.exists(folder) else []
     if not chunks:
-        return _empty([(f.name, _duck_type(f.type)) for f in SCHEMAS[namespace]])
+        return None
     return f"SELECT * FROM read_parquet({_lit(store.url(folder) + '/**/*.parquet')}, union_by_name = true)"
+
+
+def _row_view_sql(store: Store, namespace: str) -> str:
+    return _rows_sql(store, namespace) or _empty([(f.name, _duck_type(f.type)) for f in SCHEMAS[namespace]])
+
+
+def _leaderboard_history_sql(store: Store) -> str:
+    """The runs recorded with history, in the legacy columns, then the legacy chunks (union by name: a column an
+    old chunk lacks is NULL there)."""
+    columns = ", ".join(SCHEMAS["leaderboard_history"].names)
+    recorded = f"SELECT {columns} FROM ({_row_view_sql(store, 'runs')}) WHERE history"
+    legacy = _rows_sql(store, "leaderboard_history")
+    return recorded if legacy is None else f"{recorded}\nUNION ALL BY NAME\n{legacy}"
 
 
 def view_sql(store: Store) -> dict[str, str]:
@@ -117,7 +134,8 @@ def view_sql(store: Store) -> dict[str, str]:
     records = store.records()
     views = {"artifacts": _artifacts_sql(records)}
     views |= {name: _table_sql(store, records, format) for name, format in TABLE_VIEWS.items()}
-    views |= {name: _rows_sql(store, namespace) for name, namespace in ROW_VIEWS.items()}
+    views |= {name: _row_view_sql(store, namespace) for name, namespace in ROW_VIEWS.items()}
+    views["leaderboard_history"] = _leaderboard_history_sql(store)
     return views
 
 
