@@ -155,6 +155,7 @@ def _run(preset: str, overrides: list[str], store: Optional[str], as_json: bool,
          api_ready=lambda: None, cfg=None) -> None:
     import time
 
+    check_api()  # a set PREFECT_API_URL whose server does not answer: one line now, before the flows' imports
     cfg = cfg or _config(preset, overrides, store)
     from farmflow.flows import FLOWS
 
@@ -663,6 +664,10 @@ _register_annotators(app)  # judge-server, annotate FILE, annotations reparse
 from farmflow.cli.models import register as _register_models  # noqa: E402
 
 _register_models(app)  # models get | import | ls
+
+from farmflow.cli.server import check_api, register as _register_server  # noqa: E402
+
+_register_server(app, _prefect_env)  # server
 
 
 def main() -> None:
