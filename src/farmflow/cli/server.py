@@ -34,7 +34,7 @@ def redacted(url: str) -> str:
 def check_api(timeout_s: float = HEALTH_TIMEOUT_S) -> None:
     """With PREFECT_API_URL set (environment or Prefect profile), its server must answer `GET /health` within
     `timeout_s`; otherwise one line on stderr and exit code 1, before a run starts any work. Without the check a
-    run would import torch and the flows first, then retry the connection for minutes and end in a traceback."""
+    run would import torch and the flows first (seconds) and then end in a screenful of traceback."""
     import httpx
     import prefect.settings
 
