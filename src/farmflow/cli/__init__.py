@@ -155,6 +155,7 @@ def _run(preset: str, overrides: list[str], store: Optional[str], as_json: bool,
          api_ready=lambda: None, cfg=None) -> None:
     import time
 
+    check_api()  # a set PREFECT_API_URL whose server does not answer: one line now, before the flows' imports
     cfg = cfg or _config(preset, overrides, store)
     from farmflow.flows import FLOWS
 
@@ -699,8 +700,10 @@ from farmflow.cli.models import register as _register_models  # noqa: E402
 _register_models(app)  # models get | import | ls
 
 from farmflow.cli.history import register as _register_history  # noqa: E402
+from farmflow.cli.server import check_api, register as _register_server  # noqa: E402
 
 _register_history(app)  # history
+_register_server(app, _prefect_env)  # server
 
 
 def main() -> None:

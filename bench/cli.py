@@ -1,0 +1,177 @@
+"""Fixed cost of a fully cached `farmflow run` as a user sees it, with and without a running Prefect server.
+
+The command, `farmflow run best-of-n --preset synthetic-micro --store <temporary store> --json`, runs with every
+stage a cache hit (one un-timed run fills the store first); each run is a subprocess, timed from start to exit.
+
+* server: PREFECT_API_URL points at `farmflow server` (Prefect's server with farmflow's environment) on a free
+  loopback port, with its own PREFECT_HOME; started once and warmed by one run.
+* temporary: no PREFECT_API_URL, the default: each run starts Prefect's temporary server and stops it at exit
+  (its database already created by the filling run).
+* imports: `python -c "import farmflow.flows"`, the part of a run no server saves; server − imports is what a
+  run costs beyond its imports (goal: at most 3 s).
+
+Runs alternate server, temporary, imports (REPEATS rounds, after one warm-up of each), so load from other
+processes on a shared machine falls on all three alike. Children run with .pyc caching on, as in a user's
+shell. Writes bench/results/cli.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import httpx
+
+OUT = Path(__file__).parent / "results" / "cli.json"
+REPEATS = 7
+GOAL_BEYOND_IMPORTS_S = 3.0
+FARMFLOW = str(Path(sys.executable).parent / "farmflow")  # the console script a user runs
+ARGS = ["run", "best-of-n", "--preset", "synthetic-micro", "--json"]
+
+
+def child_env(prefect_home: Path, **extra: str) -> dict:
+    """A user's shell: no PREFECT_API_URL unless given, .pyc caching on, Prefect state in `prefect_home`."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "PYTHONDONTWRITEBYTECODE")}
+    return env | {"PREFECT_HOME": str(prefect_home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false", **extra}
+
+
+def farmflow_run(store: Path, env: dict, cached: bool = True) -> tuple[float, float]:
+    """Wall seconds of one `farmflow run` subprocess and the flow's own seconds (its `wall_seconds`); with
+    `cached`, fails unless every stage was a cache hit."""
+    start = time.perf_counter()
+    done = subprocess.run([FARMFLOW, *ARGS, "--store", str(store)], env=env, capture_output=True, text=True,
+                          timeout=900)
+    wall = time.perf_counter() - start
+    if done.returncode != 0:
+        raise RuntimeError(f"farmflow run failed ({done.returncode}): {done.stderr[-2000:]}")
+    summary = json.loads(done.stdout)
+    missed = [s["stage"] for s in summary["stages"] if not s["cached"]]
+    if cached and missed:
+        raise RuntimeError(f"not a fully cached run: {', '.join(missed)} ran")
+    return wall, summary["wall_seconds"]
+
+
+def imports(env: dict) -> float:
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import farmflow.flows"], env=env, check=True, timeout=600)
+    return time.perf_counter() - start
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(prefect_home: Path, log: Path) -> tuple[subprocess.Popen, str]:
+    """`farmflow server` on a free loopback port; returns it and the PREFECT_API_URL it printed, once it answers."""
+    port = free_port()
+    with open(log, "w") as out:
+        proc = subprocess.Popen([FARMFLOW, "server", "--port", str(port)], env=child_env(prefect_home), stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}/api"
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop_server(proc)
+            raise RuntimeError("farmflow server did not come up: " + log.read_text()[-2000:])
+        time.sleep(0.2)
+    if f"export PREFECT_API_URL={url}" not in log.read_text():
+        stop_server(proc)
+        raise RuntimeError(f"farmflow server did not print the export line for {url}")
+    return proc, url
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGINT (Ctrl-C: a graceful shutdown), then SIGKILL if it has not exited after 60 s."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def spread(xs: list[float]) -> dict:
+    q1, _, q3 = statistics.quantiles(xs, n=4)
+    return {"median_s": statistics.median(xs), "min_s": min(xs), "max_s": max(xs), "q1_s": q1, "q3_s": q3, "runs_s": xs}
+
+
+def main() -> None:
+    tmp = Path(tempfile.mkdtemp(prefix="farmflow-bench-cli-"))
+    store = tmp / "store"
+    temporary_env = child_env(tmp / "prefect-temporary")
+    load_before = os.getloadavg()
+    server = None
+    try:
+        print("filling the store (one un-timed run with a temporary server)...", flush=True)
+        farmflow_run(store, temporary_env, cached=False)
+        server, url = start_server(tmp / "prefect-server", tmp / "server.log")
+        server_env = child_env(tmp / "prefect-client", PREFECT_API_URL=url)
+        farmflow_run(store, server_env)  # warm-up: the server's first flow run, the first .pyc writes
+        farmflow_run(store, temporary_env)
+        imports(temporary_env)
+        walls: dict[str, list[float]] = {"server": [], "temporary": [], "imports": []}
+        flows: dict[str, list[float]] = {"server": [], "temporary": []}
+        for k in range(REPEATS):
+            for name, env in (("server", server_env), ("temporary", temporary_env)):
+                wall, flow = farmflow_run(store, env)
+                walls[name].append(wall)
+                flows[name].append(flow)
+            walls["imports"].append(imports(temporary_env))
+            print(f"round {k + 1}/{REPEATS}: " + ", ".join(f"{n} {w[-1]:.1f}s" for n, w in walls.items()), flush=True)
+    finally:
+        if server is not None:
+            stop_server(server)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    med = {name: statistics.median(xs) for name, xs in walls.items()}
+    beyond = med["server"] - med["imports"]
+    results = {
+        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
+                    "load_average_1_5_15_min": {"before": load_before, "after": os.getloadavg()}},
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": "farmflow " + " ".join(ARGS) + " --store <store filled by one un-timed run>",
+        "repeats": REPEATS,
+        "wall": {name: spread(xs) for name, xs in walls.items()},
+        "in_flow_median_s": {name: statistics.median(xs) for name, xs in flows.items()},
+        "ratio_temporary_vs_server": med["temporary"] / med["server"],
+        "server_beyond_imports_s": beyond,
+        "server_beyond_imports_paired_median_s": statistics.median(
+            a - i for a, i in zip(walls["server"], walls["imports"])),
+        "goal_beyond_imports_s": GOAL_BEYOND_IMPORTS_S,
+        "goal_met": beyond <= GOAL_BEYOND_IMPORTS_S,
+        "notes": ("wall: seconds from starting the subprocess to its exit, as a user sees it. server: PREFECT_API_URL "
+                  "set to `farmflow server` on loopback; temporary: no PREFECT_API_URL (Prefect's temporary server per "
+                  "run); imports: python -c 'import farmflow.flows'. in_flow: the run's own wall_seconds (the flow "
+                  "call). Runs interleaved server, temporary, imports; beyond imports = median(server) - "
+                  "median(imports); paired: median over rounds of server - imports."),
+    }
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(json.dumps(results, indent=2) + "\n")
+    for name, s in results["wall"].items():
+        print(f"{name:9s} median {s['median_s']:.1f}s (min {s['min_s']:.1f}, max {s['max_s']:.1f}, n={REPEATS})")
+    print(f"temporary / server: {results['ratio_temporary_vs_server']:.2f}x; server beyond imports: {beyond:.1f}s "
+          f"(goal <= {GOAL_BEYOND_IMPORTS_S:g}s: {'met' if results['goal_met'] else 'not met'})")
+    print(f"wrote {OUT}")
+
+
+if __name__ == "__main__":
+    main()
