@@ -253,3 +253,13 @@ def test_leaderboards_state_their_judges_measured_agreement():
         "agreement with human or GPT-4 labels not measured: farmflow eval annotators --judge hf:/models/my-judge FILE")
     assert judge_quality("p_sim_eval") is None and judge_quality("oracle pool (5)") is None
     assert "The judge" not in leaderboard_markdown([row | {"annotator": "p_sim_eval"}])
+
+
+def test_an_api_judge_takes_request_limits_for_a_slow_server():
+    from farmflow.evaluation.judge_quality import parse_judge
+
+    spec = parse_judge("api:http://127.0.0.1:8000/v1@my-model?max_in_flight=2&timeout_s=300&temperature=0.7")
+    assert spec.pool == {"max_in_flight": "2", "timeout_s": "300"} and spec.options == {"temperature": "0.7"}
+    assert spec.api_annotator().temperature == 0.7
+    with pytest.raises(ValueError, match="max_in_flight"):
+        parse_judge("api:http://127.0.0.1:8000/v1@my-model?max_in_flight=0")

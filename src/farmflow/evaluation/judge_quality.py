@@ -53,7 +53,8 @@ Z95 = 1.959963984540054  # standard normal quantile at 0.975
 INTERVAL = "Wilson score interval, 95%"
 ORDER_CAP = (1, 2)  # completion tokens above the format's default cap: output_1 shown first, output_1 shown second
 SPEC_HELP = ("hf:MODEL[?batch_size=N&max_prompt_tokens=N&dtype=D&device=D&gguf_file=F&revision=R] "
-             "(a model-cache name, folder or hub id), api:BASE_URL@MODEL[?temperature=T&format=F&style=S] "
+             "(a model-cache name, folder or hub id), api:BASE_URL@MODEL[?temperature=T&format=F&style=S"
+             "&max_in_flight=N&timeout_s=S] "
              "(an OpenAI-compatible endpoint; key in $OPENAI_API_KEY; default format choice, temperature 0), "
              "longer or coin (the baselines, always included)")
 # Agreement of other judges with human majority labels, for scale (the reference here is a file's judge instead).
@@ -67,6 +68,7 @@ PAPER = [
 ]
 HF_OPTIONS = {"batch_size", "max_prompt_tokens", "dtype", "device", "gguf_file", "revision"}
 API_OPTIONS = {"temperature": "temperature", "format": "prompt_format", "style": "style"}
+POOL_OPTIONS = {"max_in_flight", "timeout_s"}  # the api judge's request limits (a slow local server wants few at once)
 
 
 @dataclass(frozen=True)
@@ -204,6 +206,7 @@ class JudgeSpec:
     model: str
     base_url: str | None = None
     options: dict = field(default_factory=dict)
+    pool: dict = field(default_factory=dict)
 
     def hf_config(self) -> HFJudgeConfig:
         return HFJudgeConfig(model=self.model, **self.options)
@@ -241,7 +244,7 @@ def parse_judge(spec: str) -> JudgeSpec | None:
         options = dict(parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query)))
     except ValueError:
         raise ValueError(f"{label}: options after '?' must be key=value pairs joined by '&'") from None
-    known = HF_OPTIONS if kind == "hf" else set(API_OPTIONS)
+    known = HF_OPTIONS if kind == "hf" else set(API_OPTIONS) | POOL_OPTIONS
     unknown = sorted(set(options) - known)
     if unknown:
         raise ValueError(f"{label}: unknown option(s) {unknown}; known: {', '.join(sorted(known))}")
@@ -252,9 +255,11 @@ def parse_judge(spec: str) -> JudgeSpec | None:
             base_url, model = split_api_target(target)
         except ValueError as err:
             raise ValueError(f"{label}: {err}") from None
-        parsed = JudgeSpec(spec, "api", model, base_url, {API_OPTIONS[k]: v for k, v in options.items()})
+        parsed = JudgeSpec(spec, "api", model, base_url,
+                           {API_OPTIONS[k]: v for k, v in options.items() if k in API_OPTIONS},
+                           {k: v for k, v in options.items() if k in POOL_OPTIONS})
     try:  # pydantic checks the values (a type, a range, a literal) and names the field
-        parsed.hf_config() if kind == "hf" else parsed.api_annotator()
+        parsed.hf_config() if kind == "hf" else (parsed.api_annotator(), AnnotatorConfig(**parsed.pool))
     except ValidationError as err:
         first = err.errors()[0]
         where = ".".join(map(str, first["loc"]))
@@ -319,7 +324,7 @@ def api_verdicts(spec: JudgeSpec, pairs: Sequence[Pair], store_uri: str | None,
             groups[order_seed(pair, second)].append(i)
         p1: list[float | None] = [None] * len(pairs)
         for seed, idx in sorted(groups.items()):
-            cfg = AnnotatorConfig(kind="api", api_pool=[annotator], label_noise=0.0, seed=seed)
+            cfg = AnnotatorConfig(kind="api", api_pool=[annotator], label_noise=0.0, seed=seed, **spec.pool)
             table, metrics = annotate(rows_of([pairs[i] for i in idx]), cfg, store_uri, allow_incomplete=True,
                                       progress=progress)
             shown = table.column("swapped").to_pylist()
