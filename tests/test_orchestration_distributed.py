@@ -187,7 +187,7 @@ def test_a_vanished_gpu_worker_is_marked_crashed_and_its_stage_retried(tmp_path)
                 time.sleep(1)
             assert "no heartbeat for 45 s" in client.read_flow_run(vanished.id).state.message
             second_worker = _start_worker(pool, api_url, logs[1])
-            parent.join(timeout=420)  # ~30 s unloaded; a 2-core machine under other load once needed more than 240 s
+            parent.join(timeout=600)  # ~30 s unloaded; a 2-core machine under heavy other load can need several minutes
             assert not parent.is_alive(), logs[1].read_text()[-3000:]
             states = sorted(r.state.name for r in runs())
         assert states == ["Completed", "Crashed"]
