@@ -227,7 +227,7 @@ def test_cli_refuses_bad_judge_arguments_in_one_line(tmp_path, monkeypatch):
     for args, message in [([str(GPT4), str(GPT4), "--judge", "coin"], "exactly one annotations FILE"),
                           (["--oracle", "--judge", "coin"], "exactly one annotations FILE"),
                           ([str(GPT4), "--judge", "gpt-4"], "expected hf:MODEL"),
-                          ([str(tmp_path / "missing.json"), "--judge", "coin"], "cannot read")]:
+                          ([str(tmp_path / "missing.json"), "--judge", "coin"], "no such file")]:
         result = runner.invoke(app, ["eval", "annotators", *args])
         assert result.exit_code == 2 and message in result.output, result.output
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)

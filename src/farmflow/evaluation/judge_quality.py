@@ -31,7 +31,6 @@ sent with a seed that shows it in the wanted order (`order_seed`), and the retur
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
@@ -89,13 +88,10 @@ Verdict = tuple[float | None, float | None]  # P(output_1 better) with output_1 
 def read_pairs(path: str | Path, limit: int | None = None) -> tuple[list[Pair], dict]:
     """The first `limit` (None: all) pairs of an annotations file with a decisive reference, and what the file holds:
     rows read, ties and unreadable preferences skipped before the limit, the reference's annotator name."""
+    from farmflow.data.alpaca import read_records  # a DataError (a ValueError) names the file and what is wrong
+
     p = Path(path)
-    try:
-        rows = json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"cannot read {p}: {err}") from None
-    if not isinstance(rows, list):
-        raise ValueError(f"{p}: expected a JSON list of annotation objects")
+    rows = read_records(p)
     pairs: list[Pair] = []
     skipped = Counter()
     names = Counter()
