@@ -37,12 +37,13 @@ test: install  ## the whole suite, slow end-to-end tests included
 	$(PY) -m pytest -q
 
 bench: install  ## performance benchmarks; results in bench/results/
-	$(PY) -m bench.sampling
+	$(PY) -m bench.sampling  # SmolLM2-135M-Instruct from the model cache (farmflow models get smollm2-135m-instruct)
 	$(PY) -m bench.annotators  # creates .farmflow/bench/alpaca-eval-venv (pinned alpaca_eval) for the peer once
 	$(PY) -m bench.store
 	$(PY) -m bench.cli  # fixed cost of a fully cached `farmflow run`, with and without a running Prefect server
 	$(PY) -m bench.training  # creates .farmflow/bench/trl-venv (pinned TRL on top of .venv's packages) for the peer once
 	$(PY) -m bench.gpu  # ~1B Llama on a CUDA GPU (a few minutes); prints a message and skips without one
+	$(PY) -m bench.report  # BENCHMARKS.md from bench/results/*.json
 
 clean:  ## remove the local store and Prefect state (not the venv)
 	rm -rf .farmflow

@@ -1,108 +1,177 @@
-"""Sampling throughput: farmflow's batched KV-cache sampler against simple and HF peers.
+"""Sampling throughput: farmflow's sampler against Hugging Face `generate`, on the real model.
 
-Side by side, on the synthetic-tiny model shape (random weights, so every sample runs to
-max_new_tokens and all contenders do the same amount of work):
+Model: SmolLM2-135M-Instruct from the model cache (`farmflow models get smollm2-135m-instruct`); prompts: AlpacaEval
+instructions (../shared/data) in farmflow's prompt format. `--smoke` (CI) uses a tiny random model instead.
 
-1. batched sampling vs a per-prompt loop (the same sampler with batch size 1);
-2. best-of-n (n=16): one prefill per prompt with the KV cache repeated n times, vs
-   Hugging Face `generate(do_sample=True, num_return_sequences=n)`, which prefills every
-   copy of the prompt;
-3. an over-optimization curve's best-of-n points (n = 1, 2, 4, 8, 16): sampling and scoring
-   each n apart vs sampling and scoring n = 16 once and taking every smaller n from the first
-   n candidates (`pick_best(..., n=k)`, what the over-optimization flow does); the outputs
-   must be identical (checked).
+1. **n = 1** (generation for evaluation) and 2. **best-of-n** (n = 16, reranking): `farmflow.models.sample_ids`
+   against `model.generate(do_sample=True, num_return_sequences=n)`. Both sides get the same token ids (farmflow's
+   `prompt_ids`: BOS + prompt), the same batches (prompts sorted by length, so farmflow's own length sort changes
+   nothing), temperature 1, no top-k/top-p truncation, the same `max_new_tokens`, stopping at EOS (no forced length),
+   a KV cache. Tokens/s counts each side's generated tokens up to and including EOS; the two draw different random
+   streams, so the counts differ a little and the rate, not the time, is compared.
+3. **best-of-n curve** (n = 1, 2, 4, 8, 16 as the over-optimization flow needs): sampling and scoring the largest n
+   once and taking every smaller n from the first candidates, against sampling each n apart; the picks must agree.
 
-Writes bench/results/sampling.json and prints the ratios.
+Contenders run interleaved (`bench.harness`), warmed, for `--rounds` rounds. Writes bench/results/sampling.json.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import platform
 import time
 from pathlib import Path
 
 import torch
 
-from farmflow.config import preset
-from farmflow.data import build_synthetic_farm, prompts_of, split_rows
-from farmflow.methods.best_of_n import pick_best, scored_candidates
-from farmflow.models import build_policy, reward_from_policy, sample, save, train_tokenizer
+from bench.harness import entry, interleave, machine, summary, values
 
+ROOT = Path(__file__).resolve().parents[1]
 OUT = Path(__file__).parent / "results" / "sampling.json"
+EVAL_FILE = ROOT.parent / "shared" / "data" / "alpaca_eval_davinci003_outputs.json"
+MODEL = "smollm2-135m-instruct"
 
 
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+def real_setup(prompts: int, max_len: int):
+    from farmflow.config import ModelConfig
+    from farmflow.data.alpaca import load_eval
+    from farmflow.data.prompts import format_prompt
+    from farmflow.models import load_pretrained
+
+    model, tok = load_pretrained(ModelConfig(pretrained=MODEL, max_seq_len=max_len))
+    rows = load_eval(EVAL_FILE)[:prompts]
+    return model.eval(), tok, [format_prompt(r["instruction"], r.get("input", "")) for r in rows], f"{MODEL} (fp32)"
 
 
-def main() -> None:
-    cfg = preset("synthetic-tiny")
-    cfg.data.sft_size, cfg.data.pref_size, cfg.data.unlabeled_size, cfg.data.val_size, cfg.data.eval_size = 400, 10, 10, 10, 256
+def tiny_setup(prompts: int, max_len: int):
+    from farmflow.config import preset
+    from farmflow.data import build_synthetic_farm, prompts_of, split_rows
+    from farmflow.models import build_policy, train_tokenizer
+
+    cfg = preset("synthetic-micro")
+    cfg.data.eval_size, cfg.model.max_seq_len = prompts, max_len
     table = build_synthetic_farm(cfg.data)
     rows = table.to_pylist()
     tok = train_tokenizer(prompts_of(rows) + [r["output"] for r in rows if r["output"]], cfg.model.vocab_size)
-    model = build_policy(cfg.model, tok).eval()
-    prompts = prompts_of(split_rows(table, "eval"))
-    new = 48
-    results: dict = {"machine": {"cpu_threads": torch.get_num_threads(), "platform": platform.platform()}, "max_new_tokens": new}
+    return build_policy(cfg.model, tok).eval(), tok, prompts_of(split_rows(table, "eval"))[:prompts], "tiny random Llama (smoke)"
 
-    # 1. batched vs per-prompt loop (n=1)
-    few = prompts[:32]
-    loop_s = _timed(lambda: [sample(model, tok, [p], max_new_tokens=new, batch_size=1) for p in few]) * len(prompts) / len(few)
-    batched_s = _timed(lambda: sample(model, tok, prompts, max_new_tokens=new, batch_size=128))
-    results["batched_vs_loop"] = {
-        "prompts": len(prompts), "batched_seconds": batched_s, "loop_seconds_extrapolated": loop_s,
-        "batched_tokens_per_s": len(prompts) * new / batched_s, "speedup": loop_s / batched_s,
-    }
 
-    # 2. best-of-n: shared prefill vs HF generate(num_return_sequences=n)
-    n, subset = 16, prompts[:64]
-    ours_s = _timed(lambda: sample(model, tok, subset, n=n, max_new_tokens=new, batch_size=8))
-    tok.padding_side = "left"
+def generated_tokens(rows: list[list[int]], eos: int, pad: int) -> int:
+    """Tokens generated per row, up to and including the first EOS, padding excluded."""
+    total = 0
+    for r in rows:
+        r = r[: r.index(eos) + 1] if eos in r else r
+        total += sum(1 for t in r if t != pad)
+    return total
 
-    def hf():
-        for i in range(0, len(subset), 8):
-            enc = tok(["<s>" + p for p in subset[i: i + 8]], return_tensors="pt", padding=True, add_special_tokens=False)
+
+def farmflow_side(model, tok, prompts: list[str], n: int, new: int, batch: int):
+    from farmflow.models import sample_ids
+
+    calls = iter(range(10**9))
+
+    def run() -> dict:
+        start = time.perf_counter()
+        out = sample_ids(model, tok, prompts, n=n, temperature=1.0, max_new_tokens=new, batch_size=batch, seed=next(calls))
+        seconds = time.perf_counter() - start
+        tokens = sum(len(r) for per_prompt in out for r in per_prompt)
+        return {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds}
+
+    return run
+
+
+def hf_side(model, tok, prompts: list[str], n: int, new: int, batch: int):
+    from farmflow.models import prompt_ids
+
+    ids = prompt_ids(tok, prompts, model.config.max_position_embeddings - new)
+    pad, eos = tok.pad_token_id, tok.eos_token_id
+
+    def run() -> dict:
+        tokens, start = 0, time.perf_counter()
+        for i in range(0, len(ids), batch):
+            chunk = ids[i: i + batch]
+            width = max(len(x) for x in chunk)
+            input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in chunk])
+            mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in chunk])
             with torch.no_grad():
-                model.generate(**enc, do_sample=True, num_return_sequences=n, max_new_tokens=new, min_new_tokens=new,
-                               pad_token_id=tok.pad_token_id, top_k=0)
+                out = model.generate(input_ids=input_ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                                     max_new_tokens=new, num_return_sequences=n, pad_token_id=pad, eos_token_id=eos)
+            tokens += generated_tokens(out[:, width:].tolist(), eos, pad)
+        seconds = time.perf_counter() - start
+        return {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds}
 
-    hf_s = _timed(hf)
-    results["best_of_n"] = {
-        "n": n, "prompts": len(subset), "farmflow_seconds": ours_s, "hf_generate_seconds": hf_s,
-        "farmflow_samples_per_s": len(subset) * n / ours_s, "hf_samples_per_s": len(subset) * n / hf_s, "speedup": hf_s / ours_s,
-    }
-    # 3. a best-of-n curve: each n apart vs the largest n once + prefixes
+    return run
+
+
+def curve_sides(model, tok, prompts: list[str], new: int, batch: int):
+    """The over-optimization flow's best-of-n points: the largest n once (prefixes) vs each n apart; picks must agree."""
     import tempfile
+
+    from farmflow.methods.best_of_n import pick_best, scored_candidates
+    from farmflow.models import reward_from_policy, save
 
     with tempfile.TemporaryDirectory() as tmp:
         save(model, tok, tmp)
         reward_model = reward_from_policy(tmp).eval()
-    ns, args = (1, 2, 4, 8, 16), dict(temperature=1.0, top_p=1.0, max_new_tokens=new, batch_size=128, seed=0)
-    apart: dict = {}
-    apart_s = _timed(lambda: apart.update({n: pick_best(*scored_candidates(model, tok, reward_model, tok, subset, n=n, **args))[0] for n in ns}))
-    shared: dict = {}
+    ns, args = (1, 2, 4, 8, 16), dict(temperature=1.0, top_p=1.0, max_new_tokens=new, batch_size=batch, seed=0)
+    picks: dict[str, dict] = {}
 
-    def once():
-        candidates, rewards = scored_candidates(model, tok, reward_model, tok, subset, n=max(ns), **args)
-        shared.update({n: pick_best(candidates, rewards, n=n)[0] for n in ns})
+    def once() -> float:
+        start = time.perf_counter()
+        candidates, rewards = scored_candidates(model, tok, reward_model, tok, prompts, n=max(ns), **args)
+        picks["once"] = {k: pick_best(candidates, rewards, n=k)[0] for k in ns}
+        return 1.0 / (time.perf_counter() - start)
 
-    shared_s = _timed(once)
-    if shared != apart:
-        raise SystemExit("best-of-n curve: prefixes of the largest n differ from sampling each n apart")
-    results["best_of_n_curve"] = {
-        "ns": list(ns), "prompts": len(subset), "each_n_apart_seconds": apart_s, "largest_n_once_seconds": shared_s,
-        "samples_drawn_apart": len(subset) * sum(ns), "samples_drawn_once": len(subset) * max(ns), "speedup": apart_s / shared_s,
+    def apart() -> float:
+        start = time.perf_counter()
+        picks["apart"] = {k: pick_best(*scored_candidates(model, tok, reward_model, tok, prompts, n=k, **args))[0] for k in ns}
+        return 1.0 / (time.perf_counter() - start)
+
+    return {"largest_n_once": once, "each_n_apart": apart}, picks
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per comparison (after one warm-up each)")
+    parser.add_argument("--smoke", action="store_true", help="a tiny random model and a few prompts: seconds, for CI")
+    parser.add_argument("--out", type=Path, default=OUT, help="results file")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        model, tok, prompts, what = tiny_setup(prompts=8, max_len=96)
+        new, batch, n_best, best_prompts = 8, 4, 4, 2
+    else:
+        model, tok, prompts, what = real_setup(prompts=64, max_len=512)
+        new, batch, n_best, best_prompts = 64, 16, 16, 8
+    prompts = sorted(prompts, key=lambda p: len(tok(p, add_special_tokens=False)["input_ids"]))  # the same batches on both sides
+    results: dict = {
+        "machine": machine(),
+        "setup": {"model": what, "prompts": len(prompts), "max_new_tokens": new, "batch_size": batch, "best_of_n": n_best,
+                  "best_of_n_prompts": best_prompts, "rounds": args.rounds, "temperature": 1.0},
+        "entries": [], "runs": {},
     }
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps(results, indent=2))
-    print(json.dumps(results, indent=2))
-    print(f"batched vs per-prompt loop: {results['batched_vs_loop']['speedup']:.1f}x; "
-          f"best-of-{n} vs HF generate: {results['best_of_n']['speedup']:.2f}x; "
-          f"best-of-n curve, largest n once vs each n apart: {results['best_of_n_curve']['speedup']:.2f}x  (written to {OUT})")
+    comparisons = {
+        "n=1": (prompts, 1),
+        f"best-of-{n_best}": (prompts[:best_prompts], n_best),
+    }
+    for name, (ps, n) in comparisons.items():
+        runs = interleave({"farmflow": farmflow_side(model, tok, ps, n, new, batch),
+                           "hf_generate": hf_side(model, tok, ps, n, new, batch)}, rounds=args.rounds)
+        rates = {side: values(rs, "tokens_per_s") for side, rs in runs.items()}
+        results["entries"].append(entry(f"sampling {name}, {what}", "generated tokens/s", rates, goal=1.5))
+        results["runs"][name] = runs
+        print(f"{name}: farmflow {summary(rates['farmflow'])['median']:.0f} vs HF generate "
+              f"{summary(rates['hf_generate'])['median']:.0f} tokens/s ({results['entries'][-1]['ratio']:.2f}x)", flush=True)
+    sides, picks = curve_sides(model, tok, prompts[:best_prompts], new, batch)
+    runs = interleave(sides, rounds=args.rounds)
+    if picks["once"] != picks["apart"]:
+        raise SystemExit("best-of-n curve: prefixes of the largest n differ from sampling each n apart")
+    results["entries"].append(entry(f"best-of-n curve (n=1..16), {what}", "curves/s", runs,
+                                    note="largest n once vs each n apart; identical picks"))
+    results["runs"]["curve"] = runs
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"written to {args.out}")
+    return results
 
 
 if __name__ == "__main__":

@@ -1,0 +1,64 @@
+"""bench/harness.py measures fairly (interleaved, warmed, medians and ranges); the sampling benchmark's smoke mode runs
+end to end; bench/report.py renders BENCHMARKS.md rows from result entries."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, where bench/ lives
+from bench import harness, report, sampling  # noqa: E402
+
+
+def test_interleave_warms_then_alternates_the_order():
+    calls = []
+    counter = {"a": 0, "b": 0}
+
+    def contender(name):
+        def run():
+            counter[name] += 1
+            calls.append(name)
+            return counter[name]
+        return run
+
+    runs = harness.interleave({"a": contender("a"), "b": contender("b")}, rounds=3, warmup=1)
+    assert calls == ["a", "b", "a", "b", "b", "a", "a", "b"]  # warm-up, then a b | b a | a b
+    assert runs == {"a": [2, 3, 4], "b": [2, 3, 4]}  # warm-up results are not kept
+    with pytest.raises(ValueError, match="rounds"):
+        harness.interleave({"a": contender("a")}, rounds=0)
+
+
+def test_summary_ratio_and_entry_by_hand():
+    assert harness.summary([3.0, 1.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0, "rounds": 3}
+    r = harness.ratio([4.0, 6.0, 5.0], [2.0, 3.0, 2.5])
+    assert r == {"ratio": 5.0 / 2.5, "low": 4.0 / 3.0, "high": 6.0 / 2.0}
+    e = harness.entry("x", "tokens/s", {"ours": [4.0, 6.0, 5.0], "peer": [2.0, 3.0, 2.5]}, goal=2.5)
+    assert e["contenders"] == ["ours", "peer"] and e["ratio"] == 2.0 and e["met"] is False
+    assert e["ratio_range"] == [4.0 / 3.0, 3.0] and e["medians"]["peer"]["median"] == 2.5
+    assert harness.values([{"t": 1}, {"t": 3}], "t") == [1.0, 3.0]
+
+
+def test_generated_tokens_stop_at_eos_and_skip_padding():
+    assert sampling.generated_tokens([[5, 6, 2, 7, 7], [5, 0, 0], [9, 9, 9]], eos=2, pad=0) == 3 + 1 + 3
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_sampling_smoke_writes_entries_and_report_renders_them(tmp_path):
+    out = tmp_path / "results" / "sampling.json"
+    sampling.main(["--smoke", "--rounds", "1", "--out", str(out)])
+    data = json.loads(out.read_text())
+    whats = [e["what"] for e in data["entries"]]
+    assert len(whats) == 3 and whats[0].startswith("sampling n=1") and whats[1].startswith("sampling best-of-4")
+    for e in data["entries"]:
+        a, b = e["contenders"]
+        assert e["ratio"] == pytest.approx(e["medians"][a]["median"] / e["medians"][b]["median"])
+        assert e["medians"][a]["median"] > 0 and e["medians"][a]["rounds"] == 1
+    for side in ("farmflow", "hf_generate"):
+        run = data["runs"]["n=1"][side][0]
+        assert 0 < run["tokens"] <= 8 * 8 and run["tokens_per_s"] == pytest.approx(run["tokens"] / run["seconds"])
+    (tmp_path / "results" / "legacy.json").write_text(json.dumps({"machine": {"cpus": 2}, "speedup": 3.0}))
+    md = report.render(tmp_path / "results")
+    table = [line for line in md.splitlines() if line.startswith("| sampling |")]
+    assert len(table) == 3 and f"**{data['entries'][0]['ratio']:.2f}×**" in table[0] and "≥ 1.5×" in table[0]
+    assert "`bench/results/legacy.json`" in md
