@@ -1,12 +1,14 @@
 """Training throughput: farmflow's SFT, reward-model and DPO loops against TRL's trainers.
 
-Same tiny model (synthetic-tiny's shape: hidden 128, 2 layers, 4 heads, vocab 1024,
-max length 160), same data, same batches, same loss, same optimizer and schedule:
+Model (``--model``): SmolLM2-135M-Instruct from the model cache on Alpaca demonstrations (default; pairs are an
+instruction's own answer against the next instruction's answer), or a tiny Llama in synthetic-tiny's shape on the
+synthetic farm (``--model tiny``; ``--smoke`` runs it for 3 steps on farmflow's side only, for CI). Same model, same
+data, same batches, same loss, same optimizer and schedule on both sides:
 
-* SFT: synthetic-farm demonstrations; `train_sft` vs `trl.SFTTrainer`
+* SFT: the demonstrations; `train_sft` vs `trl.SFTTrainer`
   (prompt-completion loss, mean over response tokens).
-* Reward model: preference pairs (a correct answer vs a flawed demonstration of the
-  same task, labelled by the gold reward); `train_reward` vs `trl.RewardTrainer`
+* Reward model: the preference pairs (tiny: a correct answer vs a flawed demonstration of
+  the same task, labelled by the gold reward); `train_reward` vs `trl.RewardTrainer`
   (Bradley-Terry, the scalar head of LlamaForSequenceClassification, both outputs of a
   pair in one forward pass).
 * DPO: the same pairs, β = 0.1, sequence log-probs summed over response tokens;
@@ -33,7 +35,7 @@ TRL is not a farmflow dependency: it lives in .farmflow/bench/trl-venv, created 
 run with the pinned TRL_REQUIREMENTS on top of .venv's packages (torch, transformers,
 farmflow), which it reuses unchanged.
 
-Writes bench/results/training.json and prints the ratios (farmflow / TRL, goal >= 1.0).
+Writes bench/results/training.json (ratios farmflow / TRL; goals: SFT and DPO >= 1.5, reward model >= 1.2).
 """
 
 from __future__ import annotations
@@ -41,7 +43,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -52,15 +53,22 @@ from pathlib import Path
 
 import torch
 
+from bench.harness import entry, machine, values
 from bench.venvs import ensure_venv
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = Path(__file__).parent / "results" / "training.json"
 TRL_VENV = ROOT / ".farmflow" / "bench" / "trl-venv"
 TRL_REQUIREMENTS = ["trl==1.16.0", "datasets==5.2.0", "pandas==3.1.1", "dill==0.4.1", "multiprocess==0.70.19", "xxhash==4.1.0"]
-MAX_LEN = 160
-# per trainer: sequences or pairs per step and synthetic-tiny's learning rate
-TRAINERS = {"sft": {"batch": 32, "lr": 3e-3}, "reward": {"batch": 32, "lr": 5e-4}, "dpo": {"batch": 32, "lr": 1e-4}}
+# per model: the longest sequence, and per trainer the sequences or pairs per step and the learning rate
+SETUPS = {
+    "tiny": {"max_len": 160, "trainers": {"sft": {"batch": 32, "lr": 3e-3}, "reward": {"batch": 32, "lr": 5e-4}, "dpo": {"batch": 32, "lr": 1e-4}},
+             "describe": "tiny Llama, synthetic-tiny shape (hidden 128, 2 layers, 4 heads, MLP 384, vocab 1024, tied embeddings)"},
+    "smollm2": {"max_len": 256, "trainers": {"sft": {"batch": 8, "lr": 2e-5}, "reward": {"batch": 8, "lr": 1e-5}, "dpo": {"batch": 8, "lr": 1e-6}},
+                "describe": "SmolLM2-135M-Instruct (model cache), Alpaca demonstrations; pairs: an instruction's own answer vs another's"},
+}
+TRAINERS = tuple(SETUPS["tiny"]["trainers"])
+REAL_DATA = ROOT.parent / "shared" / "data" / "alpaca_en_demo.json"
 WARMUP_RATIO, BETA, SEED = 0.03, 0.1, 0
 TOKEN_COUNT = (
     "real (non-padding) tokens: the attention-mask sum of every batch a step trains on (SFT: one sequence per example; "
@@ -81,15 +89,18 @@ DIFFERENCES = [
 
 
 # ------------------------------------------------------------------ shared inputs
-def prepare(folder: Path, steps: dict[str, int]) -> None:
+def prepare(folder: Path, steps: dict[str, int], model: str = "tiny") -> None:
     """The tokenizer, the initial policy and the data both sides train on, written to `folder`."""
+    if model != "tiny":
+        return prepare_real(folder, steps)
+    trainers = SETUPS["tiny"]["trainers"]
     from bench.annotators import make_pairs
     from farmflow.config import DataConfig, preset
     from farmflow.data import build_synthetic_farm, format_prompt, gold_reward, prompts_of, split_rows
     from farmflow.models import build_policy, save, train_tokenizer
 
-    n_sft = steps["sft"] * TRAINERS["sft"]["batch"]
-    n_pairs = max(steps["reward"] * TRAINERS["reward"]["batch"], steps["dpo"] * TRAINERS["dpo"]["batch"])
+    n_sft = steps["sft"] * trainers["sft"]["batch"]
+    n_pairs = max(steps["reward"] * trainers["reward"]["batch"], steps["dpo"] * trainers["dpo"]["batch"])
     sft = split_rows(build_synthetic_farm(DataConfig(sft_size=n_sft, pref_size=1, unlabeled_size=1, val_size=1, eval_size=2)), "sft")
     pairs = []
     for r in make_pairs(2 * n_pairs, seed=1):  # a correct answer vs a flawed demonstration, order alternating
@@ -103,23 +114,47 @@ def prepare(folder: Path, steps: dict[str, int]) -> None:
     data = {"sft": {"prompts": prompts_of(sft), "responses": [r["output"] for r in sft]},
             "pairs": {k: [p[k] for p in pairs] for k in ("prompt", "output_1", "output_2", "preference")}}
     texts = data["sft"]["prompts"] + data["sft"]["responses"] + data["pairs"]["prompt"] + data["pairs"]["output_1"] + data["pairs"]["output_2"]
-    model_cfg = preset("synthetic-tiny").model.model_copy(update={"max_seq_len": MAX_LEN})
+    model_cfg = preset("synthetic-tiny").model.model_copy(update={"max_seq_len": SETUPS["tiny"]["max_len"]})
     tok = train_tokenizer(texts, model_cfg.vocab_size)
     save(build_policy(model_cfg, tok), tok, folder / "policy")
-    (folder / "data.json").write_text(json.dumps({"data": data, "steps": steps, "model": model_cfg.model_dump()}))
+    (folder / "data.json").write_text(json.dumps({"data": data, "steps": steps} | SETUPS["tiny"]))
 
 
-def batches(kind: str, n: int, steps: int) -> list[list[int]]:
+def prepare_real(folder: Path, steps: dict[str, int]) -> None:
+    """SmolLM2-135M-Instruct and Alpaca demonstrations; a pair is an instruction's own answer (preferred) against the
+    answer of the next instruction in the file (a fluent but off-topic output)."""
+    from farmflow.config import ModelConfig
+    from farmflow.data.alpaca import load_instructions
+    from farmflow.data.prompts import format_prompt
+    from farmflow.models import load_pretrained, save
+
+    setup = SETUPS["smollm2"]
+    trainers = setup["trainers"]
+    rows = load_instructions(REAL_DATA)
+    n_sft = steps["sft"] * trainers["sft"]["batch"]
+    n_pairs = max(steps["reward"] * trainers["reward"]["batch"], steps["dpo"] * trainers["dpo"]["batch"])
+    if max(n_sft, n_pairs) + 1 > len(rows):
+        raise SystemExit(f"{REAL_DATA} has {len(rows)} rows; {max(n_sft, n_pairs) + 1} needed: fewer steps")
+    prompts = [format_prompt(r["instruction"], r.get("input", "")) for r in rows]
+    data = {"sft": {"prompts": prompts[:n_sft], "responses": [r["output"] for r in rows[:n_sft]]},
+            "pairs": {"prompt": prompts[:n_pairs], "output_1": [r["output"] for r in rows[:n_pairs]],
+                      "output_2": [r["output"] for r in rows[1: n_pairs + 1]], "preference": [1.0] * n_pairs}}
+    model, tok = load_pretrained(ModelConfig(pretrained="smollm2-135m-instruct", max_seq_len=setup["max_len"]))
+    save(model, tok, folder / "policy")
+    (folder / "data.json").write_text(json.dumps({"data": data, "steps": steps} | setup))
+
+
+def batches(n: int, batch: int, steps: int) -> list[list[int]]:
     from farmflow.models import batch_order
 
-    return batch_order(n, TRAINERS[kind]["batch"], steps, SEED)
+    return batch_order(n, batch, steps, SEED)
 
 
-def encoded(tok, prompts: list[str], responses: list[str]) -> tuple[list[list[int]], list[list[int]]]:
+def encoded(tok, prompts: list[str], responses: list[str], max_len: int) -> tuple[list[list[int]], list[list[int]]]:
     """farmflow's encoding of each example, unpadded: (input ids, labels)."""
     from farmflow.models import encode_examples
 
-    ids, mask, labels = encode_examples(tok, prompts, responses, MAX_LEN)
+    ids, mask, labels = encode_examples(tok, prompts, responses, max_len)
     lengths = mask.sum(1).tolist()
     return [x[:n] for x, n in zip(ids.tolist(), lengths)], [x[:n] for x, n in zip(labels.tolist(), lengths)]
 
@@ -138,7 +173,8 @@ def run_farmflow(kind: str, folder: Path, inputs: dict) -> dict:
     from farmflow.models import encode_examples, load_policy, reward_from_policy
 
     model, tok = load_policy(folder / "policy")
-    steps, batch, lr = inputs["steps"][kind], TRAINERS[kind]["batch"], TRAINERS[kind]["lr"]
+    steps, batch, lr = inputs["steps"][kind], inputs["trainers"][kind]["batch"], inputs["trainers"][kind]["lr"]
+    max_len = inputs["max_len"]
     common = {"epochs": 1.0, "batch_size": batch, "lr": lr, "warmup_ratio": WARMUP_RATIO, "weight_decay": 0.0, "seed": SEED}
     ends: list[float] = []
     module = {"sft": sft, "reward": reward, "dpo": dpo}[kind]
@@ -155,20 +191,20 @@ def run_farmflow(kind: str, folder: Path, inputs: dict) -> dict:
         d = inputs["data"]["sft"]
         n = steps * batch
         prompts, responses = d["prompts"][:n], d["responses"][:n]
-        shapes = [encode_examples(tok, [prompts[i] for i in b], [responses[i] for i in b], MAX_LEN)[1] for b in batches(kind, n, steps)]
-        train = lambda: sft.train_sft(model, tok, prompts, responses, SFTConfig(**common), MAX_LEN)
+        shapes = [encode_examples(tok, [prompts[i] for i in b], [responses[i] for i in b], max_len)[1] for b in batches(n, batch, steps)]
+        train = lambda: sft.train_sft(model, tok, prompts, responses, SFTConfig(**common), max_len)
     else:
         d = inputs["data"]["pairs"]
         n = steps * batch
         prompts, out_1, out_2, prefs = d["prompt"][:n], d["output_1"][:n], d["output_2"][:n], d["preference"][:n]
-        shapes = [encode_examples(tok, [prompts[i] for i in b] * 2, [out_1[i] for i in b] + [out_2[i] for i in b], MAX_LEN)[1]
-                  for b in batches(kind, n, steps)]
+        shapes = [encode_examples(tok, [prompts[i] for i in b] * 2, [out_1[i] for i in b] + [out_2[i] for i in b], max_len)[1]
+                  for b in batches(n, batch, steps)]
         if kind == "reward":
             model = reward_from_policy(folder / "policy", seed=SEED)
-            train = lambda: reward.train_reward(model, tok, prompts, out_1, out_2, prefs, RewardConfig(**common), MAX_LEN)
+            train = lambda: reward.train_reward(model, tok, prompts, out_1, out_2, prefs, RewardConfig(**common), max_len)
         else:
-            ref_1, ref_2 = dpo.reference_logps(model, tok, prompts, out_1, out_2, MAX_LEN, batch_size=batch)
-            train = lambda: dpo.train_dpo(model, tok, prompts, out_1, out_2, prefs, ref_1, ref_2, DPOConfig(beta=BETA, **common), MAX_LEN)
+            ref_1, ref_2 = dpo.reference_logps(model, tok, prompts, out_1, out_2, max_len, batch_size=batch)
+            train = lambda: dpo.train_dpo(model, tok, prompts, out_1, out_2, prefs, ref_1, ref_2, DPOConfig(beta=BETA, **common), max_len)
     module.progress = timed_progress  # only around the training loop (not DPO's reference pass)
     metrics = train()
     return {"step_ends": ends, "tokens": [int(m.sum()) for m in shapes], "padded": [m.numel() for m in shapes],
@@ -187,9 +223,10 @@ def run_trl(kind: str, folder: Path, inputs: dict) -> dict:
     hf_logging.set_verbosity_error()
     os.environ["TQDM_DISABLE"] = "1"
     model, tok = load_policy(folder / "policy")
-    steps, batch, lr = inputs["steps"][kind], TRAINERS[kind]["batch"], TRAINERS[kind]["lr"]
+    steps, batch, lr = inputs["steps"][kind], inputs["trainers"][kind]["batch"], inputs["trainers"][kind]["lr"]
+    max_len = inputs["max_len"]
     n = steps * batch
-    order = [i for b in batches(kind, n, steps) for i in b]  # farmflow's batches, read sequentially
+    order = [i for b in batches(n, batch, steps) for i in b]  # farmflow's batches, read sequentially
     ends, tokens, padded = [], [], []
 
     class StepEnd(TrainerCallback):
@@ -201,24 +238,24 @@ def run_trl(kind: str, folder: Path, inputs: dict) -> dict:
         learning_rate=lr, weight_decay=0.0, warmup_steps=WARMUP_RATIO, lr_scheduler_type="cosine", max_grad_norm=1.0,
         optim="adamw_torch", bf16=False, fp16=False, gradient_checkpointing=False, train_sampling_strategy="sequential",
         logging_strategy="no", save_strategy="no", eval_strategy="no", report_to="none", disable_tqdm=True,
-        dataloader_num_workers=0, dataloader_pin_memory=False, use_cpu=not torch.cuda.is_available(), seed=SEED, max_length=MAX_LEN,
+        dataloader_num_workers=0, dataloader_pin_memory=False, use_cpu=not torch.cuda.is_available(), seed=SEED, max_length=max_len,
     )
     if kind == "sft":
         d = inputs["data"]["sft"]
-        ids, labels = encoded(tok, d["prompts"][:n], d["responses"][:n])
+        ids, labels = encoded(tok, d["prompts"][:n], d["responses"][:n], max_len)
         dataset = Dataset.from_dict({"input_ids": [ids[i] for i in order], "labels": [labels[i] for i in order]})
         trainer = trl.SFTTrainer(model=model, args=trl.SFTConfig(packing=False, **common), train_dataset=dataset, processing_class=tok,
                                  callbacks=[StepEnd()])
     else:
         prompts, chosen, rejected = chosen_rejected({k: v[:n] for k, v in inputs["data"]["pairs"].items()})
-        c_ids, _ = encoded(tok, prompts, chosen)
-        r_ids, _ = encoded(tok, prompts, rejected)
+        c_ids, _ = encoded(tok, prompts, chosen, max_len)
+        r_ids, _ = encoded(tok, prompts, rejected, max_len)
         if kind == "reward":
             dataset = Dataset.from_dict({"chosen_ids": [c_ids[i] for i in order], "rejected_ids": [r_ids[i] for i in order]})
             trainer = trl.RewardTrainer(model=reward_from_policy(folder / "policy", seed=SEED), args=trl.RewardConfig(**common),
                                         train_dataset=dataset, processing_class=tok, callbacks=[StepEnd()])
         else:
-            _, c_labels = encoded(tok, prompts, chosen)
+            _, c_labels = encoded(tok, prompts, chosen, max_len)
             p_len = [lab.count(-100) for lab in c_labels]  # the prompt part: <s> and the prompt's tokens
             if any(c[:k] != r[:k] for c, r, k in zip(c_ids, r_ids, p_len)):
                 raise RuntimeError("dpo: a pair's two encodings do not share the prompt tokens (truncation)")
@@ -282,71 +319,76 @@ def measure(python: Path, side: str, kind: str, folder: Path, threads: int, warm
                 "tokens_per_s": timed / wall, "tokens_per_cpu_s": timed / cpu, "ms_per_step": 1000 * wall / (len(ends) - warmup)}
 
 
-def main() -> None:
+GOALS = {"sft": 1.5, "reward": 1.2, "dpo": 1.5}  # farmflow / TRL tokens/s, the goals of the benchmark issue
+
+
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worker", nargs=3, metavar=("SIDE", "TRAINER", "FOLDER"), help=argparse.SUPPRESS)
+    parser.add_argument("--model", choices=list(SETUPS), default="smollm2", help="the real model (default) or the tiny one")
     parser.add_argument("--threads", type=int, default=1, help="torch threads on both sides (default 1: a shared 2-core machine)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved repetitions per trainer; medians are reported")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed steps at the start of every run")
-    parser.add_argument("--steps", type=int, nargs=3, default=(45, 35, 35), metavar=("SFT", "REWARD", "DPO"), help="steps per run, warm-up included")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps at the start of every run")
+    parser.add_argument("--steps", type=int, nargs=3, default=(9, 9, 9), metavar=("SFT", "REWARD", "DPO"), help="steps per run, warm-up included")
     parser.add_argument("--only", choices=list(TRAINERS), action="append", help="run these trainers only (printed, not written)")
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help="CI: the tiny model, 3 steps, one round, farmflow's side only")
+    parser.add_argument("--out", type=Path, default=OUT, help="results file")
+    args = parser.parse_args(argv)
     if args.worker:
         side, kind, folder = args.worker
         return worker(side, kind, Path(folder), args.threads)
-
-    trl_python = ensure_venv(TRL_VENV, TRL_REQUIREMENTS, share=True)
+    if args.smoke:
+        args.model, args.steps, args.warmup, args.rounds = "tiny", (3, 3, 3), 1, 1
+    sides = ["farmflow"] if args.smoke else ["farmflow", "trl"]
+    pythons = {"farmflow": Path(sys.executable)}
+    if "trl" in sides:
+        pythons["trl"] = ensure_venv(TRL_VENV, TRL_REQUIREMENTS, share=True)
     kinds = args.only or list(TRAINERS)
     steps = dict(zip(TRAINERS, args.steps))
+    setup = SETUPS[args.model]
     results: dict = {
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__, "threads": args.threads,
-                    "load_average_at_start": os.getloadavg()},
-        "setup": {"model": "tiny Llama, synthetic-tiny shape (hidden 128, 2 layers, 4 heads, MLP 384, vocab 1024, tied embeddings)",
-                  "max_len": MAX_LEN, "trainers": TRAINERS, "steps": steps, "warmup_steps": args.warmup, "rounds": args.rounds,
-                  "token_count": TOKEN_COUNT, "peer": TRL_REQUIREMENTS[0], "dtype": "float32", "optimizer": "AdamW (torch.optim.AdamW, not fused) + clip 1.0 + warmup/cosine"},
+        "machine": machine() | {"threads": args.threads},
+        "setup": {"model": setup["describe"], "max_len": setup["max_len"], "trainers": setup["trainers"], "steps": steps,
+                  "warmup_steps": args.warmup, "rounds": args.rounds, "token_count": TOKEN_COUNT, "peer": TRL_REQUIREMENTS[0],
+                  "dtype": "float32", "optimizer": "AdamW (torch.optim.AdamW, not fused) + clip 1.0 + warmup/cosine"},
         "differences": DIFFERENCES,
+        "entries": [],
         "trainers": {},
     }
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        prepare(folder, steps)
+        prepare(folder, steps, args.model)
         for kind in kinds:
-            runs: dict[str, list[dict]] = {"farmflow": [], "trl": []}
-            for rnd in range(args.rounds):
-                sides = ["farmflow", "trl"] if rnd % 2 == 0 else ["trl", "farmflow"]
-                for side in sides:
-                    r = measure(Path(sys.executable) if side == "farmflow" else trl_python, side, kind, folder, args.threads, args.warmup)
+            runs: dict[str, list[dict]] = {side: [] for side in sides}
+            for rnd in range(args.rounds):  # interleaved: the side that goes first alternates
+                for side in sides if rnd % 2 == 0 else reversed(sides):
+                    r = measure(pythons[side], side, kind, folder, args.threads, args.warmup)
                     runs[side].append(r)
                     print(f"{kind} round {rnd} {side}: {r['tokens_per_s']:.0f} tokens/s, {r['tokens_per_cpu_s']:.0f} per CPU second "
                           f"({r['ms_per_step']:.0f} ms/step)", flush=True)
-            ff, tr = runs["farmflow"], runs["trl"]
-            if any((r["tokens"], r["padded"]) != (ff[0]["tokens"], ff[0]["padded"]) for r in ff + tr):
-                raise RuntimeError(f"{kind}: the two sides did not train on the same batches")
-            med = {side: statistics.median(r["tokens_per_s"] for r in rs) for side, rs in runs.items()}
-            cpu = {side: statistics.median(r["tokens_per_cpu_s"] for r in rs) for side, rs in runs.items()}
-            ratio = med["farmflow"] / med["trl"]
+            ff = runs["farmflow"]
+            if any((r["tokens"], r["padded"]) != (ff[0]["tokens"], ff[0]["padded"]) for rs in runs.values() for r in rs):
+                raise RuntimeError(f"{kind}: the sides did not train on the same batches")
             results["trainers"][kind] = {
                 "tokens_per_step": statistics.mean(ff[0]["tokens"]), "padded_tokens_per_step": statistics.mean(ff[0]["padded"]),
-                "farmflow_tokens_per_s": med["farmflow"], "trl_tokens_per_s": med["trl"], "ratio_farmflow_over_trl": ratio,
-                "goal_>=_1.0": "met" if ratio >= 1.0 else "not met",
-                "farmflow_tokens_per_cpu_s": cpu["farmflow"], "trl_tokens_per_cpu_s": cpu["trl"],
-                "ratio_per_cpu_second": cpu["farmflow"] / cpu["trl"],
-                "ratio_range_over_rounds": [min(r["tokens_per_s"] for r in ff) / max(r["tokens_per_s"] for r in tr),
-                                            max(r["tokens_per_s"] for r in ff) / min(r["tokens_per_s"] for r in tr)],
-                "first_step_loss": {"farmflow": ff[0]["loss_first"], "trl": tr[0]["loss_first"]},
+                "first_step_loss": {side: rs[0]["loss_first"] for side, rs in runs.items()},
                 "runs": {side: [{k: v for k, v in r.items() if k not in ("tokens", "padded")} for r in rs] for side, rs in runs.items()},
             }
-            results["machine"]["trl_version"] = tr[0].get("trl_version")
-            print(f"{kind}: farmflow {med['farmflow']:.0f} tokens/s, TRL {med['trl']:.0f} tokens/s, ratio {ratio:.2f}x "
-                  f"(per CPU second: {cpu['farmflow'] / cpu['trl']:.2f}x)", flush=True)
-    results["machine"]["load_average_at_end"] = os.getloadavg()
+            if "trl" in runs:
+                rates = {side: values(rs, "tokens_per_s") for side, rs in runs.items()}
+                e = entry(f"{kind} training, {args.model}", "trained tokens/s", rates, goal=GOALS[kind],
+                          note=f"per CPU second: {statistics.median(values(ff, 'tokens_per_cpu_s')) / statistics.median(values(runs['trl'], 'tokens_per_cpu_s')):.2f}x")
+                results["entries"].append(e)
+                results["machine"]["trl_version"] = runs["trl"][0].get("trl_version")
+                print(f"{kind}: farmflow / TRL {e['ratio']:.2f}x ({e['ratio_range'][0]:.2f}-{e['ratio_range'][1]:.2f})", flush=True)
+    results["machine"]["load_average_at_end"] = list(os.getloadavg())
     if args.only:  # a partial run is printed, not written over the full results
-        print(json.dumps(results, indent=2))
-        return
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps(results, indent=2) + "\n")
-    print(json.dumps({k: {m: v[m] for m in ("farmflow_tokens_per_s", "trl_tokens_per_s", "ratio_farmflow_over_trl", "goal_>=_1.0")}
-                      for k, v in results["trainers"].items()}, indent=2))
+        print(json.dumps(results["entries"], indent=2))
+        return results
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"written to {args.out}")
+    return results
 
 
 if __name__ == "__main__":

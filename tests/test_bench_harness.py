@@ -62,3 +62,15 @@ def test_sampling_smoke_writes_entries_and_report_renders_them(tmp_path):
     table = [line for line in md.splitlines() if line.startswith("| sampling |")]
     assert len(table) == 3 and f"**{data['entries'][0]['ratio']:.2f}×**" in table[0] and "≥ 1.5×" in table[0]
     assert "`bench/results/legacy.json`" in md
+
+
+def test_training_smoke_runs_farmflow_side(tmp_path):
+    from bench import training
+
+    out = tmp_path / "training.json"
+    r = training.main(["--smoke", "--out", str(out)])
+    assert json.loads(out.read_text())["setup"]["steps"] == {"sft": 3, "reward": 3, "dpo": 3}
+    for kind in ("sft", "reward", "dpo"):
+        run = r["trainers"][kind]["runs"]["farmflow"][0]
+        assert run["steps"] == 3 and run["timed_steps"] == 2 and run["tokens_per_s"] > 0
+    assert r["entries"] == []  # one side only: nothing to compare
