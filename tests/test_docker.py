@@ -44,7 +44,7 @@ def option(args: list[str], name: str) -> str | None:
 def instructions(dockerfile: str) -> list[tuple[str, str]]:
     """(INSTRUCTION, arguments) of a Dockerfile, continuation lines joined."""
     text = re.sub(r"\\\n", " ", (DOCKER / dockerfile).read_text())
-    return [tuple(line.split(None, 1)) for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    return [tuple(ln.split(None, 1)) for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
 
 
 def image_env(dockerfile: str) -> dict[str, str]:
@@ -94,8 +94,8 @@ def test_one_torch_version_everywhere():
     assert cpu == gpu == make
 
 
-IGNORED = (".git/config", ".venv/bin/python", ".farmflow/store/sft", ".env", "docker/.env", "src/farmflow/__pycache__/x.pyc",
-           "data/alpaca.json")
+IGNORED = (".git/config", ".venv/bin/python", ".farmflow/store/sft", ".env", "docker/.env",
+           "src/farmflow/__pycache__/x.pyc", "data/alpaca.json")
 KEPT = ("src/farmflow/data/alpaca.py", "pyproject.toml", "constraints.txt", "README.md")
 
 
@@ -105,8 +105,8 @@ def test_dockerignore_keeps_secrets_and_local_state_out_of_the_build(path):
     patterns = [ln.strip() for ln in (ROOT / ".dockerignore").read_text().splitlines() if ln.strip() and ln[0] != "#"]
     parts = path.split("/")
     prefixes = ["/".join(parts[:n]) for n in range(1, len(parts) + 1)]
-    hit = any(any(fnmatch(p, pat[3:]) for p in parts) if pat.startswith("**/") else any(fnmatch(p, pat) for p in prefixes)
-              for pat in patterns)
+    hit = any(any(fnmatch(p, pat[3:]) for p in parts) if pat.startswith("**/")
+              else any(fnmatch(p, pat) for p in prefixes) for pat in patterns)
     assert hit == (path in IGNORED)
 
 
@@ -169,7 +169,8 @@ def test_worker_pools_are_the_pools_farmflow_deploy_registers():
     params = typer.main.get_command(app).commands[args[0]].make_context(args[0], args[1:]).params
     load_config(params["preset"], list(params["set_"]))  # every --set names a field farmflow has
     pools = {d.work_pool_name for d in deployments(params["preset"])}
-    assert pools == {option(argv(SERVICES[w]["command"]), "--pool") for w in WORKERS} == {"farmflow-cpu", "farmflow-gpu"}
+    polled = {option(argv(SERVICES[w]["command"]), "--pool") for w in WORKERS}
+    assert pools == polled == {"farmflow-cpu", "farmflow-gpu"}
 
 
 @pytest.mark.parametrize("service", sorted(s for s in SERVICES if "FARMFLOW_STORE" in env(s)))
@@ -203,7 +204,8 @@ PREFECT_VARIABLES = sorted({k for s in SERVICES for k in env(s) if k.startswith(
 def test_prefect_reads_every_prefect_variable(monkeypatch, name):
     from prefect.settings import Settings
 
-    value = next(resolved(v) for v in [*(env(s).get(name) for s in SERVICES), *(image_env(d).get(name) for d in IMAGES)] if v)
+    given = [*(env(s).get(name) for s in SERVICES), *(image_env(d).get(name) for d in IMAGES)]
+    value = next(resolved(v) for v in given if v)
     monkeypatch.setenv(name, value)
     settings = Settings().to_environment_variables(include_aliases=True)
     assert str(settings[name]).lower() in (value.lower(), f'["{value}"]'.lower())
@@ -221,7 +223,8 @@ REFERENCES = [m for text in strings(COMPOSE) for m in VAR.findall(text)]  # (nam
 
 @pytest.mark.parametrize("name", sorted({n for n, _ in REFERENCES}))
 def test_variable_is_documented_with_one_default(name):
-    documented = {ln.split("=", 1)[0] for ln in (DOCKER / ".env.example").read_text().splitlines() if re.match(r"^[A-Z_]+=", ln)}
+    lines = (DOCKER / ".env.example").read_text().splitlines()
+    documented = {ln.split("=", 1)[0] for ln in lines if re.match(r"^[A-Z_]+=", ln)}
     assert name in documented
     assert len({d for n, d in REFERENCES if n == name}) == 1  # every use falls back to the same value
 

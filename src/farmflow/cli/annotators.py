@@ -18,6 +18,7 @@ from typing import Iterator, Optional
 import typer
 
 from farmflow.cli.errors import CliError, UsageError
+
 annotations_app = typer.Typer(help="The row-level annotation cache.", no_args_is_help=True)
 
 LOCAL_JUDGE_PORT = 8787  # fixed, so the api-local demo's stage keys (which include base_url) stay the same across runs

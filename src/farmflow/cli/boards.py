@@ -25,8 +25,10 @@ def print_board(rows: list[dict], title: str, fmt: str = "table") -> None:
 
 
 def reward_line(rm: dict) -> str:
-    names = {"heldout_accuracy": "vs labels", "heldout_accuracy_unnoised": "vs un-noised labels", "heldout_gold_accuracy": "vs gold"}
-    return ("reward model, held-out val pairs: accuracy " + ", ".join(f"{names.get(k, k)} {v:.3f}" for k, v in rm.items())
+    names = {"heldout_accuracy": "vs labels", "heldout_accuracy_unnoised": "vs un-noised labels",
+             "heldout_gold_accuracy": "vs gold"}
+    return ("reward model, held-out val pairs: accuracy "
+            + ", ".join(f"{names.get(k, k)} {v:.3f}" for k, v in rm.items())
             + " (per task family, beside baselines: farmflow reward-report)")
 
 
@@ -41,8 +43,9 @@ def print_summary(summary: dict, wall: float, log: str | None = None) -> None:
     say(f"reference outputs: mean gold {text(summary['reference_mean_gold'])}")
     if summary["reward_model"]:
         say(reward_line(summary["reward_model"]))
+    waited = lambda s: s.get("waited_seconds", 0.0)  # noqa: E731
     emit(["stage", "seconds", "waiting", "cached", "key"],
-         [[s["stage"], f"{s['seconds']:.1f}", f"{s.get('waited_seconds', 0.0):.1f}" if s.get("waited_seconds", 0.0) >= 0.05 else "",
+         [[s["stage"], f"{s['seconds']:.1f}", f"{waited(s):.1f}" if waited(s) >= 0.05 else "",
            "cached" if s["cached"] else "", s["key"][:12]] for s in summary["stages"]],
          title="Stages", caption="seconds include waiting: stages that load a model take turns (one device)",
          right=["seconds", "waiting"])

@@ -128,9 +128,10 @@ def annotators(
         return
     # (column, field, shown as): fractions as percentages
     pct = lambda x: "—" if x is None or x != x else f"{100 * x:.1f}"  # noqa: E731
-    cols = (("annotator", "annotator", str), ("labels", "labels", str), ("agreement %", "agreement", pct), ("bias %", "bias", pct),
-            ("variance %", "variance", pct), ("prefers longer %", "length_pref", pct), ("prefers list %", "list_pref", pct),
-            ("$ / 1000", "price_per_1000", lambda x: "—" if x != x else f"{x:.2f}"), ("s / 1000", "seconds_per_1000", None))
+    cols = (("annotator", "annotator", str), ("labels", "labels", str), ("agreement %", "agreement", pct),
+            ("bias %", "bias", pct), ("variance %", "variance", pct), ("prefers longer %", "length_pref", pct),
+            ("prefers list %", "list_pref", pct), ("$ / 1000", "price_per_1000", lambda x: "—" if x != x else f"{x:.2f}"),
+            ("s / 1000", "seconds_per_1000", None))
     ref = "gold reward" if used == "gold" else "majority of the other annotators"
     emit([c for c, _, _ in cols], [[r[f] for _, f, _ in cols] for r in table], fmt,
          title=f"Annotators ({len(rows)} labels; reference: {ref})", cells={c: show for c, _, show in cols if show},

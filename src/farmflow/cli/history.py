@@ -79,7 +79,8 @@ def leaderboard(
 
         for col in ("win_rate", "lc_win_rate"):
             if all(r.get(col) is not None for r in gold):
-                c = ranking_correlation({r["method"]: r[col] for r in gold}, {r["method"]: r["mean_gold"] for r in gold})
+                c = ranking_correlation({r["method"]: r[col] for r in gold},
+                                        {r["method"]: r["mean_gold"] for r in gold})
                 say(f"{col.replace('_', ' ')} vs mean gold over {c['n']} methods: "
                     f"Spearman {c['spearman']:.2f}, Pearson {c['pearson']:.2f}")
     if uri:
@@ -104,7 +105,15 @@ def history(
 ) -> None:
     """Win rate ± SE of each method across runs, oldest first; ▲/▼ marks a change larger than 2 combined SEs."""
     from farmflow.config import StoreConfig
-    from farmflow.evaluation.history import LONG_COLUMNS, pick_preset, plot_trend, trend, trend_long, trend_markdown, trend_text
+    from farmflow.evaluation.history import (
+        LONG_COLUMNS,
+        pick_preset,
+        plot_trend,
+        trend,
+        trend_long,
+        trend_markdown,
+        trend_text,
+    )
     from farmflow.storage import open_store
 
     fmt = "table" if fmt == "text" else fmt

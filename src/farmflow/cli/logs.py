@@ -34,7 +34,8 @@ class Quiet(logging.Filter):
             return True
         if record.exc_info:  # the engine reporting an exception: the command's error line says it once
             return False
-        if str(record.msg).startswith("Finished in state"):  # a task's: its stage line says it; a failed flow's: the error line
+        # a task's state: its stage line says it; a failed flow's: the command's error line
+        if str(record.msg).startswith("Finished in state"):
             return record.name.startswith("prefect.flow_runs") and "Completed(" in record.getMessage()
         return True
 

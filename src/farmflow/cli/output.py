@@ -83,8 +83,9 @@ def emit(columns: Sequence[str], rows: Sequence[Sequence[Any]], fmt: str = "tabl
     """Print a table on stdout in `fmt` (FORMATS).
 
     `rows` hold values. json and csv print them as they are (no value: null, an empty cell), under `keys` (default:
-    the columns); table and md print each through `cells[column]` (else `default`) under the columns. `right`: right-aligned columns; `fold`: columns that wrap at
-    the given minimum width in a narrow terminal instead of squeezing the others.
+    the columns); table and md print each through `cells[column]` (else `default`) under the columns. `right`:
+    right-aligned columns; `fold`: columns that wrap at the given minimum width in a narrow terminal instead of
+    squeezing the others.
     """
     check_format(fmt)
     cells = cells or {}

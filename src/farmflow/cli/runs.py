@@ -12,9 +12,10 @@ from typing import Any, Callable, Optional
 
 import typer
 
-from farmflow.cli.logs import State, start as start_log
 from farmflow.cli.boards import print_summary
 from farmflow.cli.errors import UsageError
+from farmflow.cli.logs import State
+from farmflow.cli.logs import start as start_log
 from farmflow.cli.output import console, emit, print_json, say
 from farmflow.cli.server import check_api, prefect_env
 
@@ -44,7 +45,8 @@ def methods_of(methods: list[str]) -> Optional[list[str]]:
     chosen = [m.strip().replace("-", "_") for item in methods for m in item.split(",") if m.strip()]
     unknown = [m for m in chosen if m not in METHODS]
     if unknown:
-        raise UsageError(f"unknown method(s) {', '.join(unknown)}; known: {', '.join(METHODS)} (hyphens work too: best-of-n)")
+        raise UsageError(f"unknown method(s) {', '.join(unknown)}; known: {', '.join(METHODS)} "
+                         "(hyphens work too: best-of-n)")
     return chosen or None
 
 
@@ -98,7 +100,13 @@ def settle(flow_run_id, timeout_s: float = 10.0) -> bool:
     Returns False when `timeout_s` passed first (nothing else happens then).
     """
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, TaskRunFilter, TaskRunFilterState, TaskRunFilterStateType
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterId,
+        TaskRunFilter,
+        TaskRunFilterState,
+        TaskRunFilterStateType,
+    )
     from prefect.client.schemas.objects import TERMINAL_STATES, StateType
     from prefect.events.worker import EventsWorker
 
@@ -124,7 +132,8 @@ def compare(cfg, as_json: bool, flow: str = "compare", methods: Optional[list[st
 
     api_ready()
     start = time.perf_counter()
-    summary = run_flow(f"{flow}-{cfg.name}", FLOWS[flow], config=cfg, **({"methods": methods} if flow == "compare" else {}))
+    chosen = {"methods": methods} if flow == "compare" else {}
+    summary = run_flow(f"{flow}-{cfg.name}", FLOWS[flow], config=cfg, **chosen)
     wall = time.perf_counter() - start
     if as_json:
         print_json(summary | {"wall_seconds": wall})
