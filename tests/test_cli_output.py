@@ -7,6 +7,7 @@ The runs are the real CLI in a subprocess (stdout and stderr are pipes, as in CI
 from __future__ import annotations
 
 import csv
+import importlib
 import io
 import json
 import re
@@ -20,7 +21,7 @@ from procs import python_env
 from typer.testing import CliRunner
 
 from farmflow.cli import app
-from farmflow.cli.errors import FarmflowGroup
+from farmflow.cli.errors import FAMILIES, FarmflowGroup
 
 CLI = "from farmflow.cli import main; main()"
 STAMP = re.compile(r"^\d\d:\d\d:\d\d\.\d{3} \| ")  # Prefect's console prefix
@@ -121,6 +122,13 @@ def boundary_app() -> typer.Typer:
 def test_the_error_boundary_maps_exception_families_to_one_line_and_an_exit_code(command, code, line):
     result = CliRunner().invoke(boundary_app(), [command])
     assert result.exit_code == code and result.stderr == line and result.stdout == ""
+
+
+@pytest.mark.parametrize("module, name, code", FAMILIES, ids=[name for _, name, _ in FAMILIES])
+def test_every_error_family_names_an_exception_class(module, name, code):
+    """A renamed or moved exception would silently turn its errors into 'unexpected' ones."""
+    family = getattr(importlib.import_module(module), name)
+    assert issubclass(family, Exception) and (code is not None or isinstance(family.exit_code, int))
 
 
 # ------------------------------------------------------------- --format
