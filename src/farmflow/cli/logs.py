@@ -7,8 +7,8 @@ Prefect home; delete old logs at will). If the run fails, the error's traceback 
 line names the file (`cli.errors`).
 
 On the console, Prefect's engine would repeat each stage and each error: a "Finished in state Cached" line beside
-the stage's own "X: cache hit" line (17 identical lines `Task run 'evaluate' - Finished in state Cached(...)` in a
-cached synthetic-micro comparison), and a failing stage's traceback twice (task and flow, ~700 lines). `Quiet`
+the stage's own "X: cache hit" line (the same `Task run 'evaluate' - Finished in state Cached(...)` line once per
+evaluation), and a failing stage's traceback twice (task and flow) above the command's own error line. `Quiet`
 leaves those records to the log file and Prefect's API (the UI shows them); `farmflow --debug` shows them all.
 """
 
