@@ -9,6 +9,7 @@ import tempfile
 os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="farmflow-prefect-")
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("FARMFLOW_LOG_DIR", tempfile.mkdtemp(prefix="farmflow-logs-"))  # run logs of CLI runs in tests
 
 import pytest  # noqa: E402
 

@@ -240,7 +240,7 @@ def test_cli_config_show_unknown_preset_exits_2():
 
 def test_cli_creates_a_missing_prefect_home(tmp_path, monkeypatch):
     """A fresh clone has no .farmflow/prefect: Prefect's SQLite database needs the folder."""
-    from farmflow.cli import _prefect_env
+    from farmflow.cli.server import prefect_env as _prefect_env
 
     home = tmp_path / "fresh" / "prefect"
     monkeypatch.setenv("PREFECT_HOME", str(home))
@@ -291,7 +291,7 @@ def test_cli_refuses_bad_names_before_starting_prefect(monkeypatch, args, messag
     from farmflow.config import FLOW_NAMES, METHODS
 
     started = []
-    monkeypatch.setattr(cli, "_start_temporary_api", lambda: started.append(1))
+    monkeypatch.setattr(cli.runs, "start_temporary_api", lambda: started.append(1))
     out = CliRunner().invoke(cli.app, args, terminal_width=200)
     assert out.exit_code == 2 and message in " ".join(out.output.split()), out.output
     assert not started

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 import typer
-from rich.console import Console
 
-console = Console(stderr=True)
+from farmflow.cli.errors import CliError, UsageError
+
 annotations_app = typer.Typer(help="The row-level annotation cache.", no_args_is_help=True)
 
 LOCAL_JUDGE_PORT = 8787  # fixed, so the api-local demo's stage keys (which include base_url) stay the same across runs
@@ -43,14 +43,12 @@ def judge_server(
     kinds = [f.strip() for f in faults.split(",") if f.strip()]
     unknown = sorted(set(kinds) - set(FAULTS))
     if unknown:
-        console.print(f"[red]unknown fault kinds {unknown}[/red]; known: {', '.join(FAULTS)}")
-        raise typer.Exit(2)
+        raise UsageError(f"unknown fault kinds {unknown}; known: {', '.join(FAULTS)}")
     key = None
     if api_key_env:
         key = os.environ.get(api_key_env)
         if not key:
-            console.print(f"[red]environment variable {api_key_env} is not set[/red]")
-            raise typer.Exit(2)
+            raise UsageError(f"environment variable {api_key_env} is not set")
     cfg = JudgeConfig(latency_s=latency_ms / 1000, fault_rate=fault_rate, faults=kinds, retry_after_s=retry_after,
                       timeout_sleep_s=timeout_sleep, api_key=key, models=models.split(",") if models else None, seed=seed)
 
@@ -60,8 +58,7 @@ def judge_server(
     try:
         serve(cfg, host, port, ready=ready)
     except OSError as err:
-        console.print(f"[red]cannot listen on {host}:{port}:[/red] {err.strerror}")
-        raise typer.Exit(1)
+        raise CliError(f"cannot listen on {host}:{port}: {err.strerror}") from None
     except KeyboardInterrupt:
         pass
 
@@ -81,12 +78,10 @@ def _annotator_config(name: str, base_url: Optional[str], max_cost_usd: Optional
         path = Path(name)
         if path.is_file():
             return AnnotatorConfig.model_validate(json.loads(path.read_text()) | extra)
-    except (ValueError, ConfigError, json.JSONDecodeError) as err:
-        console.print(f"[red]annotator {name!r}:[/red] {err}")
-        raise typer.Exit(2)
-    console.print(f"[red]unknown annotator {name!r}[/red]: use oracle, a preset ({', '.join(sorted(ANNOTATOR_PRESETS))}) "
-                  "or a JSON file with an annotation config")
-    raise typer.Exit(2)
+    except (ValueError, ConfigError) as err:  # json.JSONDecodeError is a ValueError
+        raise UsageError(f"annotator {name!r}: {err}") from None
+    raise UsageError(f"unknown annotator {name!r}: use oracle, a preset ({', '.join(sorted(ANNOTATOR_PRESETS))}) "
+                     "or a JSON file with an annotation config")
 
 
 def read_alpaca_eval(path: Path) -> list[dict]:
@@ -129,19 +124,14 @@ def annotate_file(
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.getLogger("farmflow").setLevel(logging.INFO)
     cfg = _annotator_config(annotator, base_url, max_cost_usd, max_in_flight, served_model)
-    try:
-        data = read_alpaca_eval(path)
-    except ValueError as err:
-        console.print(f"[red]{err}[/red]")
-        raise typer.Exit(2)
+    data = read_alpaca_eval(path)  # a ValueError naming the file and row: exit code 2
     rows = [{"id": str(r.get("id", i)), "split": "", "instruction": r["instruction"], "input": r.get("input") or "",
              "output_1": r["output_1"], "output_2": r["output_2"], "task": None} for i, r in enumerate(data)]
     if cfg.kind == "oracle":  # the oracle needs the synthetic task behind each row
         for i, r in enumerate(rows):
             task = task_from_text(r["instruction"], r["input"])
             if task is None:
-                console.print(f"[red]{path}: row {i} is not a synthetic-farm task; the oracle cannot judge it (use an API annotator)[/red]")
-                raise typer.Exit(2)
+                raise UsageError(f"{path}: row {i} is not a synthetic-farm task; the oracle cannot judge it (use an API annotator)")
             r["task"] = task_to_json(task)
     error = None
     try:
@@ -150,8 +140,7 @@ def annotate_file(
         judged = table.to_pylist()
     except AnnotationError as err:
         if err.judged is None:  # nothing was asked (e.g. no API key): nothing to write
-            console.print(f"[red]annotation failed:[/red] {err}", soft_wrap=True)
-            raise typer.Exit(1)
+            raise CliError(f"annotation failed: {err}") from err
         error, judged, totals = err, err.judged, _totals(err.judged, err.stats)
     out = [r | {"preference": j["preference"], "annotator": j["annotator"]} for r, j in zip(data, judged)]
     target = output or path.with_suffix(".annotated.json")
@@ -161,11 +150,9 @@ def annotate_file(
     missing = sum(j["preference"] is None for j in judged)
     print(json.dumps({"file": str(target), **{k: (int(v) if float(v).is_integer() else v) for k, v in totals.items()}}, indent=2))
     if error is not None:
-        console.print(f"[red]annotation failed:[/red] {error}", soft_wrap=True)
-        raise typer.Exit(1)
+        raise CliError(f"annotation failed: {error}") from error
     if missing:
-        console.print(f"[yellow]{missing} rows have no preference (failed or not sent; see above); rerun to ask them again[/yellow]")
-        raise typer.Exit(1)
+        raise CliError(f"{missing} rows have no preference (failed or not sent; see above); rerun to ask them again")
 
 
 def _totals(judged: list[dict], stats) -> dict[str, float]:
@@ -202,7 +189,7 @@ def local_judge(store: Optional[str] = None, port: int = LOCAL_JUDGE_PORT) -> It
         os.environ.setdefault("OPENAI_API_KEY", "local-judge")  # the loopback server accepts any key
         if store:  # anything that falls back to the default store uses this one too
             os.environ["FARMFLOW_STORE"] = store
-        console.print(f"local judge server at {url}")
+        typer.echo(f"local judge server at {url}", err=True)
         yield [f'annotation={json.dumps({"preset": "p_sim_ann", "base_url": url})}',
                f'evaluation.annotator={json.dumps({"preset": "p_sim_eval", "base_url": url})}']
     finally:

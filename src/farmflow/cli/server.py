@@ -7,14 +7,32 @@ PREFECT_API_URL exported, a run only connects to it, and its runs stay in one da
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
-from typing import Callable
+from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 import typer
 
+from farmflow.cli.errors import CliError
+
 HEALTH_TIMEOUT_S = 3.0
+
+
+def prefect_env() -> None:
+    """Keep Prefect's state in the project (never ~/.prefect) and its analytics off."""
+    os.environ.setdefault("PREFECT_HOME", str(Path(".farmflow/prefect").absolute()))
+    # Prefect opens its SQLite database inside PREFECT_HOME without creating the folder
+    Path(os.environ["PREFECT_HOME"]).expanduser().mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "farmflow")
+    # Prefect gives the extra loggers its handlers, not a level: without one, farmflow's INFO lines
+    # outside a run (progress, annotation totals) would be dropped
+    logging.getLogger("farmflow").setLevel(logging.INFO)
+    # the first start of the temporary API creates and migrates its database: on a busy
+    # 2-core machine that can take longer than Prefect's default 20 s
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 
 
 def api_url(host: str, port: int) -> str:
@@ -33,7 +51,7 @@ def redacted(url: str) -> str:
 
 def check_api(timeout_s: float = HEALTH_TIMEOUT_S) -> None:
     """With PREFECT_API_URL set (environment or Prefect profile), its server must answer `GET /health` within
-    `timeout_s`; otherwise one line on stderr and exit code 1, before a run starts any work. Without the check a
+    `timeout_s`; otherwise a CliError (one line, exit code 1) before a run starts any work. Without the check a
     run would import torch and the flows first (seconds) and then end in a screenful of traceback."""
     import httpx
     import prefect.settings
@@ -49,18 +67,15 @@ def check_api(timeout_s: float = HEALTH_TIMEOUT_S) -> None:
     except httpx.HTTPError as err:
         timed_out = isinstance(err, httpx.TimeoutException)
         reason = f"no answer within {timeout_s:g} s" if timed_out else " ".join(str(err).split()) or type(err).__name__
-        typer.echo(f"error: the Prefect API at PREFECT_API_URL={shown} does not answer ({reason}); start it "
-                   "(`farmflow server`) or unset PREFECT_API_URL to let each run start a temporary one", err=True)
-        raise typer.Exit(1)
+        raise CliError(f"the Prefect API at PREFECT_API_URL={shown} does not answer ({reason}); start it "
+                       "(`farmflow server`) or unset PREFECT_API_URL to let each run start a temporary one") from None
     if response.status_code >= 400:
-        typer.echo(f"error: PREFECT_API_URL={shown} answered HTTP {response.status_code} to GET /health; "
-                   "expected a Prefect API URL, e.g. http://127.0.0.1:4200/api", err=True)
-        raise typer.Exit(1)
+        raise CliError(f"PREFECT_API_URL={shown} answered HTTP {response.status_code} to GET /health; "
+                       "expected a Prefect API URL, e.g. http://127.0.0.1:4200/api")
 
 
-def register(app: typer.Typer, prefect_env: Callable[[], None]) -> None:
-    """Add `server` to the `farmflow` command; `prefect_env` sets farmflow's Prefect environment (PREFECT_HOME,
-    analytics off) in os.environ."""
+def register(app: typer.Typer) -> None:
+    """Add `server` to the `farmflow` command."""
 
     @app.command()
     def server(

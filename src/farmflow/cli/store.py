@@ -9,37 +9,26 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
-from rich.table import Table
+
+from farmflow.cli.errors import CliError, UsageError
+from farmflow.cli.output import FORMAT_HELP, check_format, emit, exact, format_option
 
 artifacts_app = typer.Typer(help="List and inspect the committed artifacts of a store.", no_args_is_help=True)
-console = Console()
 STORE_HELP = "Artifact store: a folder or s3://bucket/prefix[?endpoint_url=...] (default $FARMFLOW_STORE, else ./.farmflow/store)."
 
 
-def _open(store: Optional[str]):
-    """The store, or one line on stderr and exit code 2."""
+def open_given(store: Optional[str]):
+    """The store `--store` names (default $FARMFLOW_STORE, else ./.farmflow/store)."""
     from farmflow.config import StoreConfig
-    from farmflow.storage import StoreError, open_store
+    from farmflow.storage import open_store
 
-    try:
-        return open_store(store or StoreConfig().location)
-    except (StoreError, ValueError) as err:
-        Console(stderr=True).print(f"[red]store error:[/red] {err}", soft_wrap=True, highlight=False)
-        raise typer.Exit(2)
-
-
-def _print_table(columns: list[str], rows: list[tuple]) -> None:
-    table = Table(*columns, show_lines=False, header_style="bold")
-    for row in rows:
-        table.add_row(*("" if v is None else str(v) for v in row))
-    Console(width=max(console.width, 40 + 24 * len(columns))).print(table)
+    return open_store(store or StoreConfig().location)
 
 
 def sql(
     query: Optional[str] = typer.Argument(None, help="SQL over the views artifacts, instructions, pairs, preferences, outputs, evaluations, leaderboard, overoptimization, reward_report, annotations, runs, leaderboard_history."),
     store: Optional[str] = typer.Option(None, help=STORE_HELP),
-    format: str = typer.Option("table", "--format", "-f", help="table (aligned), csv, json (a list of objects) or parquet (needs --output)."),
+    fmt: str = format_option(FORMAT_HELP.removesuffix(".") + "; parquet (needs --output)."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write the result to this file instead of stdout."),
     print_views: bool = typer.Option(False, "--print-views", help="Print the CREATE VIEW statements (for the DuckDB CLI or a notebook) and exit."),
 ) -> None:
@@ -48,55 +37,54 @@ def sql(
 
     from farmflow.storage.sql import connect, create_views_sql
 
-    if format not in ("table", "csv", "json", "parquet"):
-        raise typer.BadParameter(f"unknown format {format!r}; use table, csv, json or parquet", param_hint="--format")
-    st = _open(store)
+    check_format(fmt, ("table", "json", "csv", "md", "parquet"))
+    st = open_given(store)
     if print_views:
         text = create_views_sql(st)
         output.write_text(text) if output else sys.stdout.write(text)
         return
     if not query:
-        raise typer.BadParameter("give a query, e.g. \"SELECT stage, count(*) FROM artifacts GROUP BY stage\"", param_hint="QUERY")
-    if format == "parquet" and output is None:
-        raise typer.BadParameter("--format parquet needs --output FILE", param_hint="--output")
+        raise UsageError('give a query, e.g. "SELECT stage, count(*) FROM artifacts GROUP BY stage"')
+    if fmt == "parquet" and output is None:
+        raise UsageError("--format parquet needs --output FILE")
     con = connect(st)
     try:
         rel = con.sql(query)
         if rel is None:  # a statement without a result
             return
-        if format == "parquet":
+        if fmt == "parquet":
             rel.write_parquet(str(output))
             return
         columns, rows = rel.columns, rel.fetchall()
     except duckdb.Error as err:
-        Console(stderr=True).print(f"[red]sql error:[/red] {err}", soft_wrap=True, highlight=False)
-        raise typer.Exit(1)
-    if format == "table":
-        _print_table(columns, rows)
+        raise CliError(f"sql: {err}") from None
+    if output is None:
+        emit(columns, rows, fmt, default=exact)
         return
-    out = output.open("w", newline="") if output else sys.stdout
-    try:
-        if format == "csv":
+    with output.open("w", newline="") as out:
+        if fmt == "csv":
             writer = csv.writer(out)
             writer.writerow(columns)
             writer.writerows(rows)
-        else:
+        elif fmt == "json":
             json.dump([dict(zip(columns, r)) for r in rows], out, default=str, indent=1)
             out.write("\n")
-    finally:
-        if output:
-            out.close()
+        else:
+            raise UsageError(f"--output writes csv, json or parquet, not {fmt}")
 
 
 @artifacts_app.command("ls")
 def artifacts_ls(
     store: Optional[str] = typer.Option(None, help=STORE_HELP),
     stage: Optional[str] = typer.Option(None, help="Only this stage."),
+    fmt: str = format_option(),
 ) -> None:
     """The committed artifacts, oldest first: stage, key, kind, format, rows, created."""
-    refs = [r for r in _open(store).list() if stage is None or r.stage == stage]
-    _print_table(["stage", "key", "kind", "format", "rows", "created"],
-                 [(r.stage, r.key, r.kind, r.format, r.rows, r.created[:19].replace("T", " ")) for r in refs])
+    check_format(fmt)
+    refs = [r for r in open_given(store).list() if stage is None or r.stage == stage]
+    emit(["stage", "key", "kind", "format", "rows", "created"],
+         [(r.stage, r.key, r.kind, r.format, r.rows, r.created[:19].replace("T", " ")) for r in refs], fmt, right=["rows"],
+         default=exact)
 
 
 @artifacts_app.command("show")
@@ -105,14 +93,12 @@ def artifacts_show(
     store: Optional[str] = typer.Option(None, help=STORE_HELP),
 ) -> None:
     """An artifact's commit record (ref, config, inputs, metrics) and its files, as JSON."""
-    st = _open(store)
+    st = open_given(store)
     stage, _, wanted = key.rpartition("/")
     matches = [r for r in st.list() if r.key.startswith(wanted) and (not stage or r.stage == stage)]
     if len(matches) != 1:
         found = ", ".join(f"{r.stage}/{r.key}" for r in matches[:5])
-        Console(stderr=True).print(f"{'no' if not matches else len(matches)} artifacts match {key!r}" + (f": {found}" if found else ""),
-                                   soft_wrap=True, highlight=False)
-        raise typer.Exit(1)
+        raise CliError(f"{'no' if not matches else len(matches)} artifacts match {key!r}" + (f": {found}" if found else ""))
     ref = matches[0]
     record = st.record(ref) | {"ref": ref.model_dump(mode="json"), "files": st.files(ref)}
     print(json.dumps(record, indent=2, sort_keys=True))
