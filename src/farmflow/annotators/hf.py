@@ -42,8 +42,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 from farmflow.annotators import cache
 from farmflow.annotators.api import AnnotationError
-from farmflow.config import AnnotatorConfig, HFJudgeConfig, folder_digest
-from farmflow.modelcache import resolve_model
+from farmflow.config import AnnotatorConfig, HFJudgeConfig
+from farmflow.modelcache import folder_digest, resolve_model
 from farmflow.progress import log
 from farmflow.storage import canonical_json
 
