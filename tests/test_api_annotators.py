@@ -459,9 +459,9 @@ def test_judge_answers_on_a_kept_alive_connection_without_the_nagle_stall(monkey
 
 
 def test_judge_listening_socket_turns_nagle_off():
-    from farmflow.annotators.server import _bind
+    from farmflow.annotators.server import listening_socket
 
-    sock = _bind("127.0.0.1", 0)
+    sock = listening_socket("127.0.0.1", 0)
     try:
         assert sock.proto == socket.IPPROTO_TCP
         assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
