@@ -189,7 +189,7 @@ class S3Store(Store):
             code = _error_code(err)
             if isinstance(err, PermissionError) or code in ACCESS_CODES:
                 raise StoreError(self._describe(f"access denied ({code or 'AccessDenied'}); check the credentials and the bucket policy")) from None
-            if _is_connection_error(err):
+            if is_connection_error(err):
                 raise StoreError(self._describe(f"cannot connect to the endpoint ({type(err).__name__})")) from None
             if code is not None or isinstance(err, (BotoCoreError, ClientError)):
                 raise StoreError(self._describe(f"S3 request failed ({code or type(err).__name__})")) from None
@@ -329,7 +329,8 @@ class S3Store(Store):
         con.register_filesystem(self.fs)
 
 
-def _is_connection_error(err: BaseException) -> bool:
+def is_connection_error(err: BaseException) -> bool:
+    """Whether `err`, or an exception it was raised from, says the endpoint could not be reached."""
     from botocore.exceptions import ConnectionError as BotoConnectionError
     from botocore.exceptions import ConnectTimeoutError, EndpointConnectionError, HTTPClientError
 
