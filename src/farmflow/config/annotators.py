@@ -154,8 +154,8 @@ class AnnotatorConfig(Section):
     api_pool: list[ApiAnnotatorConfig] = Field(default_factory=list, description="The API annotator pool (kind 'api'); one is drawn per pair.")
     hf: HFJudgeConfig = Field(
         default_factory=HFJudgeConfig, json_schema_extra={"stage_key": False},
-        description="The local LLM judge (kind 'hf'). Keyed through the judge's identity (`farmflow.annotators.judges_key`) when "
-        "kind is 'hf', so its defaults do not enter the keys of the other kinds.",
+        description="The local LLM judge (kind 'hf'). Keyed through the judge's identity "
+        "(`farmflow.annotators.judges_key`) when kind is 'hf', so its defaults do not enter the keys of the other kinds.",
     )
     label_noise: float = Field(
         0.0, ge=0, le=1,

@@ -236,6 +236,6 @@ __all__ = [
     "BOS", "EOS", "IGNORE", "PAD", "SAMPLER_VERSION", "ValueModel", "batch_order", "build_policy", "decode_response",
     "encode_examples", "left_pad", "load_policy", "load_pretrained", "load_reward", "load_tokenizer",
     "optimizer_and_schedule", "pack_examples", "prompt_ids", "response_window", "reward_from_policy", "sample",
-    "sample_ids", "sample_next", "sample_seed", "sample_uniforms", "save", "score", "tokenize_examples", "train_tokenizer",
-    "value_from_reward",
+    "sample_ids", "sample_next", "sample_seed", "sample_uniforms", "save", "score", "tokenize_examples",
+    "train_tokenizer", "value_from_reward",
 ]

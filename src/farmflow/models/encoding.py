@@ -87,7 +87,9 @@ def prompt_ids(tokenizer: PreTrainedTokenizerFast, prompts: Sequence[str], max_p
     return [[tokenizer.bos_token_id] + x[len(x) - min(len(x), max(0, max_prompt_len - 1)):] for x in ids]
 
 
-def left_pad(tokenizer: PreTrainedTokenizerFast, prompts: Sequence[str], max_prompt_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def left_pad(
+    tokenizer: PreTrainedTokenizerFast, prompts: Sequence[str], max_prompt_len: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded `prompt_ids` for generation: (input_ids, attention_mask), every prompt ending in the last column."""
     ids = prompt_ids(tokenizer, prompts, max_prompt_len)
     width = max(len(x) for x in ids)

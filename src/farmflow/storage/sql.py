@@ -110,7 +110,8 @@ def _rows_sql(store: Store, namespace: str) -> str | None:
     """Every chunk of a row log, or None when it has none."""
     if not store.row_chunks(namespace):
         return None
-    return f"SELECT * FROM read_parquet({_lit(store.url(store.rows_dir(namespace)) + '/**/*.parquet')}, union_by_name = true)"
+    chunks = _lit(store.url(store.rows_dir(namespace)) + "/**/*.parquet")
+    return f"SELECT * FROM read_parquet({chunks}, union_by_name = true)"
 
 
 def _row_view_sql(store: Store, namespace: str) -> str:
