@@ -459,9 +459,9 @@ def test_judge_answers_on_a_kept_alive_connection_without_the_nagle_stall(monkey
 
 
 def test_judge_listening_socket_turns_nagle_off():
-    from farmflow.annotators.server import _bind
+    from farmflow.annotators.server import listening_socket
 
-    sock = _bind("127.0.0.1", 0)
+    sock = listening_socket("127.0.0.1", 0)
     try:
         assert sock.proto == socket.IPPROTO_TCP
         assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
@@ -565,11 +565,12 @@ def test_served_model_sends_one_model_name_and_is_part_of_the_cache_identity(mon
 
 
 def test_served_model_in_the_stage_key_and_prices():
+    from farmflow.annotators import judges_key
     from farmflow.config import ModelPrice
 
     a = three_models("http://127.0.0.1:9/v1")
     b = a.model_copy(update={"served_model": "judge-7b"})
-    assert a.stage_key_extra() != b.stage_key_extra() != b.model_copy(update={"served_model": "x"}).stage_key_extra()
+    assert judges_key(a) != judges_key(b) != judges_key(b.model_copy(update={"served_model": "x"}))
     # a cost cap needs the price of the model asked: the served one, not the pool's
     with pytest.raises(ValueError, match=r"add \['judge-7b'\] to prices"):
         three_models("http://127.0.0.1:9/v1", served_model="judge-7b", max_cost_usd=1.0)

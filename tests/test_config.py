@@ -215,6 +215,21 @@ def test_every_field_has_a_description():
     assert len(fields) > 60
 
 
+# ----------------------------------------------------------------------------- a leaf package
+
+def test_the_config_package_is_a_leaf():
+    # pydantic and the standard library only: the CLI validates a config without torch or Prefect, and no farmflow
+    # module outside the package is loaded (nothing can import the config back into a cycle)
+    import subprocess
+    import sys
+
+    code = ("import sys, farmflow.config; print(' '.join(sorted(m for m in sys.modules "
+            "if m.startswith(('farmflow', 'torch', 'prefect', 'transformers', 'pyarrow')))))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert "farmflow.config.presets" in loaded
+    assert [m for m in loaded if not m.startswith("farmflow.config") and m != "farmflow"] == []
+
+
 # ----------------------------------------------------------------------------- CLI
 
 def test_cli_config_show_bad_override_exits_2():

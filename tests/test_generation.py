@@ -18,7 +18,7 @@ from farmflow.flows.distributed import stage_key_of
 from farmflow.generation import require_vllm, sample_texts, texts_from_vllm
 from farmflow.models import prompt_ids
 from farmflow.methods.best_of_n import pick_best
-from farmflow.models import _left_pad, decode_response, load_policy, load_tokenizer, sample
+from farmflow.models import decode_response, left_pad, load_policy, load_tokenizer, sample
 from farmflow.storage import open_store
 from farmflow.tasks.core import EXECUTED, key_config
 
@@ -114,7 +114,7 @@ def test_hf_backend_is_farmflows_sampler(micro):
 def test_prompt_encoding_matches_the_hf_sampler(tok):
     prompts = ["What is 2 + 3?", "Hi", "Sort these numbers: 9 4 7 1 3 8 2"]
     for max_len in (64, 5):
-        ids, mask = _left_pad(tok, prompts, max_len)
+        ids, mask = left_pad(tok, prompts, max_len)
         hf = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
         assert prompt_ids(tok, prompts, max_len) == hf
     hi = tok("Hi", add_special_tokens=False)["input_ids"]

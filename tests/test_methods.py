@@ -193,6 +193,18 @@ def test_interrupted_sft_resumes_to_the_same_weights(tok, tmp_path):
     assert store.latest_checkpoint("sft", "k") is None
 
 
+def test_a_switched_off_checkpointer_neither_saves_nor_restores(tmp_path):
+    # what `Runtime.checkpointer` hands a loop under FSDP/DeepSpeed: same stage and key, nothing written or read
+    store, module = LocalStore(tmp_path), torch.nn.Linear(2, 2)
+    on = Checkpointer(store, "sft", "k", every_steps=1)
+    assert on.save(1, modules={"m": module}) and store.latest_checkpoint("sft", "k")[0] == 1
+    off = on.switched_off()
+    assert (off.stage, off.key, off.enabled) == ("sft", "k", False)
+    assert not off.save(2, force=True, modules={"m": module})
+    assert off.restore(modules={"m": module}) == (0, {}) and store.latest_checkpoint("sft", "k")[0] == 1
+    assert on.restore(modules={"m": module})[0] == 1
+
+
 RESUME_SCRIPT = textwrap.dedent('''
     import json, sys, torch
     torch.set_num_threads(1)

@@ -17,8 +17,10 @@ import torch
 from typer.testing import CliRunner
 
 from farmflow.cli import app
-from farmflow.config import ModelConfig, folder_digest
-from farmflow.modelcache import RECORD, ModelUnavailable, check_available, list_models, resolve_model
+from farmflow.config import ModelConfig
+from farmflow.modelcache import (
+    RECORD, ModelUnavailable, check_available, folder_digest, list_models, model_files_key, resolve_model,
+)
 from farmflow.models import load_pretrained, train_tokenizer
 
 HIDDEN, FFN, HEADS, KV_HEADS = 32, 64, 4, 2
@@ -140,10 +142,10 @@ def test_a_cache_name_is_a_pretrained_model_keyed_by_its_files(cache, tiny_gguf,
     assert resolve_model("not-cached") == "not-cached"
     cfg = ModelConfig(pretrained="tiny", max_seq_len=64)
     # the record (a dot file, dated) is not part of the key: the same weights fetched again keep their stage keys
-    assert cfg.stage_key_extra() == {"pretrained_files": folder_digest(folder)}
-    before = cfg.stage_key_extra()
+    assert model_files_key(cfg.pretrained) == {"pretrained_files": folder_digest(folder)}
+    before = model_files_key(cfg.pretrained)
     (folder / RECORD).write_text("{}")
-    assert cfg.stage_key_extra() == before
+    assert model_files_key(cfg.pretrained) == before
     model, tok = load_pretrained(cfg)
     assert model.config.vocab_size == 300 and tok.eos_token == "</s>"
     check_available("tiny")  # a cache name needs no hub

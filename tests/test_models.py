@@ -219,22 +219,22 @@ def test_sample_seed_and_uniforms():
 
 
 def test_inverse_cdf_sampling_follows_temperature_and_top_p():
-    from farmflow.models import _sample_next
+    from farmflow.models import sample_next
 
     logits = torch.log(torch.tensor([[0.5, 0.0, 0.3, 0.2]])).expand(4000, 4)  # token 1 has probability 0
     u = (torch.arange(4000, dtype=torch.float64) + 0.5) / 4000  # a stratified grid of uniforms
-    counts = torch.bincount(_sample_next(logits, 1.0, 1.0, u), minlength=4) / 4000
+    counts = torch.bincount(sample_next(logits, 1.0, 1.0, u), minlength=4) / 4000
     assert torch.allclose(counts, torch.tensor([0.5, 0.0, 0.3, 0.2]), atol=1e-3)
     # temperature 0.5 squares the probabilities before renormalizing: 25 : 9 : 4
-    counts = torch.bincount(_sample_next(logits, 0.5, 1.0, u), minlength=4) / 4000
+    counts = torch.bincount(sample_next(logits, 0.5, 1.0, u), minlength=4) / 4000
     assert torch.allclose(counts, torch.tensor([25, 0, 9, 4]) / 38, atol=1e-3)
     # top_p 0.6 keeps the smallest set reaching 0.6 (0.5 and 0.3), renormalized
-    counts = torch.bincount(_sample_next(logits, 1.0, 0.6, u), minlength=4) / 4000
+    counts = torch.bincount(sample_next(logits, 1.0, 0.6, u), minlength=4) / 4000
     assert torch.allclose(counts, torch.tensor([0.625, 0.0, 0.375, 0.0]), atol=1e-3)
-    edges = _sample_next(logits[:2], 1.0, 1.0, torch.tensor([0.0, 1.0 - 1e-12], dtype=torch.float64))
+    edges = sample_next(logits[:2], 1.0, 1.0, torch.tensor([0.0, 1.0 - 1e-12], dtype=torch.float64))
     assert edges.tolist() == [0, 3]  # u = 0 is the first kept token, u -> 1 the last
     with pytest.raises(ValueError, match="non-finite logits"):  # a broken model is an error, not a silent last token
-        _sample_next(torch.tensor([[0.0, float("nan")]]), 1.0, 1.0, torch.tensor([0.5], dtype=torch.float64))
+        sample_next(torch.tensor([[0.0, float("nan")]]), 1.0, 1.0, torch.tensor([0.5], dtype=torch.float64))
 
 
 def test_sample_reports_progress(policy, tok):
@@ -265,11 +265,11 @@ def test_kv_cache_sampling_matches_full_forward_greedy(policy, tok, batch_size):
 
 def _sample_without_dropping_rows(model, tok, prompts, n, temperature, max_new_tokens, seed):
     """The sampler before finished rows left the batch: every row runs to the batch's longest response."""
-    from farmflow.models import _left_pad, _sample_next, sample_uniforms
+    from farmflow.models import left_pad, sample_next, sample_uniforms
 
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     uniforms = sample_uniforms(seed, order, n, max_new_tokens)
-    ids, mask = _left_pad(tok, [prompts[i] for i in order], 10_000)
+    ids, mask = left_pad(tok, [prompts[i] for i in order], 10_000)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
     cache, logits = out.past_key_values, out.logits[:, -1]
@@ -277,7 +277,7 @@ def _sample_without_dropping_rows(model, tok, prompts, n, temperature, max_new_t
     mask, logits, nxt_pos = mask.repeat_interleave(n, 0), logits.repeat_interleave(n, 0), pos[:, -1].repeat_interleave(n, 0) + 1
     done, tokens = torch.zeros(len(mask), dtype=torch.bool), []
     for step in range(max_new_tokens):
-        nxt = torch.where(done, torch.full((len(mask),), tok.pad_token_id), _sample_next(logits, temperature, 1.0, uniforms[:, step]))
+        nxt = torch.where(done, torch.full((len(mask),), tok.pad_token_id), sample_next(logits, temperature, 1.0, uniforms[:, step]))
         tokens.append(nxt)
         done |= nxt == tok.eos_token_id
         if bool(done.all()):

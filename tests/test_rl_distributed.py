@@ -96,9 +96,9 @@ def _save_weights(path: Path, *modules: torch.nn.Module) -> None:
 def worker(out: Path) -> None:
     """Run under `accelerate launch --num_processes 2`: every rank writes rank<r>.json and its trained weights."""
     torch.set_num_threads(1)
-    from farmflow.models.runtime import _state
+    from farmflow.models.runtime import process_state
 
-    state = _state()
+    state = process_state()
     rank, seen = state.process_index, {"processes": state.num_processes}
     x, mask = _share(X, rank), _share(MASK, rank)
     seen["whiten"] = ppo.masked_whiten(x, mask).tolist()

@@ -285,10 +285,10 @@ def test_a_connection_dropped_by_the_http_client_counts_as_cannot_connect():
     """botocore's HTTPClientError (a refused or reset connection) counts as cannot-connect, not as a failed request."""
     from botocore.exceptions import ClientError, HTTPClientError
 
-    from farmflow.storage.s3 import _is_connection_error
+    from farmflow.storage.s3 import is_connection_error
 
-    assert _is_connection_error(HTTPClientError(error=ConnectionRefusedError(111, "Connection refused")))
-    assert not _is_connection_error(ClientError({"Error": {"Code": "AccessDenied"}}, "ListObjectsV2"))
+    assert is_connection_error(HTTPClientError(error=ConnectionRefusedError(111, "Connection refused")))
+    assert not is_connection_error(ClientError({"Error": {"Code": "AccessDenied"}}, "ListObjectsV2"))
 
 
 def test_missing_bucket_is_one_clear_error(s3_server):

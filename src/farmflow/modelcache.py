@@ -7,13 +7,17 @@ with its chat template, generation config), so `AutoModelForCausalLM.from_pretra
 record of where it came from (`RECORD`).
 
 `resolve_model` turns a name into what transformers loads: a local folder as given, a cache
-name into its folder, anything else (a hub id) unchanged. It reads paths only, so the config
-(a leaf package, which keys a cached model by its files) and the CLI use it without importing
-torch; filling the cache (hub downloads, GGUF conversion) is `farmflow.models.hub`.
+name into its folder, anything else (a hub id) unchanged. `folder_digest` identifies a model
+folder by its contents, so a local model is keyed by its files (`model_files_key`, the base
+model's part of a stage key; the hf judge's identity). All of it reads files only, so the CLI
+and the stage keys use it without importing torch; filling the cache (hub downloads, GGUF
+conversion) is `farmflow.models.hub`.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import os
 import re
@@ -22,7 +26,7 @@ from pathlib import Path
 
 ENV = "FARMFLOW_MODELS"
 RECORD = ".farmflow-source.json"
-"""Where a cached model came from. A dot file: a model folder's content digest (`farmflow.config.folder_digest`) skips
+"""Where a cached model came from. A dot file: a model folder's content digest (`folder_digest`) skips
 dot files, so the same weights fetched again on another day or machine keep their stage keys."""
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
@@ -73,6 +77,43 @@ def resolve_model(name_or_path: str) -> str:
         return str(Path(name_or_path).expanduser())
     folder = cached_model(name_or_path)
     return str(folder) if folder else name_or_path
+
+
+def folder_digest(folder: Path) -> str:
+    """A cheap content digest of a model folder: every file's name and size, the full bytes of files under 1 MB
+    (config, tokenizer), and each safetensors file's header (tensor names, dtypes, shapes, offsets) plus its first
+    and last MB of data, so rewritten weights read as new without hashing gigabytes. Read once per state of the
+    folder (files, sizes, modification times): a flow computes the base model's key several times."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and not p.name.startswith("."))
+    return _folder_digest(folder, tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files))
+
+
+@functools.lru_cache(maxsize=32)
+def _folder_digest(folder: Path, state: tuple) -> str:
+    h = hashlib.sha256()
+    for path in (Path(name) for name, _, _ in state):
+        size = path.stat().st_size
+        h.update(f"{path.relative_to(folder).as_posix()}\0{size}\0".encode())
+        with open(path, "rb") as f:
+            if size < 1 << 20:
+                h.update(f.read())
+            elif path.suffix == ".safetensors":
+                header = int.from_bytes(f.read(8), "little")
+                h.update(f.read(min(header, 100 << 20)))
+                h.update(f.read(1 << 20))
+                f.seek(max(0, size - (1 << 20)))
+                h.update(f.read())
+    return h.hexdigest()
+
+
+def model_files_key(pretrained: str | None) -> dict:
+    """The base model's part of a stage key beyond its config fields (`ModelConfig.pretrained`): the contents of a
+    local folder or model-cache entry, so weights saved again under the same path or name are a new base model, not
+    a stale cache hit. Nothing for a hub id (its revision is a config field) or a model trained from scratch."""
+    folder = Path(resolve_model(pretrained)) if pretrained else None
+    if folder is None or not folder.is_dir():
+        return {}
+    return {"pretrained_files": folder_digest(folder)}
 
 
 def unavailable(name: str, reason: str) -> ModelUnavailable:

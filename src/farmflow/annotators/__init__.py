@@ -21,6 +21,10 @@ Label noise (p_sim^ann): with probability `label_noise` the label is a fair coin
 annotator is never asked (the paper uses 0.5, i.e. 25% of labels flipped, half the cost).
 All randomness comes from hashes of (seed, pair content), so a pair gets the same
 annotator, order and label whatever batch or process it is annotated in.
+
+A judge's identity (`judges_key`) is what the row cache keys its answers by, and part of
+the key of every stage that annotates: another endpoint, model, prompt or prompt version
+never reuses these labels.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from typing import Callable, Sequence
 import pyarrow as pa
 
 from farmflow.annotators.api import AnnotationError, RunStats, annotate_api
+from farmflow.annotators.cache import annotator_hash, resolve_base_url
 from farmflow.annotators.oracle import Annotator, OracleAnnotator, is_list, sigmoid, task_from_text, unit_hash
 from farmflow.config import AnnotatorConfig, StoreConfig
 from farmflow.data import gold_reward
@@ -38,6 +43,21 @@ from farmflow.storage.schemas import SCHEMAS
 
 class AnnotationIncomplete(RuntimeError):
     """Some pairs failed or were not sent (cost cap); what was judged is cached, a rerun asks the rest."""
+
+
+def judges_key(cfg: AnnotatorConfig) -> dict:
+    """What the fields of `cfg` alone do not pin down, for the key of every stage that uses it
+    (`farmflow.tasks.core.key_config`): for API annotators, each judge's identity as the row cache hashes it
+    (resolved endpoint, $OPENAI_BASE_URL included, model asked, prompt format and version, batch size, temperature,
+    token cap), so another judge never reuses these labels; for the hf judge, its identity (`hf.judge_hash`).
+    Nothing for the oracle."""
+    if cfg.kind == "hf":
+        from farmflow.annotators.hf import judge_hash  # torch and transformers load only for this kind
+
+        return {"judge": judge_hash(cfg.hf)}
+    if cfg.kind != "api":
+        return {}
+    return {"judges": [annotator_hash(a, resolve_base_url(a, cfg), cfg.served_model) for a in cfg.api_pool]}
 
 
 def build_pool(cfg: AnnotatorConfig) -> list[Annotator]:
@@ -158,5 +178,5 @@ def annotate_pairs(rows: Sequence[dict], cfg: AnnotatorConfig, store_uri: str | 
 
 __all__ = [
     "AnnotationError", "AnnotationIncomplete", "Annotator", "OracleAnnotator", "annotate", "annotate_pairs", "build_pool",
-    "is_list", "sigmoid", "task_from_text", "unit_hash",
+    "is_list", "judges_key", "sigmoid", "task_from_text", "unit_hash",
 ]

@@ -38,7 +38,10 @@ from typing import Callable
 
 import openai
 
-from farmflow.annotators import budget, cache, failures, prompts
+import farmflow.annotators.budget as budget
+import farmflow.annotators.cache as cache
+import farmflow.annotators.failures as failures
+import farmflow.annotators.prompts as prompts
 from farmflow.annotators.oracle import unit_hash
 from farmflow.annotators.ratelimit import make_limiter
 from farmflow.config import AnnotatorConfig, ApiAnnotatorConfig

@@ -28,9 +28,11 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from farmflow.annotators import journal, prompts
+import farmflow.annotators.journal as journal
+import farmflow.annotators.prompts as prompts
 from farmflow.annotators.oracle import unit_hash
 from farmflow.config import AnnotatorConfig, ApiAnnotatorConfig
+from farmflow.config.credentials import CredentialsInValue, refuse_credentials
 from farmflow.progress import log
 from farmflow.storage import LocalStore, canonical_json
 from farmflow.storage.schemas import SCHEMAS
@@ -41,8 +43,6 @@ OPENAI_URL = "https://api.openai.com/v1"
 
 def resolve_base_url(annotator: ApiAnnotatorConfig, cfg: AnnotatorConfig) -> str:
     """The annotator's endpoint: its own, the pool's, $OPENAI_BASE_URL, or OpenAI's (never one with credentials in it)."""
-    from farmflow.config import CredentialsInValue, refuse_credentials
-
     env = os.environ.get("OPENAI_BASE_URL")
     if env and not (annotator.base_url or cfg.base_url):
         try:

@@ -40,10 +40,10 @@ import torch
 from jinja2 import TemplateError
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from farmflow.annotators import cache
+import farmflow.annotators.cache as cache
 from farmflow.annotators.api import AnnotationError
-from farmflow.config import AnnotatorConfig, HFJudgeConfig, folder_digest
-from farmflow.modelcache import resolve_model
+from farmflow.config import AnnotatorConfig, HFJudgeConfig
+from farmflow.modelcache import folder_digest, resolve_model
 from farmflow.progress import log
 from farmflow.storage import canonical_json
 

@@ -253,7 +253,8 @@ def build_app(state: JudgeState) -> FastAPI:
     return app
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port) whose accepted connections send small answers at once."""
     # proto must be IPPROTO_TCP: asyncio turns Nagle off (TCP_NODELAY) only on sockets that say
     # so, and with Nagle on, every answer on a kept-alive connection waited ~40 ms for the
     # client's delayed ACK. TCP_NODELAY on the listening socket is inherited by accepted ones.
@@ -268,7 +269,7 @@ def serve(config: JudgeConfig, host: str = "127.0.0.1", port: int = 8787, ready=
     """Run the server in this thread until interrupted; `ready(url)` is called once it listens."""
     import uvicorn
 
-    sock = _bind(host, port)
+    sock = listening_socket(host, port)
     server = uvicorn.Server(uvicorn.Config(build_app(JudgeState(config)), log_level="warning", access_log=False,
                                            timeout_graceful_shutdown=1, lifespan="off"))
     url = f"http://{host}:{sock.getsockname()[1]}/v1"
@@ -294,7 +295,7 @@ class JudgeServer:
         import uvicorn
 
         self.state = JudgeState(config or JudgeConfig())
-        self._sock = _bind(host, port)
+        self._sock = listening_socket(host, port)
         self.url = f"http://{host}:{self._sock.getsockname()[1]}/v1"
         self._server = uvicorn.Server(uvicorn.Config(build_app(self.state), log_level="warning", access_log=False,
                                                      timeout_graceful_shutdown=1, lifespan="off"))

@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 from pathlib import Path
@@ -37,15 +36,6 @@ HUB_SPLITS = FARM_SPLIT_FILES  # ours -> tatsu-lab/alpaca_farm's
 
 class DataError(ValueError):
     """A data file that does not fit its schema; the message names file, column and row."""
-
-
-def file_sha256(path: str | Path) -> str:
-    """Digest of a file's bytes (part of the data stage key: an edited file is new data)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def read_records(path: str | Path) -> list[dict]:

@@ -57,7 +57,7 @@ import torch
 import torch.nn.functional as F
 
 from farmflow.config import PPOConfig
-from farmflow.models import _left_pad, batch_order, decode_response, sample_ids, score
+from farmflow.models import batch_order, decode_response, left_pad, sample_ids, score
 from farmflow.models.checkpoint import Checkpointer
 from farmflow.models.runtime import Runtime, all_sum, device_of, num_processes, to_device, world_size
 from farmflow.progress import progress
@@ -165,7 +165,7 @@ def pack(tokenizer, prompts: Sequence[str], responses: Sequence[Sequence[int]], 
     Returns input_ids, attention_mask, position_ids (all (batch, P + R)), the response tokens
     and their mask (batch, R). The logits at columns ``P-1 .. P+R-2`` predict the responses.
     """
-    prompt_ids, prompt_mask = _left_pad(tokenizer, prompts, max_prompt_len)
+    prompt_ids, prompt_mask = left_pad(tokenizer, prompts, max_prompt_len)
     width = max(len(r) for r in responses)
     tokens = torch.full((len(responses), width), tokenizer.pad_token_id, dtype=torch.long)
     response_mask = torch.zeros((len(responses), width), dtype=torch.long)

@@ -15,7 +15,7 @@ A loop uses it like this::
         ...
         ckpt.save(step + 1, modules=..., optimizers=..., schedulers=..., extra={"losses": losses})
 
-Data order must be a deterministic function of the step (see `farmflow.models.batch_indices`)
+Data order must be a deterministic function of the step (see `farmflow.models.batch_order`)
 so that skipping to `start` replays the same batches.
 """
 
@@ -113,6 +113,10 @@ class Checkpointer:
     @property
     def enabled(self) -> bool:
         return self.store is not None and (self.every_steps > 0 or self.every_seconds > 0)
+
+    def switched_off(self) -> "Checkpointer":
+        """A checkpointer for the same stage and key that never saves or restores."""
+        return Checkpointer(None, self.stage, self.key)
 
     def due(self, step: int) -> bool:
         by_steps = self.every_steps > 0 and step % self.every_steps == 0

@@ -51,7 +51,7 @@ FULL_STATE = "farmflow_full_state"
 """Attribute of a model trained under FSDP/DeepSpeed: its gathered full state dict (rank 0), for `farmflow.models.save`."""
 
 
-def _state():
+def process_state():
     """accelerate's process state; without a GPU, several processes (``accelerate launch``, torchrun) join over gloo."""
     from accelerate import PartialState
 
@@ -62,7 +62,7 @@ def default_device() -> torch.device:
     """Where this process puts models: its GPU (``cuda:<local rank>``) when it has one, else the CPU."""
     if not torch.cuda.is_available():
         return torch.device("cpu")
-    return _state().device
+    return process_state().device
 
 
 def device_of(model: torch.nn.Module) -> torch.device:
@@ -81,7 +81,7 @@ def is_main_process() -> bool:
 
 def num_processes() -> int:
     """Processes of this run: the world size under ``accelerate launch`` (or torchrun), else 1."""
-    return _state().num_processes
+    return process_state().num_processes
 
 
 def world_size() -> int:
@@ -128,7 +128,7 @@ class Runtime:
 
         self.name = name
         self.dtype = next(model.parameters()).dtype  # the stored dtype (model.dtype); saved back in it
-        state = _state()
+        state = process_state()
         self.processes, self.rank = state.num_processes, state.process_index
         if batch_size % self.processes:
             raise ValueError(f"{name}: the batch of {batch_size} does not split evenly over {self.processes} processes; "
@@ -206,11 +206,7 @@ class Runtime:
 
     def checkpointer(self, ckpt):
         """`ckpt` as is, or switched off under FSDP/DeepSpeed (their sharded optimizer state is not ours to save)."""
-        if self.sharded and ckpt.enabled:
-            from farmflow.models.checkpoint import Checkpointer
-
-            return Checkpointer(None, ckpt.stage, ckpt.key)
-        return ckpt
+        return ckpt.switched_off() if self.sharded and ckpt.enabled else ckpt
 
     # ----------------------------------------------------------------------- steps
     def micro_batches(self) -> list[slice]:

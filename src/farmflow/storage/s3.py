@@ -20,6 +20,12 @@ left by a killed writer is never read.
 Models are downloaded once per artifact into a local cache (``cache_dir``, default
 ``$FARMFLOW_CACHE`` or ``~/.cache/farmflow``), keyed by bucket, prefix, stage, key and
 attempt, and moved into place in one rename, so concurrent readers share one copy.
+
+Prefect results go under ``<store>/_prefect/`` too. Prefect 3 only accepts result storage
+that is a local path or a block saved on the server: `StoreResults` is that block. It holds
+the store location (never a credential) and reads and writes through the store, so Prefect's
+cache records are found by any machine with access to the bucket, with the credentials
+resolved exactly as for the artifacts.
 """
 
 from __future__ import annotations
@@ -39,7 +45,10 @@ from urllib.parse import parse_qsl, urlencode, urlsplit
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
+from prefect.filesystems import WritableFileSystem
+from pydantic import Field, PrivateAttr
 
+from farmflow.config.credentials import CredentialsInValue, refuse_credentials
 from farmflow.storage.refs import COMMIT_FILE, ArtifactRef
 from farmflow.storage.store import Store, StoreError
 
@@ -61,8 +70,6 @@ ACCESS_CODES = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "
 
 def parse_s3_uri(uri: str) -> tuple[str, str, dict[str, str]]:
     """``s3://bucket/prefix?opt=value`` → (bucket, prefix, options); unknown options are an error."""
-    from farmflow.config import CredentialsInValue, refuse_credentials
-
     try:
         refuse_credentials(uri, "S3 credentials come from profile, credentials_block or the AWS environment")
     except CredentialsInValue as err:
@@ -182,7 +189,7 @@ class S3Store(Store):
             code = _error_code(err)
             if isinstance(err, PermissionError) or code in ACCESS_CODES:
                 raise StoreError(self._describe(f"access denied ({code or 'AccessDenied'}); check the credentials and the bucket policy")) from None
-            if _is_connection_error(err):
+            if is_connection_error(err):
                 raise StoreError(self._describe(f"cannot connect to the endpoint ({type(err).__name__})")) from None
             if code is not None or isinstance(err, (BotoCoreError, ClientError)):
                 raise StoreError(self._describe(f"S3 request failed ({code or type(err).__name__})")) from None
@@ -308,8 +315,6 @@ class S3Store(Store):
     # ---------------------------------------------------------------- Prefect
     def result_storage(self) -> Any:
         """A saved `StoreResults` block for this store (it holds the location, never credentials)."""
-        from farmflow.storage.results import StoreResults
-
         return StoreResults.for_store(self.location)
 
     def read_object(self, path: str) -> bytes:
@@ -324,7 +329,8 @@ class S3Store(Store):
         con.register_filesystem(self.fs)
 
 
-def _is_connection_error(err: BaseException) -> bool:
+def is_connection_error(err: BaseException) -> bool:
+    """Whether `err`, or an exception it was raised from, says the endpoint could not be reached."""
     from botocore.exceptions import ConnectionError as BotoConnectionError
     from botocore.exceptions import ConnectTimeoutError, EndpointConnectionError, HTTPClientError
 
@@ -347,3 +353,42 @@ def _is_connection_error(err: BaseException) -> bool:
 
 def block_name(location: str) -> str:
     return "farmflow-results-" + hashlib.sha256(location.encode()).hexdigest()[:16]
+
+
+SAVED_BLOCKS: dict[str, "StoreResults"] = {}
+"""Store location → its `StoreResults` block, saved on the Prefect server once per process."""
+
+
+class StoreResults(WritableFileSystem):
+    """Prefect results kept under ``_prefect/`` of an S3 store."""
+
+    _block_type_name = "Farmflow Store Results"
+    store_uri: str = Field(description="Location of the farmflow store (s3://bucket/prefix?endpoint_url=...); holds no credentials.")
+    _store: Any = PrivateAttr(default=None)
+
+    @classmethod
+    def for_store(cls, location: str) -> "StoreResults":
+        """The block for a store location, saved on the Prefect server once per process."""
+        if location not in SAVED_BLOCKS:
+            block = cls(store_uri=location)
+            block.save(block_name(location), overwrite=True)
+            SAVED_BLOCKS[location] = block
+        return SAVED_BLOCKS[location]
+
+    def _open(self) -> S3Store:
+        if self._store is None:
+            self._store = S3Store(self.store_uri)
+        return self._store
+
+    def read_path(self, path: str, _sync: bool | None = None) -> bytes:
+        return self._open().read_object(f"_prefect/{path}")
+
+    def write_path(self, path: str, content: bytes, _sync: bool | None = None) -> str:
+        self._open().write_object(f"_prefect/{path}", content)
+        return path
+
+    async def aread_path(self, path: str) -> bytes:
+        return await asyncio.to_thread(self.read_path, path)
+
+    async def awrite_path(self, path: str, content: bytes) -> str:
+        return await asyncio.to_thread(self.write_path, path, content)

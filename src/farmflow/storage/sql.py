@@ -108,12 +108,10 @@ ROW_VIEWS = {"annotations": "annotations", "runs": "runs"}
 
 def _rows_sql(store: Store, namespace: str) -> str | None:
     """Every chunk of a row log, or None when it has none."""
-    folder = store._p("_rows", namespace)
-    with store._io():
-        chunks = [p for p in store.fs.find(folder) if p.endswith(".parquet") and not p.rsplit("/", 1)[-1].startswith(".")] if store.fs.exists(folder) else []
-    if not chunks:
+    if not store.row_chunks(namespace):
         return None
-    return f"SELECT * FROM read_parquet({_lit(store.url(folder) + '/**/*.parquet')}, union_by_name = true)"
+    chunks = _lit(store.url(store.rows_dir(namespace)) + "/**/*.parquet")
+    return f"SELECT * FROM read_parquet({chunks}, union_by_name = true)"
 
 
 def _row_view_sql(store: Store, namespace: str) -> str:

@@ -233,7 +233,8 @@ class Store:
     # annotation cache: each append is one Parquet file under ``_rows/<namespace>/``,
     # made visible in one step (a rename, or one S3 PUT), so a crash loses at most that
     # chunk and a reader never sees a partial file.
-    def _rows_dir(self, namespace: str) -> str:
+    def rows_dir(self, namespace: str) -> str:
+        """The folder of a row log (a filesystem path; `url` gives its URL)."""
         if not namespace or any(part in ("", ".", "..") for part in namespace.split("/")):
             raise ValueError(f"invalid row-log namespace {namespace!r}")
         return self._p("_rows", namespace)
@@ -243,13 +244,13 @@ class Store:
         table = conform(table, format, where=f"row log {namespace!r}")
         name = f"{utc_now().replace(':', '').replace('+', 'Z')}-{uuid.uuid4().hex[:8]}.parquet"
         with self._io():
-            self._write_parquet_atomic(table, f"{self._rows_dir(namespace)}/{name}")
+            self._write_parquet_atomic(table, f"{self.rows_dir(namespace)}/{name}")
         return name
 
     def row_chunks(self, namespace: str) -> list[str]:
         """The committed chunks of a row log (filesystem paths), oldest first."""
         with self._io():
-            return sorted(p for p in self.fs.glob(f"{self._rows_dir(namespace)}/*.parquet") if not p.rsplit("/", 1)[-1].startswith("."))
+            return sorted(p for p in self.fs.glob(f"{self.rows_dir(namespace)}/*.parquet") if not p.rsplit("/", 1)[-1].startswith("."))
 
     def read_rows(self, namespace: str, format: str) -> pa.Table:
         """Every committed chunk of a row log, oldest first (an empty table if none)."""

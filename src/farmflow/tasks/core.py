@@ -24,6 +24,9 @@ from typing import Any, Callable, Iterator
 from prefect import task
 from pydantic import BaseModel
 
+from farmflow.annotators import judges_key
+from farmflow.config import AnnotatorConfig, ModelConfig
+from farmflow.modelcache import model_files_key
 from farmflow.models.checkpoint import Checkpointer
 from farmflow.progress import log  # noqa: F401 (re-exported: the stages log through it)
 from farmflow.storage import ArtifactRef, LocalStore, open_store, part_key, stage_key
@@ -37,6 +40,13 @@ VERSIONS: dict[str, str] = {}
 
 TASKS: dict[str, Any] = {}
 """Stage name → its Prefect task, filled by `stage_task` (`load_stage_modules` imports them all)."""
+
+KEY_EXTRA: dict[type, Callable[[Any], dict]] = {
+    ModelConfig: lambda cfg: model_files_key(cfg.pretrained),
+    AnnotatorConfig: judges_key,
+}
+"""Config type → what its fields alone do not pin down, added to its part of a stage key: a local model folder's
+contents, each judge's identity (e.g. an endpoint from the environment, the prompt version)."""
 
 LAUNCH: ContextVar[Any] = ContextVar("farmflow_launch", default=None)
 """The `ExecutionConfig` whose launcher applies to the stages run in this context (None: inline)."""
@@ -84,8 +94,8 @@ def _key_part(config: Any) -> Any:
             extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
             if extra.get("stage_key", True):
                 out[name] = _key_part(getattr(config, name))
-        derived = getattr(config, "stage_key_extra", None)  # what the fields alone do not pin down (e.g. an endpoint from the environment)
-        return out | (derived() if callable(derived) else {})
+        derived = KEY_EXTRA.get(type(config))
+        return out | (derived(config) if derived else {})
     if isinstance(config, dict):
         return {k: key_config(v) if isinstance(v, BaseModel) else _key_part(v) for k, v in config.items()}
     if isinstance(config, (list, tuple)):

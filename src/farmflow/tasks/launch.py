@@ -332,10 +332,10 @@ def child_main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     if os.environ.get(PARENT_ENV):
         exit_with_parent(int(os.environ[PARENT_ENV]))
-    from farmflow.models.runtime import _state, is_main_process
+    from farmflow.models.runtime import is_main_process, process_state
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        _state()  # join the process group before anything else
+        process_state()  # join the process group before anything else
     from farmflow.storage import open_store
     _log_for_parent()
     core.load_stage_modules()

@@ -1,0 +1,113 @@
+"""`load_config`: a preset, then overrides (``section.field=value`` or a nested dict), validated as a whole.
+
+Any validation problem becomes one `ConfigError` line naming the field, never a pydantic traceback, and a value that
+carries credentials is not repeated back.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic import ValidationError
+
+from farmflow.config.annotators import AnnotatorConfig
+from farmflow.config.base import ConfigError
+from farmflow.config.credentials import CredentialsInValue
+from farmflow.config.farm import FarmConfig
+from farmflow.config.pools import ANNOTATOR_PRESETS
+from farmflow.config.presets import preset
+
+
+def _format_validation_error(err: ValidationError, prefix: str = "") -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in (prefix, *e["loc"]) if p != "")
+        if e["type"] == "extra_forbidden":
+            lines.append(f"unknown field {loc!r}")
+        else:
+            got = e.get("input")  # a whole section, or a value with credentials in it, is not repeated back
+            quiet = isinstance(got, dict) or isinstance((e.get("ctx") or {}).get("error"), CredentialsInValue)
+            lines.append(f"invalid value for {loc!r}: {e['msg']}" + ("" if quiet else f" (got {got!r})"))
+    return "; ".join(lines)
+
+
+def _parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} must look like section.field=value")
+    path, raw = item.split("=", 1)
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        value = raw  # a bare string
+    return path.strip().split("."), value
+
+
+def load_config(preset_name: str = "synthetic-tiny", overrides: list[str] | dict | None = None, base: FarmConfig | None = None) -> FarmConfig:
+    """A preset (or the config `base`) with overrides applied, validated as a whole.
+
+    `overrides` is either a nested dict or a list of ``section.field=value`` strings whose
+    values are parsed as JSON when possible (``best_of_n.n=8``, ``data.families=["sort"]``).
+    """
+    base = (base or preset(preset_name)).model_dump()
+    if isinstance(overrides, dict):
+        items = [(k.split("."), v) for k, v in overrides.items()]
+    else:
+        items = [_parse_override(o) for o in overrides or []]
+    for path, value in items:
+        node = base
+        for i, part in enumerate(path[:-1]):
+            if not isinstance(node, dict) or part not in node:
+                raise ConfigError(f"unknown field {'.'.join(path[: i + 1])!r}")
+            node = node[part]
+        if not isinstance(node, dict) or path[-1] not in node:
+            raise ConfigError(f"unknown field {'.'.join(path)!r}")
+        if path[-1] == "preset" and "api_pool" in node and isinstance(value, str):  # annotation.preset=NAME
+            _select_preset(node, value)
+            continue
+        if isinstance(node[path[-1]], dict) and "preset" in node[path[-1]] and isinstance(value, str):  # annotation=NAME
+            _select_preset(node[path[-1]], value)
+            continue
+        if isinstance(node[path[-1]], dict) and node[path[-1]] and isinstance(value, dict):  # (an empty dict is a dict field)
+            _merge(node[path[-1]], value, ".".join(path))  # a section: update only the fields given
+        else:
+            node[path[-1]] = value
+    return validate_config(base)
+
+
+def _select_preset(section: dict, name: str) -> None:
+    """Select annotator preset `name` in an annotator section (dict), keeping every field the preset does not fix.
+
+    `annotation=NAME` and `annotation.preset=NAME` mean the same, whatever came before or
+    after them (endpoint, limits, prices, seed stay); the fields the previous preset fixed
+    make way for the new one's.
+    """
+    for chosen in (section.get("preset"), name):  # what the old and the new preset fix takes the new preset's values
+        for field in ANNOTATOR_PRESETS.get(chosen or "", {}):
+            section.pop(field, None)
+    section["preset"] = name
+
+
+def _merge(target: dict, update: dict, where: str) -> None:
+    if "preset" in update and "api_pool" in target:  # an annotator section: its preset first, then the fields given
+        _select_preset(target, update["preset"])
+        update = {k: v for k, v in update.items() if k != "preset"}
+        for k in update.keys() - target.keys():  # a field the preset fixed, given again: validation says if it clashes
+            if k in AnnotatorConfig.model_fields:
+                target[k] = None
+    for k, v in update.items():
+        if k not in target:
+            raise ConfigError(f"unknown field {where + '.' + k!r}")
+        if isinstance(target[k], dict) and isinstance(v, dict):
+            _merge(target[k], v, f"{where}.{k}")
+        else:
+            target[k] = v
+
+
+def validate_config(data: dict | FarmConfig) -> FarmConfig:
+    if isinstance(data, FarmConfig):
+        data = data.model_dump()
+    try:
+        return FarmConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err)) from None

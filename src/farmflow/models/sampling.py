@@ -1,0 +1,169 @@
+"""Batched sampling with a KV cache, every sample on its own random stream, and reward scores.
+
+`sample`: batched ancestral sampling (temperature, top-p, n samples per prompt). The prompt
+is prefilled once; its KV cache is then repeated n times, so best-of-n pays for one prefill
+per prompt, not n. Sample j of prompt i draws its tokens from its own random stream
+(`sample_seed`), so it does not depend on the batch size, on the other prompts of the call,
+or on n: best-of-2's candidates are the first two of best-of-4's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+from transformers import LlamaForCausalLM, LlamaForSequenceClassification, PreTrainedTokenizerFast
+
+from farmflow.models.encoding import encode_examples, left_pad
+from farmflow.models.runtime import device_of
+
+SAMPLER_VERSION = "3"  # part of the sampling stages' keys; 3: an over-long prompt keeps its BOS when cut to fit
+"""Bump when the samples drawn for a given seed change; part of the key of every stage that samples."""
+
+
+def sample_seed(seed: int, prompt: int, sample: int) -> int:
+    """Seed of the random stream of sample `sample` of prompt `prompt` (its index in the call), from the call's `seed`.
+
+    A 63-bit hash, so neighbouring seeds, prompts and samples get unrelated streams. The hf
+    sampler and the vLLM backend both seed each (prompt, sample) with it.
+    """
+    digest = hashlib.blake2b(f"farmflow-sample/{seed}/{prompt}/{sample}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1
+
+
+def sample_uniforms(seed: int, prompts: Sequence[int], n: int, steps: int) -> torch.Tensor:
+    """Uniforms in [0, 1), shape (len(prompts) * n, steps): row i * n + j drives sample j of prompt ``prompts[i]``.
+
+    Counter-based: entry (row, t) is the SplitMix64 finalizer of the row's `sample_seed` plus
+    (t + 1) golden-ratio increments, i.e. step t of a SplitMix64 stream seeded with it, so
+    any row and step is computed on its own (torch's CPU generator would keep only 32 bits of
+    the seed, and streams of different samples would then collide).
+    """
+    keys = np.array([sample_seed(seed, i, j) for i in prompts for j in range(n)], dtype=np.uint64).reshape(-1, 1)
+    z = keys + np.arange(1, steps + 1, dtype=np.uint64)[None, :] * np.uint64(0x9E3779B97F4A7C15)  # wraps mod 2**64
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z = z ^ (z >> np.uint64(31))
+    return torch.from_numpy((z >> np.uint64(11)).astype(np.float64) / 2.0**53)
+
+
+def sample_next(logits: torch.Tensor, temperature: float, top_p: float, u: torch.Tensor) -> torch.Tensor:
+    """One token per row by inverting the (temperature, top-p) CDF at the row's uniform `u`."""
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        keep = sorted_p.cumsum(-1) - sorted_p < top_p  # always keeps the most likely token
+        sorted_p = sorted_p * keep
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+    cdf = probs.double().cumsum(-1)
+    if not bool(torch.isfinite(cdf[:, -1]).all()):
+        raise ValueError("sampling: the model produced non-finite logits (NaN or inf); the checkpoint or its dtype is broken")
+    target = (u.to(cdf) * cdf[:, -1]).unsqueeze(-1)  # in [0, total): zero-probability tokens are never hit
+    return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)
+
+
+@torch.no_grad()
+def sample_ids(
+    model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, prompts: Sequence[str], *, n: int = 1,
+    temperature: float = 1.0, top_p: float = 1.0, max_new_tokens: int = 48, batch_size: int = 64, seed: int = 0,
+    progress: Callable[[int], None] | None = None,
+) -> list[list[list[int]]]:
+    """Token ids of n sampled responses per prompt, as ``result[prompt_index][sample_index]``.
+
+    Each response ends with the EOS id when the model emitted it within `max_new_tokens`
+    (RL methods need to know which responses never ended); padding is not included.
+    Prompts are batched by length (less padding), prefilled once, and their KV cache is
+    repeated n times; rows that emitted EOS leave the batch, so a batch costs its responses'
+    lengths, not n x its longest. Sample j of prompt i is drawn with the uniforms of
+    `sample_seed` (seed, i, j): the same samples for any batch size and any n (best-of-n
+    candidates nest), up to float rounding of the logits in differently shaped batches.
+    `progress(k)` is called after each batch with the number of prompts done.
+    """
+    model.eval()
+    device = device_of(model)
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    max_prompt = max(1, model.config.max_position_embeddings - max_new_tokens)
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    results: list[list[list[int]]] = [[] for _ in prompts]
+    for start in range(0, len(order), batch_size):
+        idx = order[start: start + batch_size]
+        input_ids, mask = (t.to(device) for t in left_pad(tokenizer, [prompts[i] for i in idx], max_prompt))
+        position = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = model(input_ids=input_ids, attention_mask=mask, position_ids=position, use_cache=True)
+        cache, logits = out.past_key_values, out.logits[:, -1]
+        if n > 1:
+            cache.batch_repeat_interleave(n)
+            mask, logits = mask.repeat_interleave(n, 0), logits.repeat_interleave(n, 0)
+            position = position.repeat_interleave(n, 0)
+        next_pos = position[:, -1] + 1
+        rows = logits.shape[0]
+        logits = logits.float().clone()  # every row's next-token logits; finished rows keep stale ones (never used)
+        done = torch.zeros(rows, dtype=torch.bool, device=device)
+        active = torch.arange(rows, device=device)  # rows whose state the model still advances
+        tokens = []
+        uniforms = sample_uniforms(seed, idx, n, max_new_tokens).to(device)
+        for step in range(max_new_tokens):
+            nxt = sample_next(logits, temperature, top_p, uniforms[:, step])  # every row its own stream, finished or not
+            nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
+            tokens.append(nxt)
+            done |= nxt == eos
+            if bool(done.all()) or len(tokens) == max_new_tokens:
+                break
+            going = ~done[active]
+            if not bool(going.all()):  # drop finished rows from the batch: most responses end long before the longest
+                keep = going.nonzero().squeeze(1)
+                cache.batch_select_indices(keep)
+                active, mask, next_pos = active[keep], mask[keep], next_pos[keep]
+            mask = torch.cat([mask, torch.ones(len(active), 1, dtype=mask.dtype, device=device)], dim=1)
+            out = model(input_ids=nxt[active, None], attention_mask=mask, position_ids=next_pos[:, None], past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            logits[active] = out.logits[:, -1].float()
+            next_pos = next_pos + 1
+        generated = torch.stack(tokens, dim=1).tolist()
+        for row, ids in enumerate(generated):
+            if eos in ids:
+                ids = ids[: ids.index(eos) + 1]
+            results[idx[row // n]].append([t for t in ids if t != pad])
+        if progress:
+            progress(len(idx))
+    return results
+
+
+def decode_response(tokenizer: PreTrainedTokenizerFast, ids: Sequence[int]) -> str:
+    """Text of a sampled response: up to the first EOS, special tokens dropped, stripped."""
+    eos = tokenizer.eos_token_id
+    ids = list(ids)
+    if eos in ids:
+        ids = ids[: ids.index(eos)]
+    return tokenizer.decode(ids, skip_special_tokens=True).strip()
+
+
+def sample(
+    model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, prompts: Sequence[str], *, n: int = 1,
+    temperature: float = 1.0, top_p: float = 1.0, max_new_tokens: int = 48, batch_size: int = 64, seed: int = 0,
+    progress: Callable[[int], None] | None = None,
+) -> list[list[str]]:
+    """n sampled responses per prompt as text, ``result[prompt_index][sample_index]`` (see `sample_ids`)."""
+    ids = sample_ids(model, tokenizer, prompts, n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
+                     batch_size=batch_size, seed=seed, progress=progress)
+    return [[decode_response(tokenizer, r) for r in per_prompt] for per_prompt in ids]
+
+
+# ---------------------------------------------------------------- reward scores
+@torch.no_grad()
+def score(
+    reward_model: LlamaForSequenceClassification, tokenizer: PreTrainedTokenizerFast, prompts: Sequence[str],
+    responses: Sequence[str], *, batch_size: int = 64, progress: Callable[[int], None] | None = None,
+) -> torch.Tensor:
+    """Scalar reward of each (prompt, response), read at the closing </s> token."""
+    reward_model.eval()
+    max_len, device = reward_model.config.max_position_embeddings, device_of(reward_model)
+    out = []
+    for start in range(0, len(prompts), batch_size):
+        ids, mask, _ = encode_examples(tokenizer, prompts[start: start + batch_size], responses[start: start + batch_size], max_len)
+        out.append(reward_model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits[:, 0].float().cpu())
+        if progress:
+            progress(len(ids))
+    return torch.cat(out) if out else torch.zeros(0)
