@@ -11,9 +11,11 @@ import csv
 import json
 from pathlib import Path
 
-from farmflow.data.alpaca import DataError, check_records, read_records
+from farmflow.data.alpaca import DataError, check_records
 from farmflow.evaluation.stats import parse_preference
-from farmflow.labeling.labels import PAIR_COLUMNS, annotator, append, labels, label_row, own_preference, pair_key
+from farmflow.labeling.labels import (
+    PAIR_COLUMNS, annotator, append, label_row, labels, own_preference, pair_key, read_named,
+)
 
 COLUMNS = ["instruction", "input", "output_1", "output_2", "preference", "annotator"]
 FORMATS = ("csv", "jsonl")
@@ -51,27 +53,12 @@ def write_rows(rows: list[dict], path: str | Path, fmt: str) -> None:
     tmp.replace(path)
 
 
-def read_labels_file(path: str | Path) -> tuple[list[dict], list[str] | None]:
-    """(rows, their names for error messages) of a .csv (by line) or a .json/.jsonl/.parquet file."""
-    path = Path(path)
-    if path.suffix.lower() != ".csv":
-        rows = read_records(path)
-        return rows, ([f"line {i + 1}" for i in range(len(rows))] if path.suffix.lower() == ".jsonl" else None)
-    try:
-        with path.open(encoding="utf-8", newline="") as f:
-            reader = csv.DictReader(f)
-            rows = list(reader)
-    except (OSError, UnicodeDecodeError, csv.Error) as err:
-        raise DataError(f"{path}: cannot be read as CSV ({type(err).__name__}: {err})") from None
-    return rows, [f"line {i + 2}" for i in range(len(rows))]
-
-
 def import_file(store, path: str | Path, labeler: str) -> int:
     """Append a file of labels as `labeler`'s (one chunk, so all or none); the number of rows imported.
 
     Every row is checked first: a bad one raises `DataError` naming the file and row, and nothing is written."""
     annotator(labeler)
-    raw, names = read_labels_file(path)
+    raw, names = read_named(path)
     rows = check_records(raw, path, PAIR_COLUMNS, {"input": str}, names=names)
     out = []
     for i, row in enumerate(rows):

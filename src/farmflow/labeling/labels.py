@@ -15,6 +15,7 @@ rows that way.
 
 from __future__ import annotations
 
+import csv
 import hashlib
 import re
 from pathlib import Path
@@ -118,7 +119,26 @@ def labels(store, labeler: str) -> list[dict]:
 
 
 # ---------------------------------------------------------------- pairs
-def check_pairs(rows: list, where: str, names: list[str] | None = None) -> list[dict]:
+def read_named(path: str | Path) -> tuple[list, list[str] | None]:
+    """(rows, their names in error messages) of a .json or .parquet file (None: "row i"), or of a .jsonl or .csv
+    file (its "line n")."""
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix != ".csv":
+        rows = read_records(path)
+        if suffix != ".jsonl":
+            return rows, None
+        lines = path.read_text(encoding="utf-8").splitlines()
+        return rows, [f"line {n + 1}" for n, line in enumerate(lines) if line.strip()]
+    try:
+        with path.open(encoding="utf-8", newline="") as f:
+            rows = list(csv.DictReader(f))
+    except (OSError, UnicodeDecodeError, csv.Error) as err:
+        raise DataError(f"{path}: cannot be read as CSV ({type(err).__name__}: {err})") from None
+    return rows, [f"line {i + 2}" for i in range(len(rows))]
+
+
+def check_pairs(rows: list, names: list[str] | None, where: str) -> list[dict]:
     """Rows with instruction, input and the two outputs as strings; an ``id`` of its own or ``<where>:<row>``."""
     rows = check_records(rows, where, PAIR_COLUMNS, {"input": str}, names=names)
     return [{"id": str(r.get("id") or f"{Path(where).name}:{i}"), "instruction": r["instruction"], "input": r["input"],
@@ -126,10 +146,10 @@ def check_pairs(rows: list, where: str, names: list[str] | None = None) -> list[
 
 
 def load_pairs(store, source: str) -> list[dict]:
-    """The pairs of a file (.json, .jsonl, .parquet) or of a committed table artifact with two outputs per row
+    """The pairs of a file (.json, .jsonl, .parquet, .csv) or of a committed table artifact with two outputs per row
     (a ``pairs`` or ``preferences`` stage output), named by its key, a unique prefix of it, or stage/key."""
     if Path(source).is_file():
-        return check_pairs(read_records(source), source)
+        return check_pairs(*read_named(source), where=source)
     stage, _, wanted = source.rpartition("/")
     matches = [r for r in store.list() if r.key.startswith(wanted) and (not stage or r.stage == stage)]
     if len(matches) != 1:
@@ -139,4 +159,4 @@ def load_pairs(store, source: str) -> list[dict]:
     ref = matches[0]
     if ref.kind != "table" or ref.format not in ("pairs", "preferences"):
         raise DataError(f"--pairs {source!r}: artifact {ref.stage}/{ref.key[:12]} holds {ref.format}, not pairs")
-    return check_pairs(store.read_table(ref).to_pylist(), f"artifact {ref.stage}/{ref.key[:12]}")
+    return check_pairs(store.read_table(ref).to_pylist(), None, f"artifact {ref.stage}/{ref.key[:12]}")
