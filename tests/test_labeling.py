@@ -227,3 +227,21 @@ def test_serve_refuses_a_bad_pairs_file_unknown_pairs_and_bad_labeler_names(tmp_
     assert result.exit_code == 2 and result.stderr == "error: --pairs 'nokey': no such file, and no artifact key matches\n"
     result = CliRunner().invoke(app, ["label", "export", "--labeler", "a b", "-o", "x.csv", "--store", str(store.root)])
     assert result.exit_code == 2 and "labeler name 'a b'" in result.stderr
+
+
+def test_pairs_come_from_a_committed_artifact_by_key_prefix_or_stage_and_key(tmp_path, store):
+    import pyarrow as pa
+
+    rows = write_pairs(tmp_path / "p.jsonl", 3)
+    table = pa.Table.from_pylist([r | {"id": f"pref-{i}", "split": "pref", "task": None} for i, r in enumerate(rows)])
+    store.put_table("pairs", "ab12" + "0" * 60, table, "pairs")
+    store.put_table("outputs", "ab34" + "0" * 60, pa.Table.from_pylist(
+        [{"id": "0", "instruction": "x", "input": "", "output": "y", "generator": "g", "task": None, "score": 0.0}]),
+        "outputs")
+    for key in ("ab12", "pairs/ab"):
+        assert [(p["id"], p["output_1"]) for p in load_pairs(store, key)] == [(f"pref-{i}", r["output_1"])
+                                                                          for i, r in enumerate(rows)]
+    with pytest.raises(ValueError, match="'ab': 2 artifacts match"):
+        load_pairs(store, "ab")
+    with pytest.raises(ValueError, match="holds outputs, not pairs"):
+        load_pairs(store, "ab34")
