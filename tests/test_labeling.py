@@ -5,8 +5,8 @@ from __future__ import annotations
 import csv
 import json
 import os
-import socket
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -18,7 +18,13 @@ from typer.testing import CliRunner
 
 from farmflow.cli import app
 from farmflow.labeling.files import export_rows, import_file
-from farmflow.labeling.labels import labels, load_pairs, pressed_row, shown, shown_swapped
+from farmflow.labeling.labels import (
+    labels,
+    load_pairs,
+    pressed_row,
+    shown,
+    shown_swapped,
+)
 from farmflow.labeling.session import Session
 from farmflow.storage import open_store
 from farmflow.storage.sql import connect
@@ -206,7 +212,7 @@ def test_import_alpacafarm_layout_reads_0_as_a_tie(tmp_path, store):
 
 @pytest.mark.parametrize("content, line", [
     ('{"instruction": "a", "output_1": "x", "output_2": "y", "preference": 1}\n'
-     '{"instruction": "b", "output_1": "x", "output_2": "y", "preference": 3}\n', "line 2: column 'preference' is 3"),
+     + '{"instruction": "b", "output_1": "x", "output_2": "y", "preference": 3}\n', "line 2: column 'preference' is 3"),
     ('{"instruction": "a", "output_1": "x", "preference": 1}\n', "line 1: missing column 'output_2'"),
 ])
 def test_a_bad_file_is_one_error_line_naming_file_and_row_and_writes_nothing(tmp_path, store, content, line):
@@ -224,7 +230,8 @@ def test_serve_refuses_a_bad_pairs_file_unknown_pairs_and_bad_labeler_names(tmp_
                                       "--store", str(store.root)])
     assert result.exit_code == 2 and result.stderr == f"error: {bad}: line 2: missing column 'output_2'\n"
     result = CliRunner().invoke(app, ["label", "serve", "--pairs", "nokey", "--store", str(store.root)])
-    assert result.exit_code == 2 and result.stderr == "error: --pairs 'nokey': no such file, and no artifact key matches\n"
+    assert result.exit_code == 2
+    assert result.stderr == "error: --pairs 'nokey': no such file, and no artifact key matches\n"
     result = CliRunner().invoke(app, ["label", "export", "--labeler", "a b", "-o", "x.csv", "--store", str(store.root)])
     assert result.exit_code == 2 and "labeler name 'a b'" in result.stderr
 

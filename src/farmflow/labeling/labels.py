@@ -37,7 +37,7 @@ PAIR_COLUMNS = {"instruction": str, "output_1": str, "output_2": str}
 def annotator(labeler: str) -> str:
     """``human:<labeler>``; a labeler name is letters, digits and ``_.@-`` (it appears in SQL and file names)."""
     if not isinstance(labeler, str) or not NAME.fullmatch(labeler):
-        raise ValueError(f"labeler name {labeler!r}: use 1-64 letters, digits or _.@- (starting with a letter or digit)")
+        raise ValueError(f"labeler name {labeler!r}: use 1-64 letters, digits or _.@-, starting with a letter or digit")
     return PREFIX + labeler
 
 
