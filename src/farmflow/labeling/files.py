@@ -13,8 +13,16 @@ from pathlib import Path
 
 from farmflow.data.alpaca import DataError, check_records
 from farmflow.evaluation.stats import parse_preference
-from farmflow.labeling.labels import PAIR_COLUMNS, annotator, append, label_row, labels, own_preference, pair_key
-from farmflow.labeling.labels import read_named
+from farmflow.labeling.labels import (
+    PAIR_COLUMNS,
+    annotator,
+    append,
+    label_row,
+    labels,
+    own_preference,
+    pair_key,
+    read_named,
+)
 
 COLUMNS = ["instruction", "input", "output_1", "output_2", "preference", "annotator"]
 FORMATS = ("csv", "jsonl")
