@@ -252,3 +252,25 @@ def test_pairs_come_from_a_committed_artifact_by_key_prefix_or_stage_and_key(tmp
         load_pairs(store, "ab")
     with pytest.raises(ValueError, match="holds outputs, not pairs"):
         load_pairs(store, "ab34")
+
+
+def test_the_api_answers_bad_requests_with_one_line_and_serves_labelers_by_name(tmp_path, store):
+    from starlette.testclient import TestClient
+
+    from farmflow.labeling.server import make_app
+
+    write_pairs(tmp_path / "p.jsonl", 2)
+    client = TestClient(make_app(store, load_pairs(store, str(tmp_path / "p.jsonl")), "ann"))
+    assert "<title>farmflow labeling</title>" in client.get("/").text
+    key = client.get("/api/state").json()["pair"]["key"]
+    bad = [({"key": key, "label": "x"}, "label 'x': use 1, 2 or t (a tie)"),
+           ({"key": "nokey", "label": "1"}, "no pair with key 'nokey' in this list"),
+           ({"key": key, "label": "1", "labeler": "a b"}, "labeler name 'a b'")]
+    for body, error in bad:
+        answer = client.post("/api/label", json=body)
+        assert answer.status_code == 400 and answer.json()["error"].startswith(error)
+    assert client.post("/api/label", json={"key": key, "label": "2"}).json()["done"] == 1
+    bob = client.get("/api/state", params={"labeler": "bob"}).json()
+    assert (bob["labeler"], bob["done"], bob["index"]) == ("bob", 0, 0) and bob["pair"]["key"] != key
+    assert client.post("/api/undo", json={"labeler": "bob"}).json()["done"] == 0  # nothing to undo: no row
+    assert [r["annotator"] for r in store.read_rows("annotations", "annotations").to_pylist()] == ["human:ann"]

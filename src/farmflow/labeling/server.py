@@ -49,8 +49,8 @@ def make_app(store, pairs: list[dict], labeler: str) -> Starlette:
     def answer(work) -> JSONResponse:
         try:
             return JSONResponse(work())
-        except (ValueError, KeyError) as err:
-            return JSONResponse({"error": str(err).strip("'\"")}, status_code=400)
+        except ValueError as err:
+            return JSONResponse({"error": str(err)}, status_code=400)
 
     async def body(request: Request) -> dict:
         try:

@@ -47,7 +47,7 @@ class Session:
     def label(self, key: str, pressed: str) -> dict:
         """Record `pressed` (1, 2 or t, in the order shown) for the pair `key`; the new state."""
         if key not in self.pairs:
-            raise KeyError(f"no pair with key {key!r} in this list")
+            raise ValueError(f"no pair with key {key!r} in this list")
         pair = self.pairs[key]
         row = pressed_row(self.labeler, pair, pressed)
         with self.lock:
