@@ -8,9 +8,9 @@ labeler's own annotator hash, so labels are keyed by (pair, labeler) and several
 
 The displayed order is drawn per (pair, labeler) from a hash (`shown_swapped`): random over pairs, the same on every
 reload, and recorded in the row. The log is append-only, so undo appends a tombstone (same key, ``status``
-``undone``, no preference): the latest row of a key is its state (`current`). `farmflow.annotators.cache.read` keeps
-the latest ``ok`` row and never sees tombstones; no annotator ever asks for a human's hash, so nothing reads human
-rows that way.
+``undone``, no preference): the latest row of a key is its state (`current`). `farmflow.annotators.cache.read`
+would still take an undone label (it keeps a key's latest ``ok`` row), but no annotator asks for a human's hash; and
+as a tombstone always follows a label, it is never among the failed rows that ``annotations reparse`` retries.
 """
 
 from __future__ import annotations

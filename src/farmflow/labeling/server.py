@@ -6,7 +6,8 @@ uvicorn (both come with Prefect), on 127.0.0.1.
 * ``POST /api/undo`` ``{"labeler"}``: take back the labeler's last label, answer the new state.
 
 The labeler is the page's ``?labeler=`` parameter, else the server's ``--labeler``: one server can serve several
-labelers, each with a `Session` of their own. A bad request answers 400 with ``{"error": one line}``.
+labelers, each with a `Session` of their own. A bad request answers 400 with ``{"error": one line}``, a store
+that cannot be written 503.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from starlette.routing import Route
 
 from farmflow.labeling.labels import annotator
 from farmflow.labeling.session import Session
+from farmflow.storage import StoreError
 
 HOST = "127.0.0.1"
 
@@ -51,6 +53,8 @@ def make_app(store, pairs: list[dict], labeler: str) -> Starlette:
             return JSONResponse(work())
         except ValueError as err:
             return JSONResponse({"error": str(err)}, status_code=400)
+        except (StoreError, OSError) as err:  # the label was not saved: the page says so and keeps the pair
+            return JSONResponse({"error": f"cannot write to the store: {err}"}, status_code=503)
 
     async def body(request: Request) -> dict:
         try:
