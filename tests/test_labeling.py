@@ -234,6 +234,13 @@ def test_serve_refuses_a_bad_pairs_file_unknown_pairs_and_bad_labeler_names(tmp_
     assert result.stderr == "error: --pairs 'nokey': no such file, and no artifact key matches\n"
     result = CliRunner().invoke(app, ["label", "export", "--labeler", "a b", "-o", "x.csv", "--store", str(store.root)])
     assert result.exit_code == 2 and "labeler name 'a b'" in result.stderr
+    out = tmp_path / "no" / "x.csv"
+    result = CliRunner().invoke(app, ["label", "export", "--labeler", "ann", "-o", str(out),
+                                      "--store", str(store.root)])
+    assert result.exit_code == 2 and result.stderr == f"error: {out}: cannot be written (No such file or directory)\n"
+    result = CliRunner().invoke(app, ["label", "import", str(tmp_path / "none.csv"), "--labeler", "ann",
+                                      "--store", str(store.root)])
+    assert result.exit_code == 2 and result.stderr == f"error: {tmp_path / 'none.csv'}: no such file\n"
 
 
 def test_pairs_come_from_a_committed_artifact_by_key_prefix_or_stage_and_key(tmp_path, store):

@@ -50,14 +50,17 @@ def write_rows(rows: list[dict], path: str | Path, fmt: str) -> None:
         raise ValueError(f"--format {fmt!r}: use csv or jsonl")
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w", encoding="utf-8", newline="") as out:
-        if fmt == "csv":
-            writer = csv.DictWriter(out, fieldnames=list(rows[0]) if rows else COLUMNS)
-            writer.writeheader()
-            writer.writerows(rows)
-        else:
-            out.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
-    tmp.replace(path)
+    try:
+        with tmp.open("w", encoding="utf-8", newline="") as out:
+            if fmt == "csv":
+                writer = csv.DictWriter(out, fieldnames=list(rows[0]) if rows else COLUMNS)
+                writer.writeheader()
+                writer.writerows(rows)
+            else:
+                out.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+        tmp.replace(path)
+    except OSError as err:
+        raise ValueError(f"{path}: cannot be written ({err.strerror or err})") from None
 
 
 def import_file(store, path: str | Path, labeler: str) -> int:

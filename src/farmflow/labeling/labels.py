@@ -130,6 +130,8 @@ def read_named(path: str | Path) -> tuple[list, list[str] | None]:
             return rows, None
         lines = path.read_text(encoding="utf-8").splitlines()
         return rows, [f"line {n + 1}" for n, line in enumerate(lines) if line.strip()]
+    if not path.is_file():
+        raise DataError(f"{path}: no such file")
     try:
         with path.open(encoding="utf-8", newline="") as f:
             rows = list(csv.DictReader(f))
