@@ -111,7 +111,6 @@ def test_label_five_pairs_by_keyboard_undo_reload_and_resume(tmp_path):
             for key, done in [("1", 1), ("t", 2), ("2", 3), ("1", 4), ("u", 3), ("2", 4), ("1", 5)]:
                 press(key, done)
             assert page.text_content("#error") == ""
-            shown_first = {i: page_first for i, (_, page_first) in typed.items()}
 
             # the labels are in the store already (read here, not by the server), then the page is reloaded
             assert len(labels(open_store(store_dir), "ann")) == 5
@@ -120,6 +119,10 @@ def test_label_five_pairs_by_keyboard_undo_reload_and_resume(tmp_path):
             assert page.get_attribute("body", "data-index") == "5"
             assert page.text_content("#instruction") == pairs[5]["instruction"]
             assert page.text_content("#progress") == "5 / 6 labeled"
+            typed[5] = ("2", page.text_content("#first"))  # the last one with the mouse
+            page.click("#b2")
+            page.wait_for_selector("#finished", state="visible")
+            assert page.text_content("#progress") == "6 / 6 labeled" and page.is_disabled("#b1")
             browser.close()
     finally:
         os.killpg(proc.pid, signal.SIGINT)
@@ -129,14 +132,15 @@ def test_label_five_pairs_by_keyboard_undo_reload_and_resume(tmp_path):
     # pair 3 was labeled 1, undone, then labeled 2: the log holds all three rows, the latest wins
     st = open_store(store_dir)
     rows = {r["instruction"]: r for r in connect(st).sql(IN_FORCE).to_arrow_table().to_pylist()}
-    assert sorted(rows) == [pairs[i]["instruction"] for i in range(5)]
+    assert sorted(rows) == [pairs[i]["instruction"] for i in range(6)]
     for i, (key, first) in typed.items():
         pair = pairs[i]
         row = rows[pair["instruction"]]
         preference = row["preference"] if row["output_1"] == pair["output_1"] else 3.0 - row["preference"]
         assert preference == own(key, first, pair), i
-        assert row["raw_completion"] == key and row["swapped"] == (shown_first[i] == row["output_2"])
-    assert [typed[i][0] for i in range(5)] == ["1", "t", "2", "2", "1"]
+        assert row["raw_completion"] == key and row["swapped"] == (first == row["output_2"])
+    assert [typed[i][0] for i in range(6)] == ["1", "t", "2", "2", "1", "2"]
+    assert {r["swapped"] for r in rows.values()} == {True, False}  # both display orders were mapped back
     statuses = connect(st).sql("SELECT status FROM annotations WHERE instruction LIKE 'Task 3:%' ORDER BY created")
     assert [s for (s,) in statuses.fetchall()] == ["ok", "undone", "ok"]
 
