@@ -10,6 +10,7 @@
 | `annotators` | judge-server, annotate, annotations reparse |
 | `models` | models get, models import, models ls |
 | `server` | server |
+| `label` | label serve, label export, label import |
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import sys
 
 import typer
 
-from farmflow.cli import annotators, config, evaluate, history, models, runs, server, store
+from farmflow.cli import annotators, config, evaluate, history, label, models, runs, server, store
 from farmflow.cli.errors import FarmflowGroup
 from farmflow.cli.logs import LOG_DIR_ENV, State
 from farmflow.cli.output import print_json  # noqa: F401 - part of the package's interface
@@ -38,7 +39,7 @@ def options(
     State.debug = debug
 
 
-for group in (runs, history, evaluate, config, store, annotators, models, server):
+for group in (runs, history, evaluate, config, store, annotators, models, server, label):
     group.register(app)
 
 
