@@ -161,7 +161,7 @@ def _run(preset: str, overrides: list[str], store: Optional[str], as_json: bool,
 
     api_ready()
     start = time.perf_counter()
-    summary = _run_flow(FLOWS[flow], config=cfg, **({"methods": methods} if flow == "compare" else {}))
+    summary = _run_flow(FLOWS[flow], advanced=cfg, **({"methods": methods} if flow == "compare" else {}))
     wall = time.perf_counter() - start
     if as_json:
         print_json(summary | {"wall_seconds": wall})
@@ -339,7 +339,7 @@ def overopt(
     start = time.perf_counter()
     try:
         names = lambda opts: [x.strip() for o in opts for x in o.split(",") if x.strip()] or None  # noqa: E731
-        summary = _run_flow(overoptimization_flow, config=cfg, ns=list(n) or None, labellers=names(labeller), annotators=names(annotator), ppo_every=ppo_every)
+        summary = _run_flow(overoptimization_flow, advanced=cfg, ns=list(n) or None, labellers=names(labeller), annotators=names(annotator), ppo_every=ppo_every)
     except ValueError as err:
         console.print(f"[red]{err}[/red]")
         raise typer.Exit(2)
@@ -366,7 +366,7 @@ def reward_report(
 
     api_ready()
     try:
-        summary = _run_flow(reward_report_flow, config=cfg)
+        summary = _run_flow(reward_report_flow, advanced=cfg)
     except ValueError as err:
         console.print(f"[red]{err}[/red]")
         raise typer.Exit(2)

@@ -163,14 +163,15 @@ def run_config(
 
 
 def deployment_parameters(preset: str, overrides: list[str] | None = None) -> dict[str, Any]:
-    """A deployment's default form: the preset, its overrides, and the preset's full config as ``advanced``.
+    """A deployment's default form: the preset, the knobs (empty), its overrides, and the preset's full config as
+    ``advanced`` (every key the UI sends back, so a run submitted unchanged has exactly these parameters).
 
     ``store.uri`` is left out of ``advanced``: its default depends on the machine (``$FARMFLOW_STORE`` or
     ``./.farmflow/store``), so a run takes the worker's default, or the deployment's ``store.uri`` override.
     """
     advanced = preset_config(preset).model_dump(mode="json")
     del advanced["store"]["uri"]
-    return {"preset": preset} | ({"overrides": list(overrides)} if overrides else {}) | {"advanced": advanced}
+    return {"preset": preset, **dict.fromkeys(KNOBS), "overrides": list(overrides) if overrides else None, "advanced": advanced}
 
 
 def flow_run_name(flow_name: str, parameters: dict[str, Any]) -> str:
