@@ -14,7 +14,7 @@ from prefect_server import prefect_server
 
 from farmflow.config import ConfigError, load_config, preset
 from farmflow.flows import deployment_parameters, run_config
-from farmflow.flows.form import flow_run_name
+from farmflow.flows.form import config_of, flow_run_name
 
 CHROMIUM = Path("/usr/bin/chromium")
 PRESET = "synthetic-micro"  # not the flows' default: a form that fell back to global defaults would show
@@ -128,7 +128,7 @@ def test_the_server_offers_the_common_fields_first_and_the_presets_config_as_adv
     with temporary_settings({PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
         run = client.create_flow_run_from_deployment(compare.id)  # no parameter changed
     assert run.parameters == compare.parameters
-    assert dump(run_config(**run.parameters)) == dump(load_config(PRESET, ["execution.unresponsive_after_s=null"]))
+    assert dump(config_of(run.parameters)) == dump(load_config(PRESET, ["execution.unresponsive_after_s=null"]))
 
 
 @pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium at /usr/bin/chromium (CI installs it)")
@@ -157,4 +157,4 @@ def test_the_run_page_submitted_unchanged_in_a_browser_runs_the_preset(deployed,
             browser.close()
     (run,) = runs
     assert run.parameters == dep.parameters
-    assert dump(run_config(**run.parameters)) == dump(load_config(PRESET, ["execution.unresponsive_after_s=null"]))
+    assert dump(config_of(run.parameters)) == dump(load_config(PRESET, ["execution.unresponsive_after_s=null"]))

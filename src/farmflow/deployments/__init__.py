@@ -124,7 +124,7 @@ def unresponsive_automation(after_s: int) -> Any:
 
     Prefect's recipe for zombie runs (heartbeat events, a proactive trigger per flow run),
     limited to runs tagged ``farmflow``. A crashed GPU stage run is retried by the flow that
-    waits on it (`farmflow.flows.distributed.run_remote`).
+    waits on it (`farmflow.flows.remote.run_remote`).
     """
     from datetime import timedelta
 

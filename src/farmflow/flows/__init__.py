@@ -35,8 +35,8 @@ Modules: `form` (parameters → config), `runner` (running one stage), `remote` 
 from farmflow.config import METHODS
 from farmflow.flows.form import MethodName, PresetName, deployment_parameters, run_config
 from farmflow.flows.methods import (
-    FLOWS, METHOD_FLOWS, best_of_n_flow, compare_flow, dpo_flow, expert_iteration_flow, feedme_flow, method_flow, ppo_flow,
-    quark_flow, reward_conditioning_flow, run_methods,
+    FLOWS, METHOD_FLOWS, best_of_n_flow, compare_flow, dpo_flow, expert_iteration_flow, feedme_flow, method_flow,
+    ppo_flow, quark_flow, reward_conditioning_flow, run_methods,
 )
 from farmflow.flows.pipeline import (
     BASELINES, PREFERENCE_METHODS, REWARD_METHODS, Upstream, best_of_n_outputs, config_key, fan_out, generate_outputs,

@@ -23,7 +23,8 @@ from __future__ import annotations
 import inspect
 from typing import Any, Callable, Literal, TypeVar
 
-from farmflow.config import METHODS, PRESETS, ConfigError, FarmConfig, load_config, preset as preset_config, validate_config
+from farmflow.config import METHODS, PRESETS, ConfigError, FarmConfig, load_config, validate_config
+from farmflow.config import preset as preset_config
 
 PresetName = Literal[tuple(PRESETS)]  # type: ignore[valid-type] - the UI renders a drop-down of the presets
 MethodName = Literal[METHODS]  # type: ignore[valid-type]
@@ -143,7 +144,8 @@ def base_config(preset: str | None, advanced: FarmConfig | dict | None) -> FarmC
     if preset is None or preset == cfg.name:
         return cfg
     if cfg.name not in PRESETS:
-        raise ConfigError(f"advanced.name {cfg.name!r} is not a preset, so its fields cannot be moved onto preset {preset!r}: "
+        raise ConfigError(f"advanced.name {cfg.name!r} is not a preset, so its fields cannot be moved onto preset "
+                          f"{preset!r}: "
                           f"set advanced.name to the preset it was made from, or leave preset empty to run it as it is")
     chosen = preset_config(preset)
     return with_edits(chosen, edits(cfg, preset_config(cfg.name)))
@@ -171,7 +173,13 @@ def deployment_parameters(preset: str, overrides: list[str] | None = None) -> di
     """
     advanced = preset_config(preset).model_dump(mode="json")
     del advanced["store"]["uri"]
-    return {"preset": preset, **dict.fromkeys(KNOBS), "overrides": list(overrides) if overrides else None, "advanced": advanced}
+    return {"preset": preset, **dict.fromkeys(KNOBS), "overrides": list(overrides) if overrides else None,
+            "advanced": advanced}
+
+
+def config_of(parameters: dict[str, Any]) -> FarmConfig:
+    """`run_config` of a flow run's parameters (the form's keys; a flow's own, such as ``methods``, are ignored)."""
+    return run_config(**{k: parameters.get(k) for k in ("preset", "advanced", "overrides", *KNOBS)})
 
 
 def flow_run_name(flow_name: str, parameters: dict[str, Any]) -> str:
@@ -179,7 +187,7 @@ def flow_run_name(flow_name: str, parameters: dict[str, Any]) -> str:
     from farmflow.flows.pipeline import config_key
 
     try:
-        cfg = run_config(**{k: parameters.get(k) for k in ("preset", "advanced", "overrides", *KNOBS)})
+        cfg = config_of(parameters)
     except (ConfigError, ValueError):
         return f"{flow_name}/invalid-config"
     methods = parameters.get("methods")

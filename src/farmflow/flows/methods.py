@@ -17,7 +17,9 @@ from farmflow.config import METHODS, FarmConfig
 from farmflow.evaluation.overopt import CurvePoint
 from farmflow.flows.form import MethodName, PresetName, prefect_run_name, run_config, with_form_doc
 from farmflow.flows.overoptimization import evaluate_points
-from farmflow.flows.pipeline import BASELINES, Upstream, config_key, fan_out, method_label, method_outputs, shared_upstream
+from farmflow.flows.pipeline import (
+    BASELINES, Upstream, config_key, fan_out, method_label, method_outputs, shared_upstream,
+)
 from farmflow.flows.record import history_task, publish_curve, record_run_task
 from farmflow.flows.runner import StageRunner
 from farmflow.storage import ArtifactRef
@@ -103,15 +105,16 @@ def method_flow(name: str, method: str, summary: str) -> Flow:
     """The Prefect flow `name` for one method: the run form's parameters, then `run_methods` with that method."""
 
     def run(
-        preset: PresetName | None = None, seed: int | None = None, eval_size: int | None = None, pref_size: int | None = None,
-        overrides: list[str] | None = None, advanced: FarmConfig | None = None,
+        preset: PresetName | None = None, seed: int | None = None, eval_size: int | None = None,
+        pref_size: int | None = None, overrides: list[str] | None = None, advanced: FarmConfig | None = None,
     ) -> dict[str, Any]:
         cfg = run_config(preset, advanced, overrides, seed, eval_size, pref_size)
         return run_methods(cfg, [method], f"{method} on {cfg.name}")
 
     run.__name__ = run.__qualname__ = f"{method}_flow"
     run.__doc__ = summary
-    return flow(name=name, flow_run_name=prefect_run_name, log_prints=True)(with_form_doc(module=ENTRYPOINT_MODULE)(run))
+    with_form_doc(module=ENTRYPOINT_MODULE)(run)
+    return flow(name=name, flow_run_name=prefect_run_name, log_prints=True)(run)
 
 
 @flow(name="compare", flow_run_name=prefect_run_name, log_prints=True)
@@ -121,8 +124,8 @@ def method_flow(name: str, method: str, summary: str) -> Flow:
 """, module=ENTRYPOINT_MODULE)
 def compare_flow(
     preset: PresetName | None = None, methods: list[MethodName] | None = None, seed: int | None = None,
-    eval_size: int | None = None, pref_size: int | None = None, history: bool = False, overrides: list[str] | None = None,
-    advanced: FarmConfig | None = None,
+    eval_size: int | None = None, pref_size: int | None = None, history: bool = False,
+    overrides: list[str] | None = None, advanced: FarmConfig | None = None,
 ) -> dict[str, Any]:
     """Every chosen method (default: all) on one farm; shared stages run once, methods in parallel; leaderboard and
     over-optimization curve."""
@@ -140,7 +143,7 @@ ppo_flow = method_flow("ppo", *METHOD_FLOWS["ppo"])
 quark_flow = method_flow("quark", *METHOD_FLOWS["quark"])
 
 FLOWS = {
-    "compare": compare_flow, "best-of-n": best_of_n_flow, "feedme": feedme_flow, "reward-conditioning": reward_conditioning_flow,
-    "dpo": dpo_flow, "expert-iteration": expert_iteration_flow, "ppo": ppo_flow, "quark": quark_flow,
+    "compare": compare_flow, "best-of-n": best_of_n_flow, "feedme": feedme_flow,
+    "reward-conditioning": reward_conditioning_flow, "dpo": dpo_flow, "expert-iteration": expert_iteration_flow, "ppo": ppo_flow, "quark": quark_flow,
 }
 """Flow name → flow, for the CLI and deployments."""

@@ -129,7 +129,8 @@ def evaluate_points(up: Upstream, points: list[CurvePoint], annotators: dict[str
     extra_points: More points (label, family, pressure, outputs ref) for the first labeller's curve.
 """)
 def overoptimization_flow(
-    preset: PresetName | None = None, seed: int | None = None, eval_size: int | None = None, pref_size: int | None = None,
+    preset: PresetName | None = None, seed: int | None = None, eval_size: int | None = None,
+    pref_size: int | None = None,
     ns: list[int] | None = None, labellers: list[str] | None = None, annotators: list[str] | None = None,
     ppo_every: int | None = None, extra_points: list[CurvePoint] | None = None, overrides: list[str] | None = None,
     advanced: FarmConfig | None = None,

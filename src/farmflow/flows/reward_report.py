@@ -21,7 +21,8 @@ from farmflow.tasks.analysis import reward_report_task
 @flow(name="reward-report", flow_run_name=prefect_run_name, log_prints=True)
 @with_form_doc()
 def reward_report_flow(
-    preset: PresetName | None = None, seed: int | None = None, eval_size: int | None = None, pref_size: int | None = None,
+    preset: PresetName | None = None, seed: int | None = None, eval_size: int | None = None,
+    pref_size: int | None = None,
     overrides: list[str] | None = None, advanced: FarmConfig | None = None,
 ) -> dict[str, Any]:
     """How good is the reward model? Held-out accuracy against labels, un-noised labels and gold, overall and per task
