@@ -40,12 +40,13 @@ FORM_ARGS = """
 Args:
     preset: Named farm configuration (synthetic-tiny: the demo; synthetic-micro: tests; alpacafarm-7b: the paper).
         Switching it gives that preset's values, whatever the advanced section shows; fields edited there still apply.
+        None: the advanced section as it is.
 {extra}    seed: One seed for every stage (model initialization, SFT, sampling, annotation, reward model, methods,
         evaluation judges), the data splits excepted: each seed is one replicate of the experiment on the same
-        instructions. Empty: the preset's seeds.
-    eval_size: Evaluation instructions with reference outputs (data.eval_size; paper: 805). Empty: the preset's.
+        instructions. None: the preset's seeds.
+    eval_size: Evaluation instructions with reference outputs (data.eval_size; paper: 805). None: the preset's.
     pref_size: Instructions whose output pairs are annotated, the annotation budget (data.pref_size; paper: 10k).
-        Empty: the preset's.
+        None: the preset's.
     overrides: Changes, one per item, as section.field=value (values parsed as JSON), e.g. dpo.beta=0.2 or
         execution.mode=distributed; applied after the advanced section, before the knobs above.
     advanced: The whole farm configuration (every field described), filled with the deployment preset's values.
@@ -145,8 +146,8 @@ def base_config(preset: str | None, advanced: FarmConfig | dict | None) -> FarmC
         return cfg
     if cfg.name not in PRESETS:
         raise ConfigError(f"advanced.name {cfg.name!r} is not a preset, so its fields cannot be moved onto preset "
-                          f"{preset!r}: "
-                          f"set advanced.name to the preset it was made from, or leave preset empty to run it as it is")
+                          f"{preset!r}: set advanced.name to the preset it was made from, or preset to None to run it "
+                          "as it is")
     chosen = preset_config(preset)
     return with_edits(chosen, edits(cfg, preset_config(cfg.name)))
 
@@ -165,7 +166,7 @@ def run_config(
 
 
 def deployment_parameters(preset: str, overrides: list[str] | None = None) -> dict[str, Any]:
-    """A deployment's default form: the preset, the knobs (empty), its overrides, and the preset's full config as
+    """A deployment's default form: the preset, the knobs (None), its overrides, and the preset's full config as
     ``advanced`` (every key the UI sends back, so a run submitted unchanged has exactly these parameters).
 
     ``store.uri`` is left out of ``advanced``: its default depends on the machine (``$FARMFLOW_STORE`` or
