@@ -21,7 +21,7 @@ installed, not a copy of this checkout.
 
 The run form (`farmflow.flows.form`): a flow's deployment opens on ``preset`` (a drop-down of the
 presets), the flow's own choices (``methods`` for compare), the knobs ``seed``, ``eval_size`` and
-``pref_size`` (empty: the preset's), ``overrides`` (``section.field=value`` items, the deployment's
+``pref_size`` (None: the preset's), ``overrides`` (``section.field=value`` items, the deployment's
 ``--set`` ones filled in), and last ``advanced``: the whole `FarmConfig`, every field described,
 filled with the deployment preset's values (`farmflow.flows.form.deployment_parameters`). Submitted
 unchanged, a run computes exactly ``load_config(preset, overrides)``; a switched preset gives the
@@ -49,8 +49,8 @@ def deployments(
     """Runner deployments: one per flow, the nightly comparison and the GPU stage runner.
 
     Every flow deployment's default parameters are ``preset``, ``overrides`` and ``advanced`` (the preset's
-    config; `farmflow.flows.form.deployment_parameters`), all editable in the UI per run. Pools default to the preset's ``execution.cpu_pool`` and
-    ``execution.gpu_pool``. `cfg`: the config ``preset`` and ``overrides`` load to, when the
+    config; `farmflow.flows.form.deployment_parameters`), every other form field at its default (`form`), all
+    editable in the UI per run. Pools default to the preset's ``execution.cpu_pool`` and ``execution.gpu_pool``. `cfg`: the config ``preset`` and ``overrides`` load to, when the
     caller has it already. `nightly_schedule`: any Prefect schedule (e.g. ``Interval``) in place of
     the cron, for comparisons more often than nightly.
     """
