@@ -49,8 +49,8 @@ def deployments(
     """Runner deployments: one per flow, the nightly comparison and the GPU stage runner.
 
     Every flow deployment's default parameters are ``preset``, ``overrides`` and ``advanced`` (the preset's
-    config; `farmflow.flows.form.deployment_parameters`), every other form field at its default (`form_parameters`), all
-    editable in the UI per run. Pools default to the preset's ``execution.cpu_pool`` and ``execution.gpu_pool``. `cfg`: the config ``preset`` and ``overrides`` load to, when the
+    config; `farmflow.flows.form.deployment_parameters`), every other form field at its default
+    (`form_parameters`), all editable in the UI per run. Pools default to the preset's ``execution.cpu_pool`` and ``execution.gpu_pool``. `cfg`: the config ``preset`` and ``overrides`` load to, when the
     caller has it already. `nightly_schedule`: any Prefect schedule (e.g. ``Interval``) in place of
     the cron, for comparisons more often than nightly.
     """
@@ -73,8 +73,9 @@ def deployments(
     heartbeat = {"env": {"PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(cfg.execution.heartbeat_s)}}
     common = {"entrypoint_type": EntrypointType.MODULE_PATH, "tags": [TAG], "job_variables": heartbeat}
     flows = [*FLOWS.values(), overoptimization_flow, reward_report_flow]
-    out = [fl.to_deployment(name=DEPLOYMENT, parameters=form_parameters(fl, params), work_pool_name=cpu_pool, **common) for fl in flows]
-    nightly = form_parameters(compare_flow, params | {"history": True, "methods": list(nightly_methods) if nightly_methods else None})
+    out = [fl.to_deployment(name=DEPLOYMENT, parameters=form_parameters(fl, params), work_pool_name=cpu_pool, **common)
+           for fl in flows]
+    nightly = form_parameters(compare_flow, params | {"history": True, "methods": list(nightly_methods or []) or None})
     schedule = nightly_schedule or Cron(nightly_cron, timezone=timezone)
     when = f"every night ({nightly_cron}, {timezone})" if nightly_schedule is None else "on its schedule"
     out.append(compare_flow.to_deployment(
