@@ -18,7 +18,7 @@ def test_flow_annotates_through_the_local_judge(prefect_harness, tmp_path, monke
     with local_judge(store, port=0) as overrides:
         cfg = load_config("synthetic-micro", overrides + [f"store.uri={store}"])
         assert cfg.annotation.kind == "api" and cfg.annotation.label_noise == 0.5 and len(cfg.annotation.api_pool) == 13
-        summary = best_of_n_flow(config=cfg)
+        summary = best_of_n_flow(advanced=cfg)
         ann = next(r for r in open_store(store).list() if r.stage == "annotate")
         assert ann.metrics["judged"] + ann.metrics["noised"] + ann.metrics["ties"] == ann.metrics["pairs"] == 144
         assert ann.metrics["requests"] > 0 and ann.metrics["cost_usd"] > 0 and ann.metrics["failed"] == 0

@@ -1,4 +1,5 @@
-"""Deployments: the pydantic config as every flow's parameter schema (the UI form), the nightly cron, pools, `farmflow deploy`."""
+"""Deployments: the run form as every flow's parameter schema (preset, knobs, overrides, the whole config last), the
+nightly cron, pools, `farmflow deploy`."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import importlib
 import pytest
 from typer.testing import CliRunner
 
-from farmflow.config import PRESETS, ConfigError, FarmConfig
+from farmflow.config import PRESETS, ConfigError, FarmConfig, preset
 from farmflow.deployments import deployments
 from farmflow.flows import FLOWS, METHODS
 
@@ -35,13 +36,14 @@ def test_one_deployment_per_flow_plus_nightly_and_gpu_stage(deps):
 
 
 def test_every_flow_form_has_the_described_config(deps):
+    advanced = preset("synthetic-tiny").model_dump(mode="json")
+    del advanced["store"]["uri"]  # the machine's default store, not the deploying machine's
     for name, dep in deps.items():
         if name == "stage/gpu":
             continue
         schema = _schema(dep)
         props = schema["properties"]
-        assert {"config", "preset"} <= set(props), name
-        assert props["preset"]["default"] == "synthetic-tiny"
+        assert {"advanced", "preset", "seed", "overrides"} <= set(props), name
         farm = _defs(schema)["FarmConfig"]
         assert set(farm["properties"]) == set(FarmConfig.model_fields), name
         assert all(field.get("description") for field in farm["properties"].values()), name
@@ -50,16 +52,20 @@ def test_every_flow_form_has_the_described_config(deps):
         assert "reranked" in bon["properties"]["n"]["description"] and bon["properties"]["n"]["default"] == 16
         execution = _defs(schema)["ExecutionConfig"]["properties"]
         assert execution["mode"]["enum"] == ["local", "distributed"] and execution["mode"]["default"] == "local"
-        if name != "overoptimization/farmflow":  # another engineer's flow: a plain preset name, no overrides
-            assert props["preset"]["enum"] == list(PRESETS)  # a drop-down
-            assert props["preset"]["description"].startswith("Named farm configuration")
-            assert "section.field=value" in props["overrides"]["description"]
-            assert dep.parameters["overrides"] == ["dpo.beta=0.2"] and dep.parameters["preset"] == "synthetic-tiny"
+        assert props["preset"]["anyOf"][0]["enum"] == list(PRESETS)  # a drop-down
+        assert props["preset"]["description"].startswith("Named farm configuration")
+        assert "section.field=value" in props["overrides"]["description"]
+        # the form's order (Prefect sorts by position): preset and the knobs first, the whole config last
+        order = [k for k, _ in sorted(props.items(), key=lambda kv: kv[1]["position"])]
+        assert order[0] == "preset" and order[-2:] == ["overrides", "advanced"], (name, order)
+        assert order.index("seed") < order.index("eval_size") < order.index("pref_size") < 5, (name, order)
+        assert (dep.parameters["preset"], dep.parameters["overrides"]) == ("synthetic-tiny", ["dpo.beta=0.2"]), name
+        assert dep.parameters["advanced"] == advanced and dep.parameters["seed"] is None, name
+        assert set(dep.parameters) == set(props), name  # every field: what the UI sends back for an unchanged form
+        assert dep.parameters.get("history", False) is (name == "compare/nightly-compare"), name
     compare = _schema(deps["compare/farmflow"])["properties"]
-    assert compare["methods"]["anyOf"][0]["items"]["enum"] == list(METHODS)
+    assert compare["methods"]["anyOf"][0]["items"]["enum"] == list(METHODS) and compare["methods"]["position"] == 1
     assert "leaderboard_history" in compare["history"]["description"]
-    # the over-optimization flow takes no overrides: its default is the whole config with them applied
-    assert deps["overoptimization/farmflow"].parameters["config"]["dpo"]["beta"] == 0.2
 
 
 def test_nightly_compare_has_the_configured_cron_and_records_history(deps):

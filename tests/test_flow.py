@@ -27,7 +27,7 @@ ALL_STAGES = {"data", "base_model", "sft", "sample_pairs", "annotate", "train_re
 
 def _run(cfg):
     tasks.EXECUTED.clear()
-    summary = best_of_n_flow(config=cfg)
+    summary = best_of_n_flow(advanced=cfg)
     return summary, dict(tasks.EXECUTED)
 
 

@@ -195,7 +195,7 @@ def test_pick_best_keeps_the_highest_reward_first_on_ties():
 @needs_no_vllm
 def test_flows_pass_generation_backend_to_best_of_n(micro, prefect_harness):
     """The flows' best-of-n (and expert iteration's candidates) sample with generation.backend."""
-    from farmflow.flows import StageRunner, Upstream, _best_of_n
+    from farmflow.flows import StageRunner, Upstream, best_of_n_outputs
 
     cfg, uri, data, base = micro
     cfg = cfg.model_copy(update={"generation": cfg.generation.model_copy(update={"backend": "vllm"})})
@@ -203,7 +203,7 @@ def test_flows_pass_generation_backend_to_best_of_n(micro, prefect_harness):
     up._refs.update(data=data, reward=base)  # upstream artifacts already in the store
     bon = cfg.best_of_n.model_copy(update={"seed": 321})  # a key nothing else made
     with pytest.raises(ConfigError, match=r"^generation\.backend is 'vllm'.*pip install vllm"):
-        _best_of_n(up, base, bon, "eval", "best_of_n", max_prompts=2)
+        best_of_n_outputs(up, base, bon, "eval", "best_of_n", max_prompts=2)
 
 
 def test_a_json_generate_config_keys_like_the_typed_one_under_a_launcher(micro):

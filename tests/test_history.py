@@ -290,9 +290,9 @@ def test_two_compare_runs_are_recorded_and_the_second_publishes_the_trend(micro_
     from farmflow.flows import compare_flow
 
     root = micro_config.store.uri
-    manual = compare_flow(config=micro_config, methods=["best_of_n"])  # a manual run: recorded, no trend published
+    manual = compare_flow(advanced=micro_config, methods=["best_of_n"])  # a manual run: recorded, no trend published
     changed = load_config("synthetic-micro", [f"store.uri={root}", "best_of_n.n=2"])
-    nightly = compare_flow(config=changed, methods=["best_of_n"], history=True)
+    nightly = compare_flow(advanced=changed, methods=["best_of_n"], history=True)
     assert manual["run"]["rows"] == nightly["run"]["rows"] == 3 and "history" not in manual["artifacts"]
 
     store = LocalStore(root)

@@ -19,7 +19,7 @@ MINE = ["feedme", "reward_conditioning", "dpo", "expert_iteration"]
 
 def _run(flow, cfg, **kw):
     tasks.EXECUTED.clear()
-    summary = flow(config=cfg, **kw)
+    summary = flow(advanced=cfg, **kw)
     return summary, dict(tasks.EXECUTED)
 
 
@@ -82,4 +82,4 @@ def test_method_flow_shares_the_cache_with_compare(micro_config):
 
 def test_unknown_method_is_a_clear_error(micro_config):
     with pytest.raises(ValueError, match="unknown method"):
-        compare_flow.fn(config=micro_config, methods=["nope"])
+        compare_flow.fn(advanced=micro_config, methods=["nope"])

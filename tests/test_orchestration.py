@@ -165,12 +165,12 @@ def test_failed_stage_resumes_from_cached_inputs_then_history_accumulates(micro_
     blocker.write_text("a file where the reward model's folder belongs: the stage fails")
     tasks.EXECUTED.clear()
     with pytest.raises(OSError):
-        compare_flow(config=micro_config, methods=["best_of_n"], history=True)
+        compare_flow(advanced=micro_config, methods=["best_of_n"], history=True)
     assert dict(tasks.EXECUTED) == {"data": 1, "base_model": 1, "sft": 1, "sample_pairs": 1, "annotate": 1}
 
     blocker.unlink()  # the fault is gone: the rerun starts at the reward model
     tasks.EXECUTED.clear()
-    first = compare_flow(config=micro_config, methods=["best_of_n"], history=True)
+    first = compare_flow(advanced=micro_config, methods=["best_of_n"], history=True)
     assert dict(tasks.EXECUTED) == {"train_reward": 1, "generate": 2, "best_of_n": 1, "evaluate": 3, "proxy_reward": 2, "overoptimization": 1}
     stages = {s["stage"]: s for s in first["stages"]}
     assert all(stages[s]["cached"] for s in ("data", "base_model", "sft", "sample_pairs", "annotate"))
@@ -180,7 +180,7 @@ def test_failed_stage_resumes_from_cached_inputs_then_history_accumulates(micro_
 
     tasks.EXECUTED.clear()
     with run_log() as logs:
-        again = compare_flow(config=micro_config, methods=["best_of_n"], history=True)
+        again = compare_flow(advanced=micro_config, methods=["best_of_n"], history=True)
     assert dict(tasks.EXECUTED) == {} and again["leaderboard"] == first["leaderboard"]
     assert again["run"]["rows"] == 3
 
@@ -262,12 +262,12 @@ def test_stage_timings_separate_waiting_for_another_model_stage(tmp_path):
 def test_a_full_config_from_the_ui_still_gets_the_deployments_overrides_and_operational_settings_keep_the_config_key():
     """Orchestration review: a config filled in the UI of a deployment made with --set failed ('not both'), and the
     config key in run names and history changed with memory-only settings."""
-    from farmflow.flows import _cfg, config_key
+    from farmflow.flows import config_key, run_config
 
     ui = load_config("synthetic-micro", ["best_of_n.n=3"])
-    cfg = _cfg(ui.model_dump(mode="json"), "synthetic-tiny", ["store.uri=/data/farm", "dpo.beta=0.2"])
+    cfg = run_config("synthetic-micro", ui.model_dump(mode="json"), ["store.uri=/data/farm", "dpo.beta=0.2"])
     assert (cfg.name, cfg.best_of_n.n, cfg.dpo.beta, cfg.store.uri) == ("synthetic-micro", 3, 0.2, "/data/farm")
-    assert _cfg(ui, "synthetic-tiny") is ui
+    assert run_config(None, ui) is ui
     base = load_config("synthetic-micro")
     for memory_only in (["generation.batch_size=7"], ["sft.micro_batch_size=2"], ["annotation.max_in_flight=3"], ["pairs.backend=vllm"]):
         assert config_key(load_config("synthetic-micro", memory_only)) == config_key(base), memory_only

@@ -84,7 +84,7 @@ def test_overoptimization_flow_micro(micro_config):
     from farmflow.storage import open_store
 
     tasks.EXECUTED.clear()
-    summary = overoptimization_flow(config=micro_config, ns=[1, 2, 4])
+    summary = overoptimization_flow(advanced=micro_config, ns=[1, 2, 4])
     rows = summary["curve"]
     assert [(r["labeller"], r["label"], r["annotator"]) for r in rows] == [
         (lab, f"best_of_{n}", lab) for lab in ("greedy", "p_sim^ann") for n in (1, 2, 4)]
@@ -161,7 +161,7 @@ def test_overoptimization_flow_micro(micro_config):
 
     # a rerun is fully cached
     tasks.EXECUTED.clear()
-    again = overoptimization_flow(config=micro_config, ns=[1, 2, 4])
+    again = overoptimization_flow(advanced=micro_config, ns=[1, 2, 4])
     assert dict(tasks.EXECUTED) == {} and again["curve"] == rows
 
     # an extra point (how more checkpoints come in): outputs without scores are scored by the
@@ -185,7 +185,7 @@ def test_overoptimization_flow_micro(micro_config):
     # only their greedy evaluations and the extra point's are new. The extra point's proxy reward is
     # the one scored above: batch size is not part of its key, so the flow reuses it.
     tasks.EXECUTED.clear()
-    extra = overoptimization_flow(config=micro_config, ns=[1, 2, 4], labellers=["p_sim^ann"], annotators=["p_sim^ann", "greedy"],
+    extra = overoptimization_flow(advanced=micro_config, ns=[1, 2, 4], labellers=["p_sim^ann"], annotators=["p_sim^ann", "greedy"],
                                   extra_points=[CurvePoint(label="ppo step 0", family="ppo", pressure=0, outputs=ref)])
     assert {r["labeller"] for r in extra["curve"]} == {"p_sim^ann"} and len(extra["curve"]) == 8
     assert [r["label"] for r in extra["curve"]][-2:] == ["ppo step 0", "ppo step 0"]
@@ -194,7 +194,7 @@ def test_overoptimization_flow_micro(micro_config):
     assert dict(tasks.EXECUTED) == {"evaluate": 5, "overoptimization": 1}
 
     with pytest.raises(ValueError, match="unknown annotator"):
-        overoptimization_flow(config=micro_config, ns=[1], labellers=["gpt5"])
+        overoptimization_flow(advanced=micro_config, ns=[1], labellers=["gpt5"])
 
 
 @pytest.mark.slow
@@ -203,7 +203,7 @@ def test_overoptimization_flow_with_ppo_snapshots(micro_config):
     """PPO's curve against the greedy labeller's reward model: one point per committed snapshot (every 2 steps) plus step 0 = SFT."""
     from farmflow.flows.overoptimization import overoptimization_flow
 
-    summary = overoptimization_flow(config=micro_config, ns=[1], labellers=["greedy"], ppo_every=2)
+    summary = overoptimization_flow(advanced=micro_config, ns=[1], labellers=["greedy"], ppo_every=2)
     ppo = [r for r in summary["curve"] if r["family"] == "ppo"]
     assert {(r["labeller"], r["annotator"]) for r in summary["curve"]} == {("greedy", "greedy")}
     steps = [r["pressure"] for r in ppo]
@@ -224,13 +224,13 @@ def test_ppo_curve_reuses_the_comparisons_ppo_run(micro_config):
     from farmflow.flows.overoptimization import overoptimization_flow
 
     tasks.EXECUTED.clear()
-    compared = FLOWS["ppo"](config=micro_config)
+    compared = FLOWS["ppo"](advanced=micro_config)
     ppo_key = next(s["key"] for s in compared["stages"] if s["stage"] == "ppo")
     assert tasks.EXECUTED["ppo"] == 1
-    summary = overoptimization_flow(config=micro_config, ns=[1], labellers=["p_sim^ann"], ppo_every=2)
+    summary = overoptimization_flow(advanced=micro_config, ns=[1], labellers=["p_sim^ann"], ppo_every=2)
     assert tasks.EXECUTED["ppo"] == 2 and [s["key"] for s in summary["stages"] if s["stage"].startswith("ppo")] == [ppo_key]
     assert [r["pressure"] for r in summary["curve"] if r["family"] == "ppo"] == [0, 2, 4]
-    overoptimization_flow(config=micro_config, ns=[1], labellers=["p_sim^ann"], ppo_every=2)
+    overoptimization_flow(advanced=micro_config, ns=[1], labellers=["p_sim^ann"], ppo_every=2)
     assert tasks.EXECUTED["ppo"] == 2
 
 

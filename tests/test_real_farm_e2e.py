@@ -74,7 +74,7 @@ def run_flow(cfg) -> tuple[dict, dict]:
     from farmflow.flows import best_of_n_flow
 
     tasks.EXECUTED.clear()
-    summary = best_of_n_flow(config=cfg)
+    summary = best_of_n_flow(advanced=cfg)
     return summary, dict(tasks.EXECUTED)
 
 

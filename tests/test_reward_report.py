@@ -95,7 +95,7 @@ def test_reward_report_flow_micro(micro_config):
     from farmflow.storage import open_store
     from farmflow.tasks.core import EXECUTED
 
-    summary = reward_report_flow(config=micro_config)
+    summary = reward_report_flow(advanced=micro_config)
     rows = summary["report"]
     scorers = {r["scorer"] for r in rows}
     assert scorers == {"reward_model", "longer_output", "policy_loglik", "gold", "pool_bayes"}
@@ -130,8 +130,8 @@ def test_reward_report_flow_micro(micro_config):
     assert {(r["family"], r["target"]) for r in real_rows} == {("all", "labels"), ("all", "unnoised")}
     assert _cell(real_rows, "reward_model", "all", "labels")[0] == pytest.approx(rm_ref.metrics["heldout_accuracy"])
     before = dict(EXECUTED)
-    again = reward_report_flow(config=micro_config)
+    again = reward_report_flow(advanced=micro_config)
     assert dict(EXECUTED) == before and repr(again["report"]) == repr(rows)  # all cached: nothing executes a second time (repr: NaN cells)
     # the report's key leaves out the annotation section's operational fields, so changing them does not rerun it
     ops = micro_config.model_copy(update={"annotation": micro_config.annotation.model_copy(update={"max_in_flight": 3, "timeout_s": 5.0})})
-    assert reward_report_flow(config=ops)["artifact"] == summary["artifact"] and dict(EXECUTED) == before
+    assert reward_report_flow(advanced=ops)["artifact"] == summary["artifact"] and dict(EXECUTED) == before

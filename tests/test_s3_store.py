@@ -406,7 +406,7 @@ FRESH_MACHINE = textwrap.dedent("""
     from farmflow.config import load_config
     from farmflow.flows import best_of_n_flow
     from prefect.client.orchestration import get_client
-    summary = best_of_n_flow(config=load_config("synthetic-micro", sys.argv[1:]))
+    summary = best_of_n_flow(advanced=load_config("synthetic-micro", sys.argv[1:]))
     with get_client(sync_client=True) as client:  # what Prefect itself did with each task
         states = sorted({(t.name, t.state.name) for t in client.read_task_runs()})
     print(json.dumps({"executed": dict(tasks.EXECUTED), "cached": [s["cached"] for s in summary["stages"]],
@@ -419,7 +419,7 @@ def _run_flow(cfg):
     from farmflow.flows import best_of_n_flow
 
     tasks.EXECUTED.clear()
-    summary = best_of_n_flow(config=cfg)
+    summary = best_of_n_flow(advanced=cfg)
     return summary, dict(tasks.EXECUTED)
 
 

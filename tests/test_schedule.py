@@ -7,17 +7,12 @@ statement", and no scheduled run was ever created).
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import socket
-import subprocess
-import sys
 import time
 from datetime import datetime, timedelta, timezone
-from pathlib import Path
 
 import pytest
+from prefect_server import prefect_cli, prefect_server, stop
 
 pytestmark = pytest.mark.slow
 
@@ -25,55 +20,13 @@ POOL = "sched-cpu"
 CRASH = re.compile(r"Traceback|InvalidRequestError|Can't evaluate bulk DML|Unexpected error in", re.IGNORECASE)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _prefect(*args: str, env: dict, log: Path) -> subprocess.Popen:
-    exe = str(Path(sys.executable).parent / "prefect")
-    return subprocess.Popen([exe, *args], env=env, cwd=log.parent, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """A Prefect server of its own on 127.0.0.1; yields (api_url, environment for clients, server log)."""
-    import httpx
-
-    home = tmp_path_factory.mktemp("prefect-server")
-    port = _free_port()
-    api_url = f"http://127.0.0.1:{port}/api"
-    env = os.environ | {
-        "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_API_URL": api_url,
-        "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "2",
-        "PREFECT_SERVER_SERVICES_SCHEDULER_RECENT_DEPLOYMENTS_LOOP_SECONDS": "2",
-        "PREFECT_LOGGING_LEVEL": "INFO", "PREFECT_SERVER_LOGGING_LEVEL": "INFO",
-    }
-    log = home / "server.log"
-    proc = _prefect("server", "start", "--host", "127.0.0.1", "--port", str(port), env=env, log=log)
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if httpx.get(f"{api_url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-        time.sleep(0.5)
-    yield api_url, env, log
-    _stop(proc)
+    """A Prefect server of its own on 127.0.0.1, the scheduler loop shortened; yields (api_url, environment for clients,
+    server log)."""
+    with prefect_server(tmp_path_factory.mktemp("prefect-server"), PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS="2",
+                        PREFECT_SERVER_SERVICES_SCHEDULER_RECENT_DEPLOYMENTS_LOOP_SECONDS="2") as started:
+        yield started
 
 
 def test_the_scheduler_creates_the_nightly_run_and_it_completes(server, tmp_path):
@@ -95,7 +48,7 @@ def test_the_scheduler_creates_the_nightly_run_and_it_completes(server, tmp_path
         registered = deploy("synthetic-micro", overrides, nightly_methods=["best_of_n"], nightly_schedule=schedule)
         assert f"compare/{NIGHTLY}" in {d["name"] for d in registered}
         worker_log = tmp_path / "worker.log"
-        worker = _prefect("worker", "start", "--pool", POOL, env=env | {"PREFECT_WORKER_QUERY_SECONDS": "1"}, log=worker_log)
+        worker = prefect_cli("worker", "start", "--pool", POOL, env=env | {"PREFECT_WORKER_QUERY_SECONDS": "1"}, log=worker_log)
         try:
             with get_client(sync_client=True) as client:
                 nightly = client.read_deployment_by_name(f"compare/{NIGHTLY}")
@@ -127,7 +80,7 @@ def test_the_scheduler_creates_the_nightly_run_and_it_completes(server, tmp_path
                 artifacts = {a.key for a in client.read_artifacts() if a.flow_run_id == run.id}
                 assert {"leaderboard", "leaderboard-table"} <= artifacts
         finally:
-            _stop(worker)
+            stop(worker)
     from farmflow.storage import LocalStore
 
     recorded = LocalStore(store).read_rows("runs", "runs")
@@ -152,7 +105,7 @@ def test_three_comparisons_at_once_on_one_server(server, tmp_path):
     worker_log = tmp_path / "worker.log"
     with temporary_settings({PREFECT_API_URL: api_url}):
         deploy("synthetic-micro", overrides)
-        worker = _prefect("worker", "start", "--pool", pool, "--limit", "3",
+        worker = prefect_cli("worker", "start", "--pool", pool, "--limit", "3",
                           env=env | {"PREFECT_WORKER_QUERY_SECONDS": "1"}, log=worker_log)
         try:
             seeds = (1, 2, 3)  # three different comparisons, sharing the store
@@ -167,7 +120,7 @@ def test_three_comparisons_at_once_on_one_server(server, tmp_path):
                 starts = sorted(r.start_time for r in finished)
                 ends = sorted(r.end_time for r in finished)
         finally:
-            _stop(worker)
+            stop(worker)
     assert [r.state.name for r in finished] == ["Completed"] * 3, [r.state.message for r in finished]
     assert starts[-1] < ends[0]  # the three really ran at the same time
     locked = [line for log in (server_log, worker_log) for line in log.read_text().splitlines()

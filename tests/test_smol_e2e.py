@@ -37,7 +37,7 @@ def test_smol_micro_compare_on_real_components(smol, tmp_path):
                                      f"data.eval_path={EVAL}"])
     assert cfg.model.pretrained == cfg.annotation.hf.model == "smollm2-135m-instruct"
     tasks.EXECUTED.clear()
-    summary = compare_flow(config=cfg, methods=["best_of_n", "dpo", "ppo"])
+    summary = compare_flow(advanced=cfg, methods=["best_of_n", "dpo", "ppo"])
     board = {r["method"]: r for r in summary["leaderboard"]}
     n_best = f"best_of_{cfg.best_of_n.n}"
     assert set(board) == {"untrained", "sft", n_best, "dpo", "ppo"}
@@ -63,7 +63,7 @@ def test_smol_micro_compare_on_real_components(smol, tmp_path):
     # one changed DPO setting: only DPO's stages run again
     tasks.EXECUTED.clear()
     changed = cfg.model_copy(update={"dpo": cfg.dpo.model_copy(update={"beta": 0.2})})
-    again = compare_flow(config=changed, methods=["best_of_n", "dpo", "ppo"])
+    again = compare_flow(advanced=changed, methods=["best_of_n", "dpo", "ppo"])
     assert {r["method"] for r in again["leaderboard"]} == set(board)
     ran = {stage for stage, count in tasks.EXECUTED.items() if count}
     assert "dpo" in ran and not ran & {"sft", "sample_pairs", "annotate", "train_reward", "best_of_n", "ppo"}, ran

@@ -133,7 +133,7 @@ def compare(cfg, as_json: bool, flow: str = "compare", methods: Optional[list[st
     api_ready()
     start = time.perf_counter()
     chosen = {"methods": methods} if flow == "compare" else {}
-    summary = run_flow(f"{flow}-{cfg.name}", FLOWS[flow], config=cfg, **chosen)
+    summary = run_flow(f"{flow}-{cfg.name}", FLOWS[flow], advanced=cfg, **chosen)
     wall = time.perf_counter() - start
     if as_json:
         print_json(summary | {"wall_seconds": wall})
@@ -211,7 +211,7 @@ def overopt(
     api_ready()
     start = time.perf_counter()
     names = lambda opts: [x.strip() for o in opts for x in o.split(",") if x.strip()] or None  # noqa: E731
-    summary = run_flow(f"overopt-{cfg.name}", overoptimization_flow, config=cfg, ns=list(n) or None,
+    summary = run_flow(f"overopt-{cfg.name}", overoptimization_flow, advanced=cfg, ns=list(n) or None,
                        labellers=names(labeller), annotators=names(annotator), ppo_every=ppo_every)
     if as_json:
         print_json(summary | {"wall_seconds": time.perf_counter() - start})
@@ -234,7 +234,7 @@ def reward_report(
     from farmflow.flows.reward_report import reward_report_flow
 
     api_ready()
-    summary = run_flow(f"reward-report-{cfg.name}", reward_report_flow, config=cfg)
+    summary = run_flow(f"reward-report-{cfg.name}", reward_report_flow, advanced=cfg)
     if as_json:
         print_json(summary)
         return

@@ -17,10 +17,15 @@ when missing and registers the deployments on the Prefect server (``PREFECT_API_
   (its machine vanished) is marked Crashed, and the flow waiting on it retries the stage.
 
 Entrypoints are module paths (``farmflow.flows.compare_flow``): a worker needs farmflow
-installed, not a copy of this checkout. The flows' parameters are the pydantic config
-models, so the Prefect UI renders the whole `FarmConfig` as a form with every field's
-description and default; ``preset`` is a drop-down and ``overrides`` takes
-``section.field=value`` items.
+installed, not a copy of this checkout.
+
+The run form (`farmflow.flows.form`): a flow's deployment opens on ``preset`` (a drop-down of the
+presets), the flow's own choices (``methods`` for compare), the knobs ``seed``, ``eval_size`` and
+``pref_size`` (None: the preset's), ``overrides`` (``section.field=value`` items, the deployment's
+``--set`` ones filled in), and last ``advanced``: the whole `FarmConfig`, every field described,
+filled with the deployment preset's values (`farmflow.flows.form.deployment_parameters`). Submitted
+unchanged, a run computes exactly ``load_config(preset, overrides)``; a switched preset gives the
+new preset's values plus the fields edited in ``advanced``; a knob that is set wins over both.
 """
 
 from __future__ import annotations
@@ -43,9 +48,9 @@ def deployments(
 ) -> list[Any]:
     """Runner deployments: one per flow, the nightly comparison and the GPU stage runner.
 
-    Every flow deployment's default parameters are ``preset`` and ``overrides`` (both
-    editable in the UI per run). Pools default to the preset's ``execution.cpu_pool`` and
-    ``execution.gpu_pool``. `cfg`: the config ``preset`` and ``overrides`` load to, when the
+    Every flow deployment's default parameters are ``preset``, ``overrides`` and ``advanced`` (the preset's
+    config; `farmflow.flows.form.deployment_parameters`), every other form field at its default
+    (`form_parameters`), all editable in the UI per run. Pools default to the preset's ``execution.cpu_pool`` and ``execution.gpu_pool``. `cfg`: the config ``preset`` and ``overrides`` load to, when the
     caller has it already. `nightly_schedule`: any Prefect schedule (e.g. ``Interval``) in place of
     the cron, for comparisons more often than nightly.
     """
@@ -53,7 +58,7 @@ def deployments(
     from prefect.types.entrypoint import EntrypointType
 
     from farmflow.config import load_config
-    from farmflow.flows import FLOWS, compare_flow
+    from farmflow.flows import FLOWS, compare_flow, deployment_parameters
     from farmflow.flows.distributed import stage_flow
     from farmflow.flows.overoptimization import overoptimization_flow
     from farmflow.flows.reward_report import reward_report_flow
@@ -64,15 +69,13 @@ def deployments(
     flow_name, _, stage_name = cfg.execution.stage_deployment.partition("/")
     if flow_name != stage_flow.name or not stage_name:
         raise ValueError(f"execution.stage_deployment must be '{stage_flow.name}/<name>', got {cfg.execution.stage_deployment!r}")
-    params: dict[str, Any] = {"preset": preset} | ({"overrides": list(overrides)} if overrides else {})
+    params = deployment_parameters(preset, overrides)
     heartbeat = {"env": {"PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(cfg.execution.heartbeat_s)}}
     common = {"entrypoint_type": EntrypointType.MODULE_PATH, "tags": [TAG], "job_variables": heartbeat}
-    out = [fl.to_deployment(name=DEPLOYMENT, parameters=params, work_pool_name=cpu_pool, **common) for fl in FLOWS.values()]
-    # the over-optimization flow takes no overrides: with overrides, its default is the whole config
-    overopt = {"config": cfg.model_dump(mode="json")} if overrides else {"preset": preset}
-    out.append(overoptimization_flow.to_deployment(name=DEPLOYMENT, parameters=overopt, work_pool_name=cpu_pool, **common))
-    out.append(reward_report_flow.to_deployment(name=DEPLOYMENT, parameters=params, work_pool_name=cpu_pool, **common))
-    nightly = params | {"history": True} | ({"methods": list(nightly_methods)} if nightly_methods else {})
+    flows = [*FLOWS.values(), overoptimization_flow, reward_report_flow]
+    out = [fl.to_deployment(name=DEPLOYMENT, parameters=form_parameters(fl, params), work_pool_name=cpu_pool, **common)
+           for fl in flows]
+    nightly = form_parameters(compare_flow, params | {"history": True, "methods": list(nightly_methods or []) or None})
     schedule = nightly_schedule or Cron(nightly_cron, timezone=timezone)
     when = f"every night ({nightly_cron}, {timezone})" if nightly_schedule is None else "on its schedule"
     out.append(compare_flow.to_deployment(
@@ -86,6 +89,14 @@ def deployments(
         **common,
     ))
     return out
+
+
+def form_parameters(flow: Any, parameters: dict[str, Any]) -> dict[str, Any]:
+    """`parameters` plus every other parameter of `flow` at its default: all that the UI's run form sends back, so a
+    run submitted unchanged has exactly the deployment's parameters."""
+    import inspect
+
+    return {name: p.default for name, p in inspect.signature(flow.fn).parameters.items()} | parameters
 
 
 def ensure_pools(pools: dict[str, int | None]) -> list[str]:
@@ -114,7 +125,7 @@ def unresponsive_automation(after_s: int) -> Any:
 
     Prefect's recipe for zombie runs (heartbeat events, a proactive trigger per flow run),
     limited to runs tagged ``farmflow``. A crashed GPU stage run is retried by the flow that
-    waits on it (`farmflow.flows.distributed.run_remote`).
+    waits on it (`farmflow.flows.remote.run_remote`).
     """
     from datetime import timedelta
 

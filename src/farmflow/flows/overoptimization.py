@@ -30,7 +30,9 @@ from prefect import flow
 
 from farmflow.config import FarmConfig
 from farmflow.evaluation.overopt import GREEDY_ORACLE, CurvePoint
-from farmflow.flows import StageRunner, Upstream, _best_of_n, _cfg, _flow_run_name, _generate
+from farmflow.flows.form import PresetName, prefect_run_name, run_config, with_form_doc
+from farmflow.flows.pipeline import Upstream, best_of_n_outputs, generate_outputs
+from farmflow.flows.runner import StageRunner
 from farmflow.storage import ArtifactRef
 from farmflow.tasks import best_of_n_prefix_task, best_of_n_rescore_task, evaluate_task
 from farmflow.tasks.analysis import overoptimization_task, proxy_reward_task
@@ -74,7 +76,7 @@ def best_of_n_points(up: Upstream, ns: list[int] | tuple[int, ...] = DEFAULT_NS,
     ns = sorted(set(ns))
     top = ns[-1]
     if sampled is None:
-        largest = _best_of_n(up, up.sft, up.cfg.best_of_n.model_copy(update={"n": top}), "eval", f"best_of_{top}{tag}")
+        largest = best_of_n_outputs(up, up.sft, up.cfg.best_of_n.model_copy(update={"n": top}), "eval", f"best_of_{top}{tag}")
     else:
         largest = up.run(best_of_n_rescore_task, {}, f"best_of_{top}{tag} (rescored)", best_of_n=sampled, reward=up.reward,
                          batch_size=up.cfg.generation.batch_size)
@@ -92,9 +94,9 @@ def ppo_points(up: Upstream, every: int, tag: str = "") -> list[CurvePoint]:
         raise ValueError(f"ppo_every must be a positive number of PPO steps, got {every}")
     config = up.cfg.ppo.model_copy(update={"snapshot_every": every})
     final = up.run(rl.ppo_task, config, f"ppo (snapshots){tag}", data=up.data, sft=up.sft, reward=up.reward, checkpoints=up.cfg.checkpoints)
-    points = [CurvePoint(label="ppo_step_0", family="ppo", pressure=0, outputs=_generate(up, up.sft, "sft"))]
+    points = [CurvePoint(label="ppo_step_0", family="ppo", pressure=0, outputs=generate_outputs(up, up.sft, "sft"))]
     for step, snapshot in rl.ppo_snapshots(up.run.store_uri, final).items():
-        points.append(CurvePoint(label=f"ppo_step_{step}", family="ppo", pressure=step, outputs=_generate(up, snapshot, f"ppo_step_{step}{tag}")))
+        points.append(CurvePoint(label=f"ppo_step_{step}", family="ppo", pressure=step, outputs=generate_outputs(up, snapshot, f"ppo_step_{step}{tag}")))
     return points
 
 
@@ -119,20 +121,28 @@ def evaluate_points(up: Upstream, points: list[CurvePoint], annotators: dict[str
     return up.run(overoptimization_task, {"title": title, "points": point_configs(up, points, annotators, labeller)}, "overoptimization")
 
 
-@flow(name="overoptimization", flow_run_name=_flow_run_name, log_prints=True)
+@flow(name="overoptimization", flow_run_name=prefect_run_name, log_prints=True)
+@with_form_doc("""    ns: Best-of-n sample counts, one point each (default 1, 2, 4, 8, 16).
+    labellers: Whose labels train each curve's reward model: p_sim^ann, greedy, p_sim^eval (default p_sim^ann and greedy).
+    annotators: Who judges every point (default: each curve's own labeller).
+    ppo_every: A PPO snapshot every this many steps, one point each (empty: no PPO curve).
+    extra_points: More points (label, family, pressure, outputs ref) for the first labeller's curve.
+""")
 def overoptimization_flow(
-    config: FarmConfig | None = None, preset: str = "synthetic-tiny", ns: list[int] | None = None,
-    labellers: list[str] | None = None, annotators: list[str] | None = None, extra_points: list[CurvePoint] | None = None,
-    ppo_every: int | None = None,
+    preset: PresetName | None = None, seed: int | None = None, eval_size: int | None = None,
+    pref_size: int | None = None,
+    ns: list[int] | None = None, labellers: list[str] | None = None, annotators: list[str] | None = None,
+    ppo_every: int | None = None, extra_points: list[CurvePoint] | None = None, overrides: list[str] | None = None,
+    advanced: FarmConfig | None = None,
 ) -> dict[str, Any]:
     """One curve per labeller (default p_sim^ann and greedy): the labeller's preferences train a reward model;
-    best-of-n for each n in `ns` (default 1, 2, 4, 8, 16) and PPO snapshots every `ppo_every` steps (None: no PPO
-    curve) optimize against it; each point is judged by the labeller (or by every annotator in `annotators`).
-    `extra_points` join the first labeller's curve.
+    best-of-n for each n in `ns` and PPO snapshots every `ppo_every` steps optimize against it; each point is judged
+    by the labeller (or by every annotator in `annotators`). `extra_points` join the first labeller's curve.
 
-    Returns a JSON-able summary: the curve rows, the artifact, each labeller's preferences and reward model, per-stage timing.
+    Returns a JSON-able summary: the curve rows, the artifact, each labeller's preferences and reward model, per-stage
+    timing.
     """
-    cfg = _cfg(config, preset)
+    cfg = run_config(preset, advanced, overrides, seed, eval_size, pref_size)
     chosen = list(evaluating_annotators(cfg, tuple(dict.fromkeys(labellers or DEFAULT_LABELLERS))))  # unknown names fail here, before any stage
     evaluators = evaluating_annotators(cfg, tuple(annotators)) if annotators else None
     run = StageRunner(cfg.store.location, cfg.execution, cfg.name)  # its execution settings, like every other flow

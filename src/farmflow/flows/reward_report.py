@@ -12,16 +12,22 @@ from typing import Any
 from prefect import flow
 
 from farmflow.config import FarmConfig
-from farmflow.flows import PresetName, StageRunner, Upstream, _args_doc, _cfg, _flow_run_name
+from farmflow.flows.form import PresetName, prefect_run_name, run_config, with_form_doc
+from farmflow.flows.pipeline import Upstream
+from farmflow.flows.runner import StageRunner
 from farmflow.tasks.analysis import reward_report_task
 
 
-@flow(name="reward-report", flow_run_name=_flow_run_name, log_prints=True)
-@_args_doc()
-def reward_report_flow(config: FarmConfig | None = None, preset: PresetName = "synthetic-tiny", overrides: list[str] | None = None) -> dict[str, Any]:
-    """How good is the reward model? Held-out accuracy against labels, un-noised labels and gold, overall and per
-    task family, beside the longer output, the SFT policy's log-likelihood, the gold reward and the pool's Bayes optimum."""
-    cfg = _cfg(config, preset, overrides)
+@flow(name="reward-report", flow_run_name=prefect_run_name, log_prints=True)
+@with_form_doc()
+def reward_report_flow(
+    preset: PresetName | None = None, seed: int | None = None, eval_size: int | None = None,
+    pref_size: int | None = None,
+    overrides: list[str] | None = None, advanced: FarmConfig | None = None,
+) -> dict[str, Any]:
+    """How good is the reward model? Held-out accuracy against labels, un-noised labels and gold, overall and per task
+    family, beside the longer output, the SFT policy's log-likelihood, the gold reward and the pool's Bayes optimum."""
+    cfg = run_config(preset, advanced, overrides, seed, eval_size, pref_size)
     run = StageRunner(cfg.store.location, cfg.execution, cfg.name)
     up = Upstream(run, cfg)
     config = {"annotation": cfg.annotation, "title": f"Reward model ({cfg.name}), held-out val pairs"}  # keyed without its operational fields

@@ -1,0 +1,63 @@
+"""A real `prefect server start` for tests: its own PREFECT_HOME and SQLite database, on 127.0.0.1, a free port."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prefect_cli(*args: str, env: dict, log: Path) -> subprocess.Popen:
+    """``prefect ARGS`` from this venv in its own process group, output to `log`."""
+    exe = str(Path(sys.executable).parent / "prefect")
+    return subprocess.Popen([exe, *args], env=env, cwd=log.parent, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the process group, SIGKILL after 20 s."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
+
+@contextmanager
+def prefect_server(home: Path, **settings: str) -> Iterator[tuple[str, dict, Path]]:
+    """Start a server (extra `settings` as environment variables); yields (api_url, environment for clients, server log)."""
+    import httpx
+
+    port = free_port()
+    api_url = f"http://127.0.0.1:{port}/api"
+    env = os.environ | {"PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_API_URL": api_url,
+                        "PREFECT_LOGGING_LEVEL": "INFO", "PREFECT_SERVER_LOGGING_LEVEL": "INFO", **settings}
+    log = home / "server.log"
+    proc = prefect_cli("server", "start", "--host", "127.0.0.1", "--port", str(port), env=env, log=log)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"{api_url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+        yield api_url, env, log
+    finally:
+        stop(proc)
