@@ -17,6 +17,7 @@ from farmflow.methods import rl as rl_methods
 from farmflow.models import load_policy, value_from_reward
 from farmflow.storage import open_store
 from farmflow.tasks import rl
+from farmflow.tasks.stage import StageRun
 from rl_helpers import TOY_PROMPTS, digit_reward, kill_when_checkpointed, micro_artifacts, toy_models, uninterrupted_history
 
 
@@ -274,7 +275,8 @@ def test_snapshots_do_not_fork_the_ppo_run(micro):
 def test_ppo_rolls_out_on_the_unlabeled_split_only(micro):
     store = open_store(micro["uri"])
     table = store.read_table(micro["data"])
-    assert rl._unlabeled_prompts(store, micro["data"], "ppo") == prompts_of(split_rows(table, "unlabeled"))
+    run = StageRun(store, micro["uri"], "ppo", "k")
+    assert rl.unlabeled_prompts(run, micro["data"]) == prompts_of(split_rows(table, "unlabeled"))
 
 
 def test_ppo_without_unlabeled_prompts_fails_clearly(tmp_path):
@@ -283,7 +285,7 @@ def test_ppo_without_unlabeled_prompts_fails_clearly(tmp_path):
     cfg = load_config("synthetic-micro", [f"store.uri={tmp_path}", "data.unlabeled_size=0"])
     data = tasks.data_task.fn(cfg.store.uri, cfg.data)
     with pytest.raises(ValueError, match="ppo: the data artifact .* has no 'unlabeled' rows"):
-        rl._unlabeled_prompts(open_store(cfg.store.uri), data, "ppo")
+        rl.unlabeled_prompts(StageRun(open_store(cfg.store.uri), cfg.store.uri, "ppo", "k"), data)
 
 
 @pytest.mark.slow

@@ -33,10 +33,6 @@ TASKS: dict[str, Task] = {t.name: t for t in (
 """Stage name → its Prefect task: one per entry of `STAGES`."""
 
 
-def load_stage_modules() -> None:
-    """Nothing to do: `TASKS` lists every stage task (kept for callers that still ask)."""
-
-
 def cache_key(stage: str) -> Callable[[Any, dict[str, Any]], str]:
     """Prefect's cache key function of the stage task `stage` (``<stage>-<stage key>``)."""
     return _stage_cache_key(STAGES[stage])
