@@ -30,8 +30,16 @@ def test_every_stage_has_one_task_whose_inputs_are_the_declared_ones():
 def test_gpu_and_launcher_facts_come_from_the_registry():
     # config.GPU_STAGES (the default execution.gpu_stages) lives in the torch-free config package: it must agree
     assert {n for n, s in STAGES.items() if s.gpu} == set(GPU_STAGES)
-    assert set(MULTI_PROCESS_STAGES) == {"sft", "train_reward", "feedme", "reward_conditioning", "dpo", "expert_iteration",
-                                         "ppo", "quark"}
+    assert set(MULTI_PROCESS_STAGES) == {
+        "sft",
+        "train_reward",
+        "feedme",
+        "reward_conditioning",
+        "dpo",
+        "expert_iteration",
+        "ppo",
+        "quark",
+    }
     assert all(STAGES[n].gpu for n in MULTI_PROCESS_STAGES)
 
 
@@ -42,9 +50,21 @@ SHOUT = Stage("shout", "1", ("data",), reads=lambda c: {"data": ("eval",)}, summ
 @stage_task(SHOUT)
 def shout_task(run: StageRun, config: dict, data: ArtifactRef) -> Table:
     rows = [r for r in run.store.read_table(data).to_pylist() if r["split"] == "eval"][: config["n"]]
-    table = pa.Table.from_pylist([{"id": r["id"], "instruction": r["instruction"], "input": r["input"], "task": r["task"],
-                                   "output": r["instruction"].upper() + config["mark"], "generator": "shout", "score": None}
-                                  for r in rows], schema=SCHEMAS["outputs"])
+    table = pa.Table.from_pylist(
+        [
+            {
+                "id": r["id"],
+                "instruction": r["instruction"],
+                "input": r["input"],
+                "task": r["task"],
+                "output": r["instruction"].upper() + config["mark"],
+                "generator": "shout",
+                "score": None,
+            }
+            for r in rows
+        ],
+        schema=SCHEMAS["outputs"],
+    )
     return Table(table, "outputs", {"rows_shouted": float(len(rows))})
 
 
@@ -58,7 +78,9 @@ def test_stage_task_does_the_key_the_hit_the_commit_and_the_log(tmp_path, caplog
     assert ref.metrics["rows_shouted"] == 2.0 and ref.metrics["seconds"] >= 0  # the function's metrics + the run's time
     record = open_store(uri).record(ref)
     assert record["config"] == {"n": 2, "mark": "!"} and record["inputs"] == {"data": data.key}
-    assert all(o.endswith("!") and o[:-1].isupper() for o in open_store(uri).read_table(ref).column("output").to_pylist())
+    assert all(
+        o.endswith("!") and o[:-1].isupper() for o in open_store(uri).read_table(ref).column("output").to_pylist()
+    )
     assert "shout: 2 rows shouted" in caplog.text
     # the same config again: the committed artifact, the function does not run
     assert shout_task.fn(uri, {"n": 2, "mark": "!"}, data=data).key == ref.key and EXECUTED["shout"] == 1

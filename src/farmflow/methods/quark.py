@@ -1,4 +1,5 @@
-"""Quark, top-quantile variant: fine-tune on the best-scored of the policy's own samples (AlpacaFarm §3.4; Lu et al., 2022).
+"""Quark, top-quantile variant: fine-tune on the best-scored of the policy's own samples (AlpacaFarm §3.4;
+Lu et al., 2022).
 
 Each step (the loop's sections below):
 
@@ -51,7 +52,11 @@ VERSION = "1"
 
 # ---------------------------------------------------------------------------- loss
 def quark_loss(
-    logits: torch.Tensor, ref_logits: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor, kl_coef: float = 0.05,
+    logits: torch.Tensor,
+    ref_logits: torch.Tensor,
+    tokens: torch.Tensor,
+    mask: torch.Tensor,
+    kl_coef: float = 0.05,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Mean over response tokens of ``-log π(y_t) + kl_coef × KL(π(·|t) ‖ π_ref(·|t))``.
 
@@ -78,14 +83,19 @@ def top_quantile(scores: torch.Tensor, num_quantiles: int) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------- loop
 def train_quark(
-    policy, ref_policy, reward_fn: RewardFn, tokenizer, prompts: Sequence[str], cfg: QuarkConfig,
+    policy,
+    ref_policy,
+    reward_fn: RewardFn,
+    tokenizer,
+    prompts: Sequence[str],
+    cfg: QuarkConfig,
     checkpointer: Checkpointer | None = None,
 ) -> tuple[dict[str, float], list[dict[str, float]]]:
     """Train `policy` in place with Quark on `prompts`; returns (summary, per-step history).
 
     `ref_policy` (the SFT model) stays frozen; `reward_fn` scores responses
-    (`farmflow.methods.rl.reward_model_fn` for a reward model). The prompts and sampling seed of step s are a pure function of (seed, s), so a resumed
-    run replays the steps an uninterrupted one would have taken.
+    (`farmflow.methods.rl.reward_model_fn` for a reward model). The prompts and sampling seed of step s are a pure
+    function of (seed, s), so a resumed run replays the steps an uninterrupted one would have taken.
     """
     check_lengths(policy, cfg.max_new_tokens, "quark")
     ref_policy.eval().requires_grad_(False)
@@ -94,11 +104,15 @@ def train_quark(
     processes = num_processes()
     check_shares("quark", processes, rollout_batch_size=len(prompt_batches[0]))
     pool_size = max(1, min(cfg.rollout_batch_size, len(prompts)) // cfg.num_quantiles)  # what `top_quantile` keeps
-    rows = min(cfg.step_batch_size, pool_size)  # per optimizer step; padded to a multiple of the processes (`_optimize`)
+    rows = min(
+        cfg.step_batch_size, pool_size
+    )  # per optimizer step; padded to a multiple of the processes (`_optimize`)
     rt = Runtime(policy, -(-rows // processes) * processes, cfg.micro_batch_size, "quark")
     refuse_sharded(rt, "quark")
     trained = rt.adapt(policy)
-    opt = torch.optim.AdamW([p for p in trained.parameters() if p.requires_grad], lr=cfg.lr, eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
+    opt = torch.optim.AdamW(
+        [p for p in trained.parameters() if p.requires_grad], lr=cfg.lr, eps=cfg.adam_eps, weight_decay=cfg.weight_decay
+    )
     sched = linear_schedule(opt, cfg.warmup_steps, steps)
     trained, opt = rt.prepare(trained, opt)
     ref_policy.to(rt.device)
@@ -116,16 +130,30 @@ def train_quark(
             trained.eval()
             with torch.no_grad():
                 responses, scores, ended = sample_and_score(
-                    rt.unwrap(trained), tokenizer, reward_fn, batch_prompts[rt.rank * share: (rt.rank + 1) * share],
-                    temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, penalty_reward_value=cfg.penalty_reward_value,
-                    batch_size=cfg.micro_batch_size, seed=share_seed(seed, rt.rank))
+                    rt.unwrap(trained),
+                    tokenizer,
+                    reward_fn,
+                    batch_prompts[rt.rank * share : (rt.rank + 1) * share],
+                    temperature=cfg.temperature,
+                    max_new_tokens=cfg.max_new_tokens,
+                    penalty_reward_value=cfg.penalty_reward_value,
+                    batch_size=cfg.micro_batch_size,
+                    seed=share_seed(seed, rt.rank),
+                )
             responses, scores, ended = gather_rollout(responses, scores, ended)  # the whole rollout, on every process
             # --- 2. top quantile: the pool is this rollout's best quantile only
             keep = top_quantile(scores, cfg.num_quantiles).tolist()
-            pool = to_device(pack(tokenizer, [batch_prompts[i] for i in keep], [responses[i] for i in keep], max_prompt), device_of(trained))
-            stats = {"reward": scores.mean().item(), "ended": ended.float().mean().item(),
-                     "pool_reward": scores[keep].mean().item(), "pool_threshold": scores[keep].min().item(),
-                     "response_tokens": float(sum(len(r) for r in responses)) / len(responses)}
+            pool = to_device(
+                pack(tokenizer, [batch_prompts[i] for i in keep], [responses[i] for i in keep], max_prompt),
+                device_of(trained),
+            )
+            stats = {
+                "reward": scores.mean().item(),
+                "ended": ended.float().mean().item(),
+                "pool_reward": scores[keep].mean().item(),
+                "pool_threshold": scores[keep].min().item(),
+                "response_tokens": float(sum(len(r) for r in responses)) / len(responses),
+            }
             stats.update(_optimize(rt, trained, ref_policy, opt, pool, cfg, seed))  # --- 3. update
             stats["lr"] = sched.get_last_lr()[0]
             sched.step()
@@ -134,7 +162,7 @@ def train_quark(
             bar.set_postfix(reward=f"{stats['reward']:.3f}", kl=f"{stats['kl']:.2f}")
             ckpt.save(step + 1, **state, extra={"history": history})
     rt.finish(trained)
-    tail = history[-max(1, len(history) // 10):]
+    tail = history[-max(1, len(history) // 10) :]
     summary = {"steps": float(steps), "resumed_from_step": float(start), "processes": float(rt.processes)}
     for k in ("reward", "pool_reward", "kl", "nll", "ended", "response_tokens"):
         summary[f"{k}_first"] = history[0][k]
@@ -142,7 +170,9 @@ def train_quark(
     return summary, history
 
 
-def _optimize(rt: Runtime, policy, ref_policy, opt, pool: dict[str, torch.Tensor], cfg: QuarkConfig, seed: int) -> dict[str, float]:
+def _optimize(
+    rt: Runtime, policy, ref_policy, opt, pool: dict[str, torch.Tensor], cfg: QuarkConfig, seed: int
+) -> dict[str, float]:
     """3. Update: `grad_steps_per_rollout` optimizer steps on minibatches of the pool (cycled when it is small).
 
     Every process holds the whole pool and takes its share of each minibatch. A minibatch is
@@ -160,11 +190,19 @@ def _optimize(rt: Runtime, policy, ref_policy, opt, pool: dict[str, torch.Tensor
             mb = take(pool, chunk)
             counted = len(range(real)[rows])  # the chunk's real rows (all of them unless padded)
             if counted < len(chunk):
-                mb["response_mask"] = mb["response_mask"] * (torch.arange(rows.start, rows.stop) < real).unsqueeze(1).to(mb["response_mask"])
+                mb["response_mask"] = mb["response_mask"] * (torch.arange(rows.start, rows.stop) < real).unsqueeze(
+                    1
+                ).to(mb["response_mask"])
             with torch.no_grad():
                 ref_logits = response_logits(ref_policy, mb, cfg.temperature)
             with rt.accumulate(policy):
-                loss, st = quark_loss(response_logits(policy, mb, cfg.temperature), ref_logits, mb["tokens"], mb["response_mask"], cfg.kl_coef)
+                loss, st = quark_loss(
+                    response_logits(policy, mb, cfg.temperature),
+                    ref_logits,
+                    mb["tokens"],
+                    mb["response_mask"],
+                    cfg.kl_coef,
+                )
                 rt.backward(loss, counted / real)
                 rt.step(policy, opt, None, cfg.max_grad_norm)
             if 0 < counted < len(chunk):

@@ -40,7 +40,7 @@ def global_mean(x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tens
 
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
-    """Whiten `x` over the masked entries of every process: unit variance, and zero mean if `shift_mean` (else the mean is kept)."""
+    """Whiten `x` over the masked entries of every process: unit variance; zero mean if `shift_mean`."""
     mean = global_mean(x, mask)
     var = global_mean((x - mean) ** 2, mask)
     out = (x - mean) * torch.rsqrt(var + 1e-8)
@@ -49,7 +49,11 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) 
 
 # ---------------------------------------------------------------------------- KL penalty
 def shape_rewards(
-    scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor, kl_coef: float,
+    scores: torch.Tensor,
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    kl_coef: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token rewards: ``-kl_coef × max(0, logπ - logπ_ref)``, plus `scores` on each last response token.
 
@@ -66,20 +70,39 @@ def shape_rewards(
 
 # ------------------------------------------------------------------------------ rollouts
 def reward_model_fn(reward_model, reward_tokenizer, batch_size: int = 64) -> RewardFn:
-    """The reward model's score of each (prompt, response) as a `RewardFn` (scores on the reward model's device, returned on the CPU)."""
+    """The reward model's score of each (prompt, response) as a `RewardFn` (returned on the CPU)."""
     return lambda prompts, responses: score(reward_model, reward_tokenizer, prompts, responses, batch_size=batch_size)
 
 
 def sample_and_score(
-    policy, tokenizer, reward_fn: RewardFn, prompts: Sequence[str], *, temperature: float, max_new_tokens: int,
-    penalty_reward_value: float | None, batch_size: int, seed: int,
+    policy,
+    tokenizer,
+    reward_fn: RewardFn,
+    prompts: Sequence[str],
+    *,
+    temperature: float,
+    max_new_tokens: int,
+    penalty_reward_value: float | None,
+    batch_size: int,
+    seed: int,
 ) -> tuple[list[list[int]], torch.Tensor, torch.Tensor]:
     """One response per prompt (token ids, EOS kept), its reward and whether it ended.
 
     Responses that never emit EOS within `max_new_tokens` get `penalty_reward_value` (None: no penalty).
     """
-    responses = [r[0] for r in sample_ids(policy, tokenizer, prompts, n=1, temperature=temperature,
-                                          max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed)]
+    responses = [
+        r[0]
+        for r in sample_ids(
+            policy,
+            tokenizer,
+            prompts,
+            n=1,
+            temperature=temperature,
+            max_new_tokens=max_new_tokens,
+            batch_size=batch_size,
+            seed=seed,
+        )
+    ]
     ended = torch.tensor([bool(r) and r[-1] == tokenizer.eos_token_id for r in responses])
     responses = [r or [tokenizer.pad_token_id] for r in responses]  # a sampled pad token is dropped; keep one token
     texts = [decode_response(tokenizer, r) for r in responses]
@@ -89,8 +112,10 @@ def sample_and_score(
     return responses, scores, ended
 
 
-def gather_rollout(responses: list[list[int]], scores: torch.Tensor, ended: torch.Tensor) -> tuple[list[list[int]], torch.Tensor, torch.Tensor]:
-    """Every process's share of a rollout (responses, scores, ended) joined in rank order: the whole batch, on every process.
+def gather_rollout(
+    responses: list[list[int]], scores: torch.Tensor, ended: torch.Tensor
+) -> tuple[list[list[int]], torch.Tensor, torch.Tensor]:
+    """Every process's share of a rollout (responses, scores, ended) joined in rank order: the whole batch, everywhere.
 
     A collective; in one process it returns its arguments.
     """
@@ -100,7 +125,9 @@ def gather_rollout(responses: list[list[int]], scores: torch.Tensor, ended: torc
     return [r for p in parts for r in p[0]], torch.cat([p[1] for p in parts]), torch.cat([p[2] for p in parts])
 
 
-def pack(tokenizer, prompts: Sequence[str], responses: Sequence[Sequence[int]], max_prompt_len: int) -> dict[str, torch.Tensor]:
+def pack(
+    tokenizer, prompts: Sequence[str], responses: Sequence[Sequence[int]], max_prompt_len: int
+) -> dict[str, torch.Tensor]:
     """``<s> prompt`` left-padded to a common width P, then the response tokens right-padded.
 
     Returns input_ids, attention_mask, position_ids (all (batch, P + R)), the response tokens
@@ -113,14 +140,17 @@ def pack(tokenizer, prompts: Sequence[str], responses: Sequence[Sequence[int]], 
     prompt_mask = torch.zeros((len(ids), p_width), dtype=torch.long)
     response_mask = torch.zeros((len(responses), r_width), dtype=torch.long)
     for i, (p, r) in enumerate(zip(ids, responses)):
-        prompt_tokens[i, p_width - len(p):] = torch.tensor(p, dtype=torch.long)
-        prompt_mask[i, p_width - len(p):] = 1
+        prompt_tokens[i, p_width - len(p) :] = torch.tensor(p, dtype=torch.long)
+        prompt_mask[i, p_width - len(p) :] = 1
         tokens[i, : len(r)] = torch.tensor(list(r), dtype=torch.long)
         response_mask[i, : len(r)] = 1
     attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
     return {
-        "input_ids": torch.cat([prompt_tokens, tokens], dim=1), "attention_mask": attention_mask,
-        "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0), "tokens": tokens, "response_mask": response_mask,
+        "input_ids": torch.cat([prompt_tokens, tokens], dim=1),
+        "attention_mask": attention_mask,
+        "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
+        "tokens": tokens,
+        "response_mask": response_mask,
     }
 
 
@@ -130,9 +160,15 @@ def take(batch: dict[str, torch.Tensor], idx: torch.Tensor | slice) -> dict[str,
 
 def response_logits(model, batch: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
     """Logits (batch, R, vocab) that predict each response token, divided by the temperature."""
-    width = batch["tokens"].shape[1]  # responses fill the last `width` columns; the column before each token predicts it
-    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"],
-                logits_to_keep=width + 1)  # no vocabulary projection for the prompt columns
+    width = batch["tokens"].shape[
+        1
+    ]  # responses fill the last `width` columns; the column before each token predicts it
+    out = model(
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        position_ids=batch["position_ids"],
+        logits_to_keep=width + 1,
+    )  # no vocabulary projection for the prompt columns
     return out.logits[:, :width].float() / temperature
 
 
@@ -141,7 +177,9 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------- schedule and checks
-def linear_schedule(opt: torch.optim.Optimizer, warmup_steps: int, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+def linear_schedule(
+    opt: torch.optim.Optimizer, warmup_steps: int, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
     """Linear warmup then linear decay to 0 (transformers' "linear" schedule, AlpacaFarm's RL default)."""
 
     def factor(step: int) -> float:
@@ -166,21 +204,27 @@ def check_shares(section: str, processes: int, **sizes: int) -> None:
     """One clear error when a batch (config field -> its size) does not split evenly between the processes."""
     for field, size in sizes.items():
         if size % processes:
-            raise ValueError(f"{section}.{field} ({size}) does not divide evenly between the {processes} processes "
-                             "(execution.num_processes): every process takes an equal share of each batch")
+            raise ValueError(
+                f"{section}.{field} ({size}) does not divide evenly between the {processes} processes "
+                "(execution.num_processes): every process takes an equal share of each batch"
+            )
 
 
 def refuse_sharded(rt: Runtime, section: str) -> None:
     """PPO and Quark sample from the policy they train: not from a policy sharded by FSDP or DeepSpeed."""
     if rt.sharded:
         raise ValueError(
-            f"{section} does not run under FSDP or DeepSpeed (execution.accelerate_config): it samples from the policy it "
-            "trains, and a sharded policy cannot generate per process. Use a DDP config (execution.accelerate_config=multi_gpu: "
-            "every GPU holds the policy, value, reference and reward models) or one process (model.lora for a large policy)")
+            f"{section} does not run under FSDP or DeepSpeed (execution.accelerate_config): it samples from the policy "
+            "it trains, and a sharded policy cannot generate per process. Use a DDP config "
+            "(execution.accelerate_config=multi_gpu: every GPU holds the policy, value, reference and reward models) "
+            "or one process (model.lora for a large policy)"
+        )
 
 
 def check_lengths(policy, max_new_tokens: int, section: str) -> None:
     """Refuse responses that would leave no room for the prompt in the model's context."""
     context = policy.config.max_position_embeddings
     if max_new_tokens >= context:
-        raise ValueError(f"{section}.max_new_tokens ({max_new_tokens}) must be smaller than the model's context ({context} tokens)")
+        raise ValueError(
+            f"{section}.max_new_tokens ({max_new_tokens}) must be smaller than the model's context ({context} tokens)"
+        )

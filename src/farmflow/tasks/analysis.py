@@ -40,7 +40,9 @@ from farmflow.tasks.stage import StageRun, Table, stage_task
 
 
 @stage_task(STAGES["proxy_reward"])
-def proxy_reward_task(run: StageRun, config: dict, outputs: ArtifactRef, reward: ArtifactRef, batch_size: int = 64) -> Table:
+def proxy_reward_task(
+    run: StageRun, config: dict, outputs: ArtifactRef, reward: ArtifactRef, batch_size: int = 64
+) -> Table:
     """The outputs table with `score` = the reward model's score; mean_reward in the metrics.
 
     config: {} (the output depends only on the inputs). `batch_size` (outputs scored per
@@ -69,24 +71,43 @@ def overoptimization_task(run: StageRun, config: dict) -> Table:
     for p in config["points"]:
         proxy = run.store.get("proxy_reward", p["proxy"])
         evals = {a: run.store.get("evaluate", k) for a, k in p["evaluations"].items()}
-        missing = [f"proxy_reward/{p['proxy']}"] * (proxy is None) + [f"evaluate/{k}" for a, k in p["evaluations"].items() if evals[a] is None]
+        missing = [f"proxy_reward/{p['proxy']}"] * (proxy is None) + [
+            f"evaluate/{k}" for a, k in p["evaluations"].items() if evals[a] is None
+        ]
         if missing:
-            raise ValueError(f"over-optimization point {p['label']!r} (reward model on {p['labeller']} labels): artifact(s) {missing} not in the store")
-        points.append({**{k: p[k] for k in ("label", "labeller", "family", "pressure")}, "outputs_key": p["outputs"],
-                       "proxy_reward": proxy.metrics["mean_reward"],
-                       "evaluations": {a: {"key": ref.key, "metrics": ref.metrics} for a, ref in evals.items()}})
+            raise ValueError(
+                f"over-optimization point {p['label']!r} (reward model on {p['labeller']} labels): "
+                f"artifact(s) {missing} not in the store"
+            )
+        points.append(
+            {
+                **{k: p[k] for k in ("label", "labeller", "family", "pressure")},
+                "outputs_key": p["outputs"],
+                "proxy_reward": proxy.metrics["mean_reward"],
+                "evaluations": {a: {"key": ref.key, "metrics": ref.metrics} for a, ref in evals.items()},
+            }
+        )
     rows = curve_rows(points)
     markdown = curve_markdown(rows, config["title"])
     with tempfile.TemporaryDirectory() as tmp:
         plot_curves(rows, f"{tmp}/curve.png", config["title"])
         png = Path(f"{tmp}/curve.png").read_bytes()
-    return Table(pa.Table.from_pylist(rows, schema=SCHEMAS["overoptimization"]), "overoptimization", {"points": float(len(points))},
-                 extra_files={"curve.md": markdown.encode(), "curve.png": png})
+    return Table(
+        pa.Table.from_pylist(rows, schema=SCHEMAS["overoptimization"]),
+        "overoptimization",
+        {"points": float(len(points))},
+        extra_files={"curve.md": markdown.encode(), "curve.png": png},
+    )
 
 
 @stage_task(STAGES["reward_report"])
 def reward_report_task(
-    run: StageRun, config: dict, preferences: ArtifactRef, sft: ArtifactRef, reward: ArtifactRef, batch_size: int = 64,
+    run: StageRun,
+    config: dict,
+    preferences: ArtifactRef,
+    sft: ArtifactRef,
+    reward: ArtifactRef,
+    batch_size: int = 64,
 ) -> Table:
     """The reward model against baselines on the held-out (val) preference pairs.
 
@@ -104,12 +125,25 @@ def reward_report_task(
         raise ValueError(f"reward_report: preferences {preferences.key} have no val pairs to measure on")
     prompts, out_1, out_2 = prompts_of(rows), [r["output_1"] for r in rows], [r["output_2"] for r in rows]
     model, tokenizer = load_reward(run.store.model_dir(reward))
-    scorers = {"reward_model": (score(model, tokenizer, prompts, out_1, batch_size=batch_size).tolist(),
-                                score(model, tokenizer, prompts, out_2, batch_size=batch_size).tolist())}
+    scorers = {
+        "reward_model": (
+            score(model, tokenizer, prompts, out_1, batch_size=batch_size).tolist(),
+            score(model, tokenizer, prompts, out_2, batch_size=batch_size).tolist(),
+        )
+    }
     scorers["longer_output"] = ([len(o) for o in out_1], [len(o) for o in out_2])
     policy, tokenizer = load_policy(run.store.model_dir(sft))
-    scorers["policy_loglik"] = reference_logps(policy, tokenizer, prompts, out_1, out_2, policy.config.max_position_embeddings,
-                                               batch_size, average=True, label="reward_report: policy log-likelihood")
+    scorers["policy_loglik"] = reference_logps(
+        policy,
+        tokenizer,
+        prompts,
+        out_1,
+        out_2,
+        policy.config.max_position_embeddings,
+        batch_size,
+        average=True,
+        label="reward_report: policy log-likelihood",
+    )
     if all(r["gold_1"] is not None and r["gold_2"] is not None for r in rows):
         scorers["gold"] = ([r["gold_1"] for r in rows], [r["gold_2"] for r in rows])
         annotation = AnnotatorConfig.model_validate(config["annotation"])
@@ -118,8 +152,12 @@ def reward_report_task(
             scorers["pool_bayes"] = ([0.5] * len(rows), [pool_preference(pool, r) for r in rows])
     table = report_rows(rows, scorers)
     headline = {f"{r['scorer']}_{r['target']}": r["accuracy"] for r in table if r["family"] == "all"}
-    return Table(pa.Table.from_pylist(table, schema=SCHEMAS["reward_report"]), "reward_report", headline,
-                 extra_files={"report.md": report_markdown(table, config.get("title", "Reward model report")).encode()})
+    return Table(
+        pa.Table.from_pylist(table, schema=SCHEMAS["reward_report"]),
+        "reward_report",
+        headline,
+        extra_files={"report.md": report_markdown(table, config.get("title", "Reward model report")).encode()},
+    )
 
 
 @task(name="leaderboard", cache_policy=NO_CACHE, persist_result=False)
@@ -128,16 +166,21 @@ def leaderboard_task(store_uri: str, evaluations: dict[str, ArtifactRef], title:
 
     The LC win rate's instruction difficulty is pooled over the board's evaluations plus
     every other evaluation in the store with the same annotator config and the same
-    evaluation split (its content digest; their keys enter the leaderboard's key). The artifact holds the Parquet table plus
+    evaluation split (its content digest; their keys enter the leaderboard's key). The artifact holds the Parquet
+    table plus
     ``leaderboard.md`` and ``leaderboard.png``; inside a flow the table is also published
     as Prefect markdown and table artifacts.
     """
     store = open_store(store_uri)
     committed = store.records()
     records = {r["ref"]["key"]: r for r in committed if r["ref"]["stage"] == "evaluate"}
-    data_refs = {r["ref"]["key"]: ArtifactRef.model_validate(r["ref"]) for r in committed if r["ref"]["stage"] == "data"}
+    data_refs = {
+        r["ref"]["key"]: ArtifactRef.model_validate(r["ref"]) for r in committed if r["ref"]["stage"] == "data"
+    }
 
-    def group(record: dict) -> str:  # same judge, same references (the eval split's content): difficulties are comparable
+    def group(
+        record: dict,
+    ) -> str:  # same judge, same references (the eval split's content): difficulties are comparable
         data_key = record["inputs"].get("data")
         data = data_refs.get(data_key)
         return canonical_json([record["config"], data.parts.get("eval", data_key) if data else data_key])
@@ -147,15 +190,25 @@ def leaderboard_task(store_uri: str, evaluations: dict[str, ArtifactRef], title:
         record = records.get(ref.key) or store.record(ref)
         data_key = record["inputs"].get("data") or "?"
         data = store.get("data", data_key)  # its config names the evaluation file of the real farm
-        entries.append({"method": method, "metrics": ref.metrics, "rows": store.read_table(ref).to_pylist(), "group": group(record),
-                        "annotator": annotator_label(record["config"]), "reference": reference_label(data_key, data and store.record(data)["config"]),
-                        "evaluation_key": ref.key})
+        entries.append(
+            {
+                "method": method,
+                "metrics": ref.metrics,
+                "rows": store.read_table(ref).to_pylist(),
+                "group": group(record),
+                "annotator": annotator_label(record["config"]),
+                "reference": reference_label(data_key, data and store.record(data)["config"]),
+                "evaluation_key": ref.key,
+            }
+        )
     groups = {e["group"] for e in entries}
     board_keys = {ref.key for ref in evaluations.values()}
     peers = [r for k, r in records.items() if k not in board_keys and group(r) in groups]
     peer_runs: dict[str, list[dict]] = {}
     for r in peers:
-        peer_runs.setdefault(group(r), []).append(run_of_rows(store.read_table(ArtifactRef.model_validate(r["ref"])).to_pylist()))
+        peer_runs.setdefault(group(r), []).append(
+            run_of_rows(store.read_table(ArtifactRef.model_validate(r["ref"])).to_pylist())
+        )
     rows = leaderboard_rows(entries, peer_runs)
     key = stage_key("leaderboard", "4", {"title": title, "peers": sorted(r["ref"]["key"] for r in peers)}, evaluations)
     markdown = leaderboard_markdown(rows, title)
@@ -165,13 +218,32 @@ def leaderboard_task(store_uri: str, evaluations: dict[str, ArtifactRef], title:
             plot_leaderboard(rows, f"{tmp}/leaderboard.png", title)
             png = Path(f"{tmp}/leaderboard.png").read_bytes()
         ref = store.put_table(
-            "leaderboard", key, pa.Table.from_pylist(rows, schema=SCHEMAS["leaderboard"]), "leaderboard", inputs=evaluations,
+            "leaderboard",
+            key,
+            pa.Table.from_pylist(rows, schema=SCHEMAS["leaderboard"]),
+            "leaderboard",
+            inputs=evaluations,
             metrics={"difficulty_peer_runs": float(len(peers))},
             extra_files={"leaderboard.md": markdown.encode(), "leaderboard.png": png},
         )
     if TaskRunContext.get() is not None:  # not when called as task.fn(...) outside a flow
-        create_markdown_artifact(markdown + f"\nParquet, Markdown and plot: `{ref.uri}`\n", key="leaderboard", description=title)
-        cols = ("method", "win_rate", "standard_error", "discrete_win_rate", "lc_win_rate", "mean_gold", "gold_standard_error", "avg_length", "n")
-        create_table_artifact([{k: (None if r[k] != r[k] else r[k]) for k in cols} for r in rows],  # NaN is not JSON
-                              key="leaderboard-table", description=title)
+        create_markdown_artifact(
+            markdown + f"\nParquet, Markdown and plot: `{ref.uri}`\n", key="leaderboard", description=title
+        )
+        cols = (
+            "method",
+            "win_rate",
+            "standard_error",
+            "discrete_win_rate",
+            "lc_win_rate",
+            "mean_gold",
+            "gold_standard_error",
+            "avg_length",
+            "n",
+        )
+        create_table_artifact(
+            [{k: (None if r[k] != r[k] else r[k]) for k in cols} for r in rows],  # NaN is not JSON
+            key="leaderboard-table",
+            description=title,
+        )
     return ref

@@ -22,14 +22,32 @@ from farmflow.tasks.stage import EXECUTED, LAUNCH, launching  # noqa: F401 (re-e
 from farmflow.tasks.stage import cache_key as _stage_cache_key
 from farmflow.tasks.stage import lookup as _lookup
 
-TASKS: dict[str, Task] = {t.name: t for t in (
-    pipeline.data_task, pipeline.base_model_task, pipeline.sft_task, pipeline.sample_pairs_task, pipeline.annotate_task,
-    pipeline.train_reward_task, pipeline.generate_task, pipeline.evaluate_task,
-    methods.best_of_n_task, methods.best_of_n_prefix_task, methods.best_of_n_rescore_task, methods.feedme_task,
-    methods.reward_conditioning_task, methods.reference_logps_task, methods.dpo_task, methods.expert_iteration_task,
-    rl.ppo_task, rl.quark_task,
-    analysis.proxy_reward_task, analysis.overoptimization_task, analysis.reward_report_task,
-)}
+TASKS: dict[str, Task] = {
+    t.name: t
+    for t in (
+        pipeline.data_task,
+        pipeline.base_model_task,
+        pipeline.sft_task,
+        pipeline.sample_pairs_task,
+        pipeline.annotate_task,
+        pipeline.train_reward_task,
+        pipeline.generate_task,
+        pipeline.evaluate_task,
+        methods.best_of_n_task,
+        methods.best_of_n_prefix_task,
+        methods.best_of_n_rescore_task,
+        methods.feedme_task,
+        methods.reward_conditioning_task,
+        methods.reference_logps_task,
+        methods.dpo_task,
+        methods.expert_iteration_task,
+        rl.ppo_task,
+        rl.quark_task,
+        analysis.proxy_reward_task,
+        analysis.overoptimization_task,
+        analysis.reward_report_task,
+    )
+}
 """Stage name → its Prefect task: one per entry of `STAGES`."""
 
 
@@ -52,10 +70,12 @@ def keyed_inputs(stage: str, config: Any, inputs: dict[str, ArtifactRef]) -> dic
 
 
 def is_complete(stage: str, store: Any, ref: ArtifactRef, config: Any) -> bool:
-    """A committed artifact serves `config` unless the stage says something it asks for is missing (e.g. PPO snapshots)."""
+    """A committed artifact serves `config` unless the stage says something it asks for is missing (PPO snapshots)."""
     return STAGES[stage].is_complete(store, ref, config) if stage in STAGES else True
 
 
-def lookup(stage: str, store_uri: str, config: Any, **inputs: ArtifactRef) -> tuple[LocalStore, str, ArtifactRef | None]:
+def lookup(
+    stage: str, store_uri: str, config: Any, **inputs: ArtifactRef
+) -> tuple[LocalStore, str, ArtifactRef | None]:
     """The store, the stage key and the committed artifact for it (None: it would be computed now)."""
     return _lookup(STAGES[stage], store_uri, typed_config(stage, config), inputs)

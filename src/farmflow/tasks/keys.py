@@ -32,7 +32,9 @@ def _key_part(config: Any) -> Any:
             extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
             if extra.get("stage_key", True):
                 out[name] = _key_part(getattr(config, name))
-        derived = getattr(config, "stage_key_extra", None)  # what the fields alone do not pin down (an endpoint from the environment)
+        derived = getattr(
+            config, "stage_key_extra", None
+        )  # what the fields alone do not pin down (an endpoint from the environment)
         return out | (derived() if callable(derived) else {})
     if isinstance(config, dict):
         return {k: key_config(v) if isinstance(v, BaseModel) else _key_part(v) for k, v in config.items()}

@@ -43,7 +43,12 @@ def train_pairs(run: StageRun, preferences: ArtifactRef) -> list[dict]:
 # ------------------------------------------------------------------------- best-of-n
 @stage_task(STAGES["best_of_n"])
 def best_of_n_task(
-    run: StageRun, config: dict, data: ArtifactRef, policy: ArtifactRef, reward: ArtifactRef, backend: Literal["hf", "vllm"] = "hf",
+    run: StageRun,
+    config: dict,
+    data: ArtifactRef,
+    policy: ArtifactRef,
+    reward: ArtifactRef,
+    backend: Literal["hf", "vllm"] = "hf",
     batch_size: int = 64,
 ) -> Table:
     """Best of n policy samples per instruction of a split, chosen by the reward model.
@@ -56,25 +61,42 @@ def best_of_n_task(
     """
     cfg = BestOfNConfig.model_validate(config["best_of_n"])
     rows = split_rows(run.store.read_table(data), config.get("split", "eval"))[: config.get("max_prompts")]
-    args = dict(n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=config["max_new_tokens"],
-                batch_size=batch_size, seed=cfg.seed)
+    args = dict(
+        n=cfg.n,
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        max_new_tokens=config["max_new_tokens"],
+        batch_size=batch_size,
+        seed=cfg.seed,
+    )
     if backend == "vllm":
-        candidates, rewards = scored_candidates_vllm(run.store.model_dir(policy), run.store.model_dir(reward), prompts_of(rows), **args)
+        candidates, rewards = scored_candidates_vllm(
+            run.store.model_dir(policy), run.store.model_dir(reward), prompts_of(rows), **args
+        )
     else:
         model, tokenizer = load_policy(run.store.model_dir(policy))
         reward_model, reward_tokenizer = load_reward(run.store.model_dir(reward))
-        candidates, rewards = bon.scored_candidates(model, tokenizer, reward_model, reward_tokenizer, prompts_of(rows), **args)
+        candidates, rewards = bon.scored_candidates(
+            model, tokenizer, reward_model, reward_tokenizer, prompts_of(rows), **args
+        )
     every = [{"id": r["id"], "sample": j, "output": o} for r, c in zip(rows, candidates) for j, o in enumerate(c)]
     return scored_outputs(rows, every, cfg.n, cfg.n, rewards)
 
 
 def read_candidates(run: StageRun, best_of_n: ArtifactRef) -> tuple[list[dict], list[dict], int]:
-    """A best-of-n artifact's output rows, its candidates (checked: the same count for every row, in row order) and that count."""
+    """A best-of-n artifact's output rows, its candidates (checked: as many per row, in row order), that count."""
     rows = run.store.read_table(best_of_n).to_pylist()
     every = run.store.read_table(best_of_n, CANDIDATES, "candidates").to_pylist()
     big = len(every) // max(1, len(rows))
-    if not rows or len(every) != big * len(rows) or any(c["id"] != r["id"] for i, r in enumerate(rows) for c in every[i * big:(i + 1) * big]):
-        raise ValueError(f"{run.stage}: {CANDIDATES} of {best_of_n.stage} {best_of_n.key} does not hold the same number of candidates per output row")
+    if (
+        not rows
+        or len(every) != big * len(rows)
+        or any(c["id"] != r["id"] for i, r in enumerate(rows) for c in every[i * big : (i + 1) * big])
+    ):
+        raise ValueError(
+            f"{run.stage}: {CANDIDATES} of {best_of_n.stage} {best_of_n.key} does not hold the same number of "
+            "candidates per output row"
+        )
     return rows, every, big
 
 
@@ -82,11 +104,25 @@ def scored_outputs(rows: list[dict], every: list[dict], big: int, n: int, reward
     """Best-of-n among each row's first n of `big` candidates; with all of them (n = big) the candidates are kept, with
     `rewards` when given (new scores), else their own."""
     rewards = [c["reward"] for c in every] if rewards is None else rewards
-    outs, scores = bon.pick_best([[c["output"] for c in every[i * big:(i + 1) * big]] for i in range(len(rows))], rewards, n=n)
-    extra = {CANDIDATES: (pa.Table.from_pylist([c | {"reward": r} for c, r in zip(every, rewards)], schema=SCHEMAS["candidates"]),
-                          "candidates")} if n == big else {}
-    return Table(outputs_table(rows, outs, f"best_of_{n}", scores), "outputs", {"mean_reward": sum(scores) / max(1, len(scores))},
-                 extra_tables=extra)
+    outs, scores = bon.pick_best(
+        [[c["output"] for c in every[i * big : (i + 1) * big]] for i in range(len(rows))], rewards, n=n
+    )
+    extra = (
+        {
+            CANDIDATES: (
+                pa.Table.from_pylist([c | {"reward": r} for c, r in zip(every, rewards)], schema=SCHEMAS["candidates"]),
+                "candidates",
+            )
+        }
+        if n == big
+        else {}
+    )
+    return Table(
+        outputs_table(rows, outs, f"best_of_{n}", scores),
+        "outputs",
+        {"mean_reward": sum(scores) / max(1, len(scores))},
+        extra_tables=extra,
+    )
 
 
 @stage_task(STAGES["best_of_n_prefix"])
@@ -102,7 +138,10 @@ def best_of_n_prefix_task(run: StageRun, config: dict, best_of_n: ArtifactRef, r
     """
     scored_by = run.store.record(best_of_n)["inputs"].get("reward")
     if scored_by != reward.key:
-        raise ValueError(f"best_of_n_prefix: {best_of_n.stage} {best_of_n.key} was scored by reward model {scored_by}, not {reward.key}")
+        raise ValueError(
+            f"best_of_n_prefix: {best_of_n.stage} {best_of_n.key} was scored by reward model {scored_by}, "
+            f"not {reward.key}"
+        )
     rows, every, big = read_candidates(run, best_of_n)
     if not 1 <= config["n"] <= big:
         raise ValueError(f"best_of_n_prefix: n={config['n']} must be between 1 and the artifact's n={big}")
@@ -110,7 +149,9 @@ def best_of_n_prefix_task(run: StageRun, config: dict, best_of_n: ArtifactRef, r
 
 
 @stage_task(STAGES["best_of_n_rescore"])
-def best_of_n_rescore_task(run: StageRun, config: dict, best_of_n: ArtifactRef, reward: ArtifactRef, batch_size: int = 64) -> Table:
+def best_of_n_rescore_task(
+    run: StageRun, config: dict, best_of_n: ArtifactRef, reward: ArtifactRef, batch_size: int = 64
+) -> Table:
     """The same candidates as a best-of-n artifact, scored and chosen by another reward model: no sampling.
 
     The over-optimization flow samples once for all labellers (the candidates depend only on
@@ -121,38 +162,64 @@ def best_of_n_rescore_task(run: StageRun, config: dict, best_of_n: ArtifactRef, 
     model, tokenizer = load_reward(run.store.model_dir(reward))
     prompts = prompts_of(rows)
     with progress("best_of_n_rescore: score", len(every), unit="sample") as bar:
-        rewards = score(model, tokenizer, [prompts[i // big] for i in range(len(every))], [c["output"] for c in every],
-                        batch_size=batch_size, progress=bar.update).tolist()
+        rewards = score(
+            model,
+            tokenizer,
+            [prompts[i // big] for i in range(len(every))],
+            [c["output"] for c in every],
+            batch_size=batch_size,
+            progress=bar.update,
+        ).tolist()
     return scored_outputs(rows, every, big, big, rewards)
 
 
 # --------------------------------------------------------------------- from preferences
 @stage_task(STAGES["feedme"])
 def feedme_task(
-    run: StageRun, config: SFTConfig, preferences: ArtifactRef, sft: ArtifactRef, checkpoints: CheckpointConfig | None = None,
+    run: StageRun,
+    config: SFTConfig,
+    preferences: ArtifactRef,
+    sft: ArtifactRef,
+    checkpoints: CheckpointConfig | None = None,
 ) -> Model:
     """Binary FeedME: fine-tune the SFT model on the preferred output of each PREF pair."""
     model, tokenizer = load_policy(run.store.model_dir(sft))
-    metrics = feedme.train_feedme(model, tokenizer, train_pairs(run, preferences), config, model.config.max_position_embeddings,
-                                  run.checkpointer(checkpoints))
+    metrics = feedme.train_feedme(
+        model,
+        tokenizer,
+        train_pairs(run, preferences),
+        config,
+        model.config.max_position_embeddings,
+        run.checkpointer(checkpoints),
+    )
     return Model(model, tokenizer, metrics)
 
 
 @stage_task(STAGES["reward_conditioning"])
 def reward_conditioning_task(
-    run: StageRun, config: RewardConditioningConfig, preferences: ArtifactRef, sft: ArtifactRef,
+    run: StageRun,
+    config: RewardConditioningConfig,
+    preferences: ArtifactRef,
+    sft: ArtifactRef,
     checkpoints: CheckpointConfig | None = None,
 ) -> Model:
     """Binary reward conditioning: SFT on both outputs of each PREF pair with good/bad control tokens."""
     model, tokenizer = load_policy(run.store.model_dir(sft))
     metrics = reward_conditioning.train_reward_conditioning(
-        model, tokenizer, train_pairs(run, preferences), config, model.config.max_position_embeddings, run.checkpointer(checkpoints),
+        model,
+        tokenizer,
+        train_pairs(run, preferences),
+        config,
+        model.config.max_position_embeddings,
+        run.checkpointer(checkpoints),
     )
     return Model(model, tokenizer, metrics)
 
 
 @stage_task(STAGES["reference_logps"])
-def reference_logps_task(run: StageRun, config: dict, preferences: ArtifactRef, sft: ArtifactRef, batch_size: int = 64) -> Table:
+def reference_logps_task(
+    run: StageRun, config: dict, preferences: ArtifactRef, sft: ArtifactRef, batch_size: int = 64
+) -> Table:
     """Log-probs of both outputs of every PREF pair under the frozen SFT policy.
 
     config: {} (the output depends only on the inputs). `batch_size` (pairs per forward
@@ -160,14 +227,25 @@ def reference_logps_task(run: StageRun, config: dict, preferences: ArtifactRef, 
     """
     rows = train_pairs(run, preferences)
     model, tokenizer = load_policy(run.store.model_dir(sft))
-    l1, l2 = dpo.reference_logps(model, tokenizer, prompts_of(rows), [r["output_1"] for r in rows], [r["output_2"] for r in rows],
-                                 model.config.max_position_embeddings, batch_size)
+    l1, l2 = dpo.reference_logps(
+        model,
+        tokenizer,
+        prompts_of(rows),
+        [r["output_1"] for r in rows],
+        [r["output_2"] for r in rows],
+        model.config.max_position_embeddings,
+        batch_size,
+    )
     return Table(pa.table({"id": [r["id"] for r in rows], "logp_1": l1, "logp_2": l2}), "logps")
 
 
 @stage_task(STAGES["dpo"])
 def dpo_task(
-    run: StageRun, config: DPOConfig, preferences: ArtifactRef, sft: ArtifactRef, reference: ArtifactRef,
+    run: StageRun,
+    config: DPOConfig,
+    preferences: ArtifactRef,
+    sft: ArtifactRef,
+    reference: ArtifactRef,
     checkpoints: CheckpointConfig | None = None,
 ) -> Model:
     """DPO from the SFT model on the PREF pairs, against the stored reference log-probs."""
@@ -175,11 +253,21 @@ def dpo_task(
     ref = {r["id"]: r for r in run.store.read_table(reference).to_pylist()}
     missing = [r["id"] for r in rows if r["id"] not in ref]
     if missing:
-        raise ValueError(f"dpo: reference log-probs {reference.key[:12]} lack {len(missing)} pair(s), e.g. {missing[0]!r}")
+        raise ValueError(
+            f"dpo: reference log-probs {reference.key[:12]} lack {len(missing)} pair(s), e.g. {missing[0]!r}"
+        )
     model, tokenizer = load_policy(run.store.model_dir(sft))
     metrics = dpo.train_dpo(
-        model, tokenizer, prompts_of(rows), [r["output_1"] for r in rows], [r["output_2"] for r in rows], [r["preference"] for r in rows],
-        [ref[r["id"]]["logp_1"] for r in rows], [ref[r["id"]]["logp_2"] for r in rows], config, model.config.max_position_embeddings,
+        model,
+        tokenizer,
+        prompts_of(rows),
+        [r["output_1"] for r in rows],
+        [r["output_2"] for r in rows],
+        [r["preference"] for r in rows],
+        [ref[r["id"]]["logp_1"] for r in rows],
+        [ref[r["id"]]["logp_2"] for r in rows],
+        config,
+        model.config.max_position_embeddings,
         run.checkpointer(checkpoints),
     )
     return Model(model, tokenizer, metrics)
@@ -187,13 +275,22 @@ def dpo_task(
 
 @stage_task(STAGES["expert_iteration"])
 def expert_iteration_task(
-    run: StageRun, config: SFTConfig, sft: ArtifactRef, selections: ArtifactRef, checkpoints: CheckpointConfig | None = None,
+    run: StageRun,
+    config: SFTConfig,
+    sft: ArtifactRef,
+    selections: ArtifactRef,
+    checkpoints: CheckpointConfig | None = None,
 ) -> Model:
     """Fine-tune from the SFT initialization on best-of-n selections (an ``outputs`` table of the unlabeled split)."""
     rows = run.store.read_table(selections).to_pylist()
     model, tokenizer = load_policy(run.store.model_dir(sft))
     metrics = expert_iteration.train_expert_iteration(
-        model, tokenizer, prompts_of(rows), [r["output"] for r in rows], config, model.config.max_position_embeddings,
+        model,
+        tokenizer,
+        prompts_of(rows),
+        [r["output"] for r in rows],
+        config,
+        model.config.max_position_embeddings,
         run.checkpointer(checkpoints),
     )
     return Model(model, tokenizer, metrics)

@@ -57,7 +57,7 @@ class Stage:
         return self.typed(config) if self.typed is not None else config
 
     def keyed_inputs(self, config: Any, inputs: dict[str, ArtifactRef]) -> dict[str, ArtifactRef | str]:
-        """The inputs as the stage key sees them: an input the stage reads only parts of counts by those parts' digests."""
+        """The inputs as the stage key sees them: an input read only in parts counts by those parts' digests."""
         reads = self.reads(config) if self.reads is not None else {}
         return {name: part_key(ref, reads[name]) if name in reads else ref for name, ref in inputs.items()}
 
@@ -87,7 +87,9 @@ def snapshots_complete(store: Any, ref: ArtifactRef, config: Any) -> bool:
     """Does the PPO artifact `ref` have a committed snapshot at every `snapshot_every` steps of its run?"""
     every = config_get(config, "snapshot_every", 0)
     steps = int(ref.metrics.get("steps", 0))
-    return not every or all(store.get(SNAPSHOT_STAGE, snapshot_key(ref.key, s)) is not None for s in range(every, steps + 1, every))
+    return not every or all(
+        store.get(SNAPSHOT_STAGE, snapshot_key(ref.key, s)) is not None for s in range(every, steps + 1, every)
+    )
 
 
 def _data_summary(metrics: dict[str, float]) -> str:
@@ -99,52 +101,143 @@ LOSS = "loss {train_loss_first:.3f} -> {train_loss_last:.3f}"
 RL = "{steps:.0f} steps, reward {reward_first:.3f} -> {reward_last:.3f}, KL {kl_first:.2f} -> {kl_last:.2f}"
 UNLABELED = {"data": ("unlabeled",)}
 
-STAGES: dict[str, Stage] = {s.name: s for s in (
-    # --- the shared pipeline: data → base model → SFT → pairs → preferences → reward model
-    Stage("data", f"1+synthetic{synthetic.VERSION}", summary=_data_summary),
-    Stage("base_model", "1", ("data",), reads=lambda c: {"data": () if config_get(c, "pretrained") else None},
-          summary="{parameters:.0f} parameters"),
-    Stage("sft", sft.VERSION, ("data", "base"), reads=lambda c: {"data": ("sft",)}, gpu=True, processes="all",
-          summary="{steps:.0f} steps, " + LOSS + ", {train_tokens:.0f} tokens in {seconds:.1f}s"),
-    Stage("sample_pairs", "1" + SAMPLED, ("data", "policy"), reads=lambda c: {"data": ("pref", "val")}, gpu=True,
-          summary="{identical_pairs:.0f} pairs with two identical outputs"),
-    Stage("annotate", "1", ("pairs",), summary="output_2 preferred in {output_2_preferred:.1%} of the pairs"),
-    Stage("train_reward", reward.VERSION, ("preferences", "sft"), gpu=True, processes="all",
-          summary="held-out accuracy {heldout_accuracy:.3f} (un-noised labels {heldout_accuracy_unnoised:.3f}, "
-                  "gold {heldout_gold_accuracy:.3f})"),
-    # --- outputs and their evaluation
-    Stage("generate", "1" + SAMPLED, ("data", "policy"), reads=lambda c: {"data": ("eval",)}, typed=generate_config, gpu=True),
-    Stage("evaluate", EVAL_VERSION, ("outputs", "data"), reads=lambda c: {"data": ("eval",)},
-          summary="win rate {win_rate:.1f} ± {standard_error:.1f}, mean gold {mean_gold:.3f}"),
-    # --- methods (farmflow.methods.*)
-    Stage("best_of_n", best_of_n.VERSION + SAMPLED, ("data", "policy", "reward"),
-          reads=lambda c: {"data": (config_get(c, "split", "eval"),)}, gpu=True, summary="mean reward {mean_reward:.3f}"),
-    Stage("best_of_n_prefix", "1", ("best_of_n", "reward"), summary="mean reward {mean_reward:.3f}"),
-    Stage("best_of_n_rescore", "1", ("best_of_n", "reward"), gpu=True, summary="mean reward {mean_reward:.3f}"),
-    Stage("feedme", feedme.VERSION, ("preferences", "sft"), gpu=True, processes="all",
-          summary="{examples:.0f} examples, {steps:.0f} steps, " + LOSS),
-    Stage("reward_conditioning", reward_conditioning.VERSION, ("preferences", "sft"), gpu=True, processes="all",
-          summary="{examples:.0f} examples, " + LOSS),
-    Stage("reference_logps", dpo.VERSION, ("preferences", "sft"), gpu=True),
-    Stage("dpo", dpo.VERSION, ("preferences", "sft", "reference"), gpu=True, processes="all",
-          summary="{pairs:.0f} pairs, " + LOSS + ", implicit reward accuracy {implicit_reward_accuracy_first:.2f} -> "
-                  "{implicit_reward_accuracy_last:.2f}"),
-    Stage("expert_iteration", expert_iteration.VERSION, ("sft", "selections"), gpu=True, processes="all",
-          summary="{examples:.0f} selections, " + LOSS),
-    Stage("ppo", ppo.VERSION + SAMPLED, ("data", "sft", "reward"), reads=lambda c: UNLABELED, complete=snapshots_complete,
-          gpu=True, processes="all", summary=RL),
-    Stage("quark", quark.VERSION + SAMPLED, ("data", "sft", "reward"), reads=lambda c: UNLABELED, gpu=True, processes="all",
-          summary=RL),
-    # --- analysis
-    Stage("proxy_reward", "1", ("outputs", "reward"), gpu=True, summary="mean {mean_reward:.3f} over {n:.0f} outputs"),
-    Stage("overoptimization", "2", summary="{points:.0f} points"),
-    Stage("reward_report", "2", ("preferences", "sft", "reward"), gpu=True,
-          summary="reward model {reward_model_labels:.3f}, policy log-likelihood {policy_loglik_labels:.3f}, "
-                  "longer output {longer_output_labels:.3f} against labels"),
-)}
+STAGES: dict[str, Stage] = {
+    s.name: s
+    for s in (
+        # --- the shared pipeline: data → base model → SFT → pairs → preferences → reward model
+        Stage("data", f"1+synthetic{synthetic.VERSION}", summary=_data_summary),
+        Stage(
+            "base_model",
+            "1",
+            ("data",),
+            reads=lambda c: {"data": () if config_get(c, "pretrained") else None},
+            summary="{parameters:.0f} parameters",
+        ),
+        Stage(
+            "sft",
+            sft.VERSION,
+            ("data", "base"),
+            reads=lambda c: {"data": ("sft",)},
+            gpu=True,
+            processes="all",
+            summary="{steps:.0f} steps, " + LOSS + ", {train_tokens:.0f} tokens in {seconds:.1f}s",
+        ),
+        Stage(
+            "sample_pairs",
+            "1" + SAMPLED,
+            ("data", "policy"),
+            reads=lambda c: {"data": ("pref", "val")},
+            gpu=True,
+            summary="{identical_pairs:.0f} pairs with two identical outputs",
+        ),
+        Stage("annotate", "1", ("pairs",), summary="output_2 preferred in {output_2_preferred:.1%} of the pairs"),
+        Stage(
+            "train_reward",
+            reward.VERSION,
+            ("preferences", "sft"),
+            gpu=True,
+            processes="all",
+            summary="held-out accuracy {heldout_accuracy:.3f} (un-noised labels {heldout_accuracy_unnoised:.3f}, "
+            "gold {heldout_gold_accuracy:.3f})",
+        ),
+        # --- outputs and their evaluation
+        Stage(
+            "generate",
+            "1" + SAMPLED,
+            ("data", "policy"),
+            reads=lambda c: {"data": ("eval",)},
+            typed=generate_config,
+            gpu=True,
+        ),
+        Stage(
+            "evaluate",
+            EVAL_VERSION,
+            ("outputs", "data"),
+            reads=lambda c: {"data": ("eval",)},
+            summary="win rate {win_rate:.1f} ± {standard_error:.1f}, mean gold {mean_gold:.3f}",
+        ),
+        # --- methods (farmflow.methods.*)
+        Stage(
+            "best_of_n",
+            best_of_n.VERSION + SAMPLED,
+            ("data", "policy", "reward"),
+            reads=lambda c: {"data": (config_get(c, "split", "eval"),)},
+            gpu=True,
+            summary="mean reward {mean_reward:.3f}",
+        ),
+        Stage("best_of_n_prefix", "1", ("best_of_n", "reward"), summary="mean reward {mean_reward:.3f}"),
+        Stage("best_of_n_rescore", "1", ("best_of_n", "reward"), gpu=True, summary="mean reward {mean_reward:.3f}"),
+        Stage(
+            "feedme",
+            feedme.VERSION,
+            ("preferences", "sft"),
+            gpu=True,
+            processes="all",
+            summary="{examples:.0f} examples, {steps:.0f} steps, " + LOSS,
+        ),
+        Stage(
+            "reward_conditioning",
+            reward_conditioning.VERSION,
+            ("preferences", "sft"),
+            gpu=True,
+            processes="all",
+            summary="{examples:.0f} examples, " + LOSS,
+        ),
+        Stage("reference_logps", dpo.VERSION, ("preferences", "sft"), gpu=True),
+        Stage(
+            "dpo",
+            dpo.VERSION,
+            ("preferences", "sft", "reference"),
+            gpu=True,
+            processes="all",
+            summary="{pairs:.0f} pairs, " + LOSS + ", implicit reward accuracy {implicit_reward_accuracy_first:.2f} -> "
+            "{implicit_reward_accuracy_last:.2f}",
+        ),
+        Stage(
+            "expert_iteration",
+            expert_iteration.VERSION,
+            ("sft", "selections"),
+            gpu=True,
+            processes="all",
+            summary="{examples:.0f} selections, " + LOSS,
+        ),
+        Stage(
+            "ppo",
+            ppo.VERSION + SAMPLED,
+            ("data", "sft", "reward"),
+            reads=lambda c: UNLABELED,
+            complete=snapshots_complete,
+            gpu=True,
+            processes="all",
+            summary=RL,
+        ),
+        Stage(
+            "quark",
+            quark.VERSION + SAMPLED,
+            ("data", "sft", "reward"),
+            reads=lambda c: UNLABELED,
+            gpu=True,
+            processes="all",
+            summary=RL,
+        ),
+        # --- analysis
+        Stage(
+            "proxy_reward", "1", ("outputs", "reward"), gpu=True, summary="mean {mean_reward:.3f} over {n:.0f} outputs"
+        ),
+        Stage("overoptimization", "2", summary="{points:.0f} points"),
+        Stage(
+            "reward_report",
+            "2",
+            ("preferences", "sft", "reward"),
+            gpu=True,
+            summary="reward model {reward_model_labels:.3f}, policy log-likelihood {policy_loglik_labels:.3f}, "
+            "longer output {longer_output_labels:.3f} against labels",
+        ),
+    )
+}
 
 VERSIONS: dict[str, str] = {name: s.version for name, s in STAGES.items()}
 """Stage name → code version (part of every stage key)."""
 
 MULTI_PROCESS_STAGES = tuple(name for name, s in STAGES.items() if s.processes == "all")
-"""Stages that `accelerate launch` starts on several processes (their loops split each batch; PPO and Quark: DDP only)."""
+"""Stages that `accelerate launch` starts on several processes (their loops split each batch; PPO, Quark: DDP only)."""

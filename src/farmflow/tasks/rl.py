@@ -31,7 +31,10 @@ HISTORY_FILE = "history.json"
 def unlabeled_prompts(run: StageRun, data: ArtifactRef) -> list[str]:
     rows = split_rows(run.store.read_table(data), "unlabeled")
     if not rows:
-        raise ValueError(f"{run.stage}: the data artifact {data.key[:12]} has no 'unlabeled' rows to roll out on (data.unlabeled_size is 0)")
+        raise ValueError(
+            f"{run.stage}: the data artifact {data.key[:12]} has no 'unlabeled' rows to roll out on "
+            "(data.unlabeled_size is 0)"
+        )
     return prompts_of(rows)
 
 
@@ -59,7 +62,12 @@ def ppo_snapshots(store_uri: str, ppo_ref: ArtifactRef) -> dict[int, ArtifactRef
 
 @stage_task(STAGES["ppo"])
 def ppo_task(
-    run: StageRun, config: PPOConfig, data: ArtifactRef, sft: ArtifactRef, reward: ArtifactRef, checkpoints: CheckpointConfig | None = None,
+    run: StageRun,
+    config: PPOConfig,
+    data: ArtifactRef,
+    sft: ArtifactRef,
+    reward: ArtifactRef,
+    checkpoints: CheckpointConfig | None = None,
 ) -> Model:
     """PPO from the SFT policy against the reward model, on the unlabeled split's prompts."""
     prompts = unlabeled_prompts(run, data)
@@ -70,26 +78,52 @@ def ppo_task(
     def snapshot(step: int, model) -> None:
         key = snapshot_key(run.key, step)
         if config.snapshot_every and step % config.snapshot_every == 0 and run.store.get(SNAPSHOT_STAGE, key) is None:
-            with run.store.put_model(SNAPSHOT_STAGE, key, "policy", config={"step": step}, inputs={"ppo": run.key}) as (folder, m):
+            with run.store.put_model(SNAPSHOT_STAGE, key, "policy", config={"step": step}, inputs={"ppo": run.key}) as (
+                folder,
+                m,
+            ):
                 save(model, tokenizer, folder)
                 m["step"] = float(step)
 
-    summary, history = ppo.train_ppo(policy, ref_policy, value_model, reward_fn(run, reward), tokenizer, prompts, config,
-                                     run.checkpointer(checkpoints), snapshot)
+    summary, history = ppo.train_ppo(
+        policy,
+        ref_policy,
+        value_model,
+        reward_fn(run, reward),
+        tokenizer,
+        prompts,
+        config,
+        run.checkpointer(checkpoints),
+        snapshot,
+    )
     return Model(policy, tokenizer, summary, extra_files={HISTORY_FILE: json.dumps(history, indent=1)})
 
 
 @stage_task(STAGES["quark"])
 def quark_task(
-    run: StageRun, config: QuarkConfig, data: ArtifactRef, sft: ArtifactRef, reward: ArtifactRef, checkpoints: CheckpointConfig | None = None,
+    run: StageRun,
+    config: QuarkConfig,
+    data: ArtifactRef,
+    sft: ArtifactRef,
+    reward: ArtifactRef,
+    checkpoints: CheckpointConfig | None = None,
 ) -> Model:
     """Quark (top-quantile variant) from the SFT policy with the reward model, on the unlabeled split's prompts."""
     prompts = unlabeled_prompts(run, data)
     policy, tokenizer = load_policy(run.store.model_dir(sft))
     ref_policy, _ = load_policy(run.store.model_dir(sft))
-    summary, history = quark.train_quark(policy, ref_policy, reward_fn(run, reward), tokenizer, prompts, config,
-                                         run.checkpointer(checkpoints))
+    summary, history = quark.train_quark(
+        policy, ref_policy, reward_fn(run, reward), tokenizer, prompts, config, run.checkpointer(checkpoints)
+    )
     return Model(policy, tokenizer, summary, extra_files={HISTORY_FILE: json.dumps(history, indent=1)})
 
 
-__all__ = ["HISTORY_FILE", "ppo_snapshots", "ppo_task", "quark_task", "read_history", "snapshot_key", "snapshots_complete"]
+__all__ = [
+    "HISTORY_FILE",
+    "ppo_snapshots",
+    "ppo_task",
+    "quark_task",
+    "read_history",
+    "snapshot_key",
+    "snapshots_complete",
+]

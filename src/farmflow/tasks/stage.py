@@ -10,7 +10,8 @@ key, checkpointer), its config, its input `ArtifactRef`s and options, and return
    run's seconds, drops its checkpoints and logs the stage's summary line.
 
 Prefect's cache key is the same stage key and the persisted result is the `ArtifactRef` as JSON, so a rerun with the
-same config does not even enter the task. Options (``checkpoints``, ``batch_size``, ``backend``) are not part of the key.
+same config does not even enter the task. Options (``checkpoints``, ``batch_size``, ``backend``) are not part of the
+key.
 
 Where a GPU stage runs is decided here too: inside `launching(execution)` (the flows' `StageRunner` enters it), a
 stage named in ``execution.gpu_stages`` with ``execution.launcher`` 'process' or 'accelerate' runs in a child process
@@ -62,7 +63,7 @@ def launching(execution: Any) -> Iterator[None]:
 # --------------------------------------------------------------------- what a stage returns
 @dataclass
 class Table:
-    """A table artifact: `table` in the `format` schema (`farmflow.storage.schemas`), plus files and tables beside it."""
+    """A table artifact: `table` in the `format` schema (`farmflow.storage.schemas`), plus files and tables."""
 
     table: pa.Table
     format: str
@@ -85,7 +86,7 @@ class Model:
 
 @dataclass
 class StageRun:
-    """What a stage function gets besides its config and inputs: the store (and its URI), its stage key, its checkpointer."""
+    """What a stage function gets besides its config and inputs: store and URI, stage key, checkpointer."""
 
     store: Any
     store_uri: str
@@ -98,12 +99,16 @@ class StageRun:
         if checkpoints is None:
             self.ckpt = Checkpointer(None, self.stage, self.key)
         else:
-            self.ckpt = Checkpointer(self.store, self.stage, self.key, checkpoints.every_steps, checkpoints.every_seconds)
+            self.ckpt = Checkpointer(
+                self.store, self.stage, self.key, checkpoints.every_steps, checkpoints.every_seconds
+            )
         return self.ckpt
 
 
 # ------------------------------------------------------------------------------- running
-def lookup(stage: Stage, store_uri: str, config: Any, inputs: dict[str, ArtifactRef]) -> tuple[Any, str, ArtifactRef | None]:
+def lookup(
+    stage: Stage, store_uri: str, config: Any, inputs: dict[str, ArtifactRef]
+) -> tuple[Any, str, ArtifactRef | None]:
     """The store, the stage key and the committed artifact for it (None: compute it now; counted in `EXECUTED`)."""
     key = stage.key(config, inputs)
     if OUTBOX is not None:  # a launched child: the parent found no artifact; write to the outbox
@@ -121,7 +126,9 @@ def lookup(stage: Stage, store_uri: str, config: Any, inputs: dict[str, Artifact
     return store, key, hit
 
 
-def run_stage(stage: Stage, fn: Callable[..., Table | Model], store_uri: str, config: Any, params: dict[str, Any]) -> ArtifactRef | None:
+def run_stage(
+    stage: Stage, fn: Callable[..., Table | Model], store_uri: str, config: Any, params: dict[str, Any]
+) -> ArtifactRef | None:
     """Key → hit? → `fn` → commit: one stage run in this process (`params`: its inputs and options).
 
     Returns the committed artifact (None in the processes of a launched child other than the main one)."""
@@ -138,17 +145,32 @@ def run_stage(stage: Stage, fn: Callable[..., Table | Model], store_uri: str, co
         run.ckpt.clear()
     if stage.summary and ref is not None:  # None: a launched child's other processes, which do not write
         metrics = defaultdict(lambda: float("nan"), ref.metrics)
-        log("%s: %s", stage.name, stage.summary(metrics) if callable(stage.summary) else stage.summary.format_map(metrics))
+        log(
+            "%s: %s",
+            stage.name,
+            stage.summary(metrics) if callable(stage.summary) else stage.summary.format_map(metrics),
+        )
     return ref
 
 
-def commit(run: StageRun, out: Table | Model, config: Any, inputs: dict[str, ArtifactRef], seconds: float) -> ArtifactRef:
+def commit(
+    run: StageRun, out: Table | Model, config: Any, inputs: dict[str, ArtifactRef], seconds: float
+) -> ArtifactRef:
     """Commit a stage function's result as the run's artifact, recording its config, inputs and metrics."""
     metrics = {**out.metrics, "seconds": seconds}
     if isinstance(out, Table):
-        return run.store.put_table(run.stage, run.key, out.table, out.format, config=config, inputs=inputs or None,
-                                   metrics=metrics, extra_files=out.extra_files or None, extra_tables=out.extra_tables or None,
-                                   parts=out.parts)
+        return run.store.put_table(
+            run.stage,
+            run.key,
+            out.table,
+            out.format,
+            config=config,
+            inputs=inputs or None,
+            metrics=metrics,
+            extra_files=out.extra_files or None,
+            extra_tables=out.extra_tables or None,
+            parts=out.parts,
+        )
     from farmflow.models import save
 
     with run.store.put_model(run.stage, run.key, out.format, config=config, inputs=inputs or None) as (folder, m):
@@ -160,7 +182,7 @@ def commit(run: StageRun, out: Table | Model, config: Any, inputs: dict[str, Art
 
 
 def stage_task(stage: Stage, **options: Any):
-    """Decorator: a stage function ``fn(run: StageRun, config, *inputs, **options) -> Table | Model`` → its Prefect task.
+    """Decorator: stage function ``fn(run: StageRun, config, *inputs, **options) -> Table | Model`` → Prefect task.
 
     The task's signature is the function's with ``store_uri: str`` in place of `run`; it is cached by the stage key
     and its result (the `ArtifactRef`) persisted as JSON.
@@ -177,16 +199,32 @@ def stage_task(stage: Stage, **options: Any):
             params = dict(task_signature.bind(*args, **kwargs).arguments)
             uri, config = params.pop("store_uri"), params.pop("config")
             execution = LAUNCH.get()
-            if OUTBOX is None and execution is not None and execution.launcher != "inline" and stage.name in execution.gpu_stages:
+            if (
+                OUTBOX is None
+                and execution is not None
+                and execution.launcher != "inline"
+                and stage.name in execution.gpu_stages
+            ):
                 config = stage.typed_config(config)
-                store, key, hit = lookup(stage, uri, config, {k: v for k, v in params.items() if isinstance(v, ArtifactRef)})
+                store, key, hit = lookup(
+                    stage, uri, config, {k: v for k, v in params.items() if isinstance(v, ArtifactRef)}
+                )
                 return hit or launch.run_in_child(stage.name, store, key, uri, config, params, execution)
             return run_stage(stage, fn, uri, config, params)
 
         run.__signature__ = task_signature
-        run.__annotations__ = {"store_uri": "str", **{k: v for k, v in fn.__annotations__.items() if k != params[0].name}}
-        return task(name=stage.name, cache_key_fn=cache_key(stage), persist_result=True, result_serializer="json",
-                    task_run_name=stage.name, **options)(run)
+        run.__annotations__ = {
+            "store_uri": "str",
+            **{k: v for k, v in fn.__annotations__.items() if k != params[0].name},
+        }
+        return task(
+            name=stage.name,
+            cache_key_fn=cache_key(stage),
+            persist_result=True,
+            result_serializer="json",
+            task_run_name=stage.name,
+            **options,
+        )(run)
 
     return declare
 
