@@ -96,6 +96,14 @@ def _data_summary(metrics: dict[str, float]) -> str:
     return ", ".join(f"{k} {v:.0f}" for k, v in metrics.items() if k != "seconds")
 
 
+def _annotate_summary(m: dict[str, float]) -> str:
+    line = f"output_2 preferred in {m['output_2_preferred']:.1%} of the pairs"
+    if "requests" in m:  # API judges: what this run paid for
+        line += (f"; {m['judged']:.0f} judged now, {m['cached']:.0f} from the cache, {m['noised']:.0f} label-noised; "
+                 f"{m['requests']:.0f} requests, ${m['cost_usd']:.4f}")
+    return line
+
+
 SAMPLED = f"+sampler{SAMPLER_VERSION}"  # stages that sample: their outputs change with the sampler's random streams
 LOSS = "loss {train_loss_first:.3f} -> {train_loss_last:.3f}"
 RL = "{steps:.0f} steps, reward {reward_first:.3f} -> {reward_last:.3f}, KL {kl_first:.2f} -> {kl_last:.2f}"
@@ -130,7 +138,7 @@ STAGES: dict[str, Stage] = {
             gpu=True,
             summary="{identical_pairs:.0f} pairs with two identical outputs",
         ),
-        Stage("annotate", "1", ("pairs",), summary="output_2 preferred in {output_2_preferred:.1%} of the pairs"),
+        Stage("annotate", "1", ("pairs",), summary=_annotate_summary),
         Stage(
             "train_reward",
             reward.VERSION,
