@@ -366,7 +366,7 @@ def bench_ppo(size: dict, device: str, dtype: torch.dtype) -> dict:
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
     from farmflow.config import PPOConfig
-    from farmflow.methods import ppo
+    from farmflow.methods import ppo, rl
     from farmflow.models import ValueModel
 
     p, r, vocab = size["ppo"], size["reward"], size["model"]["vocab"]
@@ -399,14 +399,14 @@ def bench_ppo(size: dict, device: str, dtype: torch.dtype) -> dict:
             return result
         return wrapper
 
-    reward_fn = timed(ppo.reward_model_fn(reward, tok, batch_size=p["micro"]), "score")
-    real = {"sample_ids": ppo.sample_ids, "rollout": ppo.rollout}
-    ppo.sample_ids, ppo.rollout = timed(real["sample_ids"], "generate"), timed(real["rollout"], "rollout")
+    reward_fn = timed(rl.reward_model_fn(reward, tok, batch_size=p["micro"]), "score")
+    real = {"sample_ids": rl.sample_ids, "rollout": ppo.rollout}
+    rl.sample_ids, ppo.rollout = timed(real["sample_ids"], "generate"), timed(real["rollout"], "rollout")
     try:
         ppo.train_ppo(model, ref, value, reward_fn, tok, prompts, cfg,
                       on_step=lambda step, _: (sync(), marks["step_end"].append(time.perf_counter())))
     finally:
-        ppo.sample_ids, ppo.rollout = real["sample_ids"], real["rollout"]
+        rl.sample_ids, ppo.rollout = real["sample_ids"], real["rollout"]
     steps = []
     for i in range(p["steps"]):
         train = marks["step_end"][i] - marks["rollout_end"][i]

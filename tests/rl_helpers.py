@@ -57,13 +57,14 @@ def uninterrupted_history(art: dict, method: str, config) -> list[dict]:
     """Per-step history of the same training run in this process, never interrupted."""
     from farmflow.data import prompts_of, split_rows
     from farmflow.methods import ppo, quark
+    from farmflow.methods import rl as rl_methods
     from farmflow.models import load_policy, load_reward, value_from_reward
     from farmflow.storage import open_store
 
     store = open_store(art["uri"])
     policy, tok = load_policy(store.model_dir(art["sft"]))
     ref_policy, _ = load_policy(store.model_dir(art["sft"]))
-    reward_fn = ppo.reward_model_fn(*load_reward(store.model_dir(art["reward"])))
+    reward_fn = rl_methods.reward_model_fn(*load_reward(store.model_dir(art["reward"])))
     prompts = prompts_of(split_rows(store.read_table(art["data"]), "unlabeled"))
     if method == "ppo":
         value = value_from_reward(store.model_dir(art["reward"]))

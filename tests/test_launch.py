@@ -97,7 +97,7 @@ def test_inline_and_non_gpu_stages_never_start_a_child(tmp_path, cfg):
 
 def test_command_lines(tmp_path):
     spec = tmp_path / "spec.json"
-    child = ["-m", "farmflow.tasks.launch", str(spec)]
+    child = ["-m", "farmflow.tasks.child", str(spec)]
     assert command("sft", spec, ExecutionConfig(launcher="process")) == [sys.executable, *child]
     ex = ExecutionConfig(launcher="accelerate", accelerate_config="configs/accelerate/fsdp.yaml", num_processes=4)
     argv = command("sft", spec, ex)
@@ -281,18 +281,18 @@ def test_a_launched_child_exits_when_its_flow_process_is_killed_and_its_folder_i
 
     from procs import python_env
 
-    from farmflow.tasks.launch import PARENT_FILE, _alive, sweep_orphans
+    from farmflow.tasks.launch import PARENT_FILE, alive, sweep_orphans
 
     parent = subprocess.Popen([sys.executable, "-c", PARENT, WATCHED_CHILD], stdout=subprocess.PIPE, text=True, env=python_env())
     try:
         child = int(parent.stdout.readline())
-        assert _alive(child)
+        assert alive(child)
         parent.send_signal(signal.SIGKILL)
         parent.wait(timeout=10)
         deadline = time.monotonic() + 20
-        while _alive(child) and time.monotonic() < deadline:
+        while alive(child) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not _alive(child)
+        assert not alive(child)
     finally:
         parent.kill()
     dead, live = tmp_path / "launch-sft-dead", tmp_path / "launch-sft-live"

@@ -13,9 +13,11 @@ from farmflow import tasks
 from farmflow.config import PPOConfig
 from farmflow.data import prompts_of, split_rows
 from farmflow.methods import ppo
+from farmflow.methods import rl as rl_methods
 from farmflow.models import load_policy, value_from_reward
 from farmflow.storage import open_store
 from farmflow.tasks import rl
+from farmflow.tasks.stage import StageRun
 from rl_helpers import TOY_PROMPTS, digit_reward, kill_when_checkpointed, micro_artifacts, toy_models, uninterrupted_history
 
 
@@ -103,7 +105,7 @@ def test_shape_rewards_kl_per_token_and_score_on_last_token():
     logprobs = torch.tensor([[-1.0, -2.0, 0.0], [-0.5, -0.5, -0.5]])
     ref = torch.tensor([[-1.5, -1.0, 0.0], [-1.0, -1.0, -3.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
-    rewards, kl = ppo.shape_rewards(torch.tensor([2.0, -1.0]), logprobs, ref, mask, kl_coef=0.1)
+    rewards, kl = rl_methods.shape_rewards(torch.tensor([2.0, -1.0]), logprobs, ref, mask, kl_coef=0.1)
     # KL estimate logp - ref clipped at 0: row 0 (0.5, 0 [was -1], pad 0); row 1 (0.5, 0.5, 2.5)
     assert torch.allclose(kl, torch.tensor([[0.5, 0.0, 0.0], [0.5, 0.5, 2.5]]))
     assert torch.allclose(rewards, torch.tensor([[-0.05, 2.0, 0.0], [-0.05, -0.05, -0.25 - 1.0]]))
@@ -112,11 +114,11 @@ def test_shape_rewards_kl_per_token_and_score_on_last_token():
 def test_masked_whiten_uses_masked_entries_only():
     x = torch.tensor([[1.0, 3.0, 100.0], [5.0, 7.0, -100.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
-    out = ppo.masked_whiten(x, mask)
+    out = rl_methods.masked_whiten(x, mask)
     # masked entries 1, 3, 5, 7: mean 4, variance 5
     assert torch.allclose(out, torch.tensor([[-3.0, -1.0, 0.0], [1.0, 3.0, 0.0]]) / math.sqrt(5), atol=1e-5)
     # shift_mean=False keeps the mean (4) and scales the spread around it to unit variance
-    scaled = ppo.masked_whiten(x, mask, shift_mean=False)
+    scaled = rl_methods.masked_whiten(x, mask, shift_mean=False)
     assert torch.allclose(scaled, (torch.tensor([[-3.0, -1.0, 0.0], [1.0, 3.0, 0.0]]) / math.sqrt(5) + 4) * mask, atol=1e-5)
 
 
@@ -129,12 +131,12 @@ def test_rollout_logprobs_at_temperature_whole_batch_advantages_and_zero_initial
     batch, stats = ppo.rollout(policy, ref, value, digit_reward, tok, prompts, cfg, seed=3)
     mask = batch["response_mask"].float()
     # log-probs are those of the sampling distribution: logits / temperature, computed in one full pass
-    logits = ppo.response_logits(policy, batch, 1.0)
+    logits = rl_methods.response_logits(policy, batch, 1.0)
     expected = torch.log_softmax(logits / 0.6, -1).gather(-1, batch["tokens"].unsqueeze(-1)).squeeze(-1) * mask
     assert torch.allclose(batch["logprobs"], expected, atol=1e-5)
     # advantages are normalized over the whole rollout batch (micro batches of 5 do not matter)
-    assert ppo.masked_mean(batch["advantages"], mask).item() == pytest.approx(0.0, abs=1e-5)
-    assert ppo.masked_mean(batch["advantages"] ** 2, mask).item() == pytest.approx(1.0, abs=1e-3)
+    assert rl_methods.masked_mean(batch["advantages"], mask).item() == pytest.approx(0.0, abs=1e-5)
+    assert rl_methods.masked_mean(batch["advantages"] ** 2, mask).item() == pytest.approx(1.0, abs=1e-3)
     # the value head starts at zero; the policy equals the reference, so the KL is 0
     assert torch.count_nonzero(batch["values"]) == 0
     assert stats["kl"] == pytest.approx(0.0, abs=1e-6)
@@ -143,14 +145,14 @@ def test_rollout_logprobs_at_temperature_whole_batch_advantages_and_zero_initial
 
 def test_responses_without_eos_get_the_penalty():
     policy, _, _, tok = toy_models()
-    responses, scores, ended = ppo.sample_and_score(policy, tok, digit_reward, TOY_PROMPTS, temperature=1.0, max_new_tokens=3,
+    responses, scores, ended = rl_methods.sample_and_score(policy, tok, digit_reward, TOY_PROMPTS, temperature=1.0, max_new_tokens=3,
                                                     penalty_reward_value=-7.0, batch_size=64, seed=0)
     assert not ended.all() and len(responses) == len(TOY_PROMPTS)
     assert torch.all(scores[~ended] == -7.0)
     for r, s, e in zip(responses, scores, ended):
         assert e == (r[-1] == tok.eos_token_id)
         assert len(r) <= 3
-    _, unpenalized, _ = ppo.sample_and_score(policy, tok, digit_reward, TOY_PROMPTS, temperature=1.0, max_new_tokens=3,
+    _, unpenalized, _ = rl_methods.sample_and_score(policy, tok, digit_reward, TOY_PROMPTS, temperature=1.0, max_new_tokens=3,
                                              penalty_reward_value=None, batch_size=64, seed=0)
     assert torch.all((unpenalized >= 0) & (unpenalized <= 1))
     assert torch.equal(unpenalized[ended], scores[ended])
@@ -273,7 +275,8 @@ def test_snapshots_do_not_fork_the_ppo_run(micro):
 def test_ppo_rolls_out_on_the_unlabeled_split_only(micro):
     store = open_store(micro["uri"])
     table = store.read_table(micro["data"])
-    assert rl._unlabeled_prompts(store, micro["data"], "ppo") == prompts_of(split_rows(table, "unlabeled"))
+    run = StageRun(store, micro["uri"], "ppo", "k")
+    assert rl.unlabeled_prompts(run, micro["data"]) == prompts_of(split_rows(table, "unlabeled"))
 
 
 def test_ppo_without_unlabeled_prompts_fails_clearly(tmp_path):
@@ -282,7 +285,7 @@ def test_ppo_without_unlabeled_prompts_fails_clearly(tmp_path):
     cfg = load_config("synthetic-micro", [f"store.uri={tmp_path}", "data.unlabeled_size=0"])
     data = tasks.data_task.fn(cfg.store.uri, cfg.data)
     with pytest.raises(ValueError, match="ppo: the data artifact .* has no 'unlabeled' rows"):
-        rl._unlabeled_prompts(open_store(cfg.store.uri), data, "ppo")
+        rl.unlabeled_prompts(StageRun(open_store(cfg.store.uri), cfg.store.uri, "ppo", "k"), data)
 
 
 @pytest.mark.slow

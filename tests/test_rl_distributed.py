@@ -28,6 +28,7 @@ from rl_helpers import TOY_PROMPTS, digit_reward, micro_artifacts, toy_models  #
 
 from farmflow.config import PPOConfig, QuarkConfig  # noqa: E402
 from farmflow.methods import ppo, quark  # noqa: E402
+from farmflow.methods import rl as rl_methods  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -66,7 +67,7 @@ def fixed_pool() -> dict[str, torch.Tensor]:
     _, _, _, tok = toy_models()
     gen = torch.Generator().manual_seed(5)
     responses = [torch.randint(5, 300, (int(n),), generator=gen).tolist() for n in torch.randint(1, 7, (8,), generator=gen)]
-    return ppo.pack(tok, TOY_PROMPTS[:8], responses, 64 - ONE_STEP_QUARK.max_new_tokens)
+    return rl_methods.pack(tok, TOY_PROMPTS[:8], responses, 64 - ONE_STEP_QUARK.max_new_tokens)
 
 
 def one_quark_update(pool: dict[str, torch.Tensor]) -> list[torch.nn.Module]:
@@ -101,15 +102,15 @@ def worker(out: Path) -> None:
     state = process_state()
     rank, seen = state.process_index, {"processes": state.num_processes}
     x, mask = _share(X, rank), _share(MASK, rank)
-    seen["whiten"] = ppo.masked_whiten(x, mask).tolist()
-    seen["whiten_keep_mean"] = ppo.masked_whiten(x, mask, shift_mean=False).tolist()
-    seen["row_mean"] = ppo.global_mean(x.sum(1)).item()
+    seen["whiten"] = rl_methods.masked_whiten(x, mask).tolist()
+    seen["whiten_keep_mean"] = rl_methods.masked_whiten(x, mask, shift_mean=False).tolist()
+    seen["row_mean"] = rl_methods.global_mean(x.sum(1)).item()
     responses = [[rank, i] for i in range(5)]
-    got, scores, ended = quark.gather_rollout(responses, SCORES[5 * rank: 5 * rank + 5], torch.tensor([rank == 0] * 5))
+    got, scores, ended = rl_methods.gather_rollout(responses, SCORES[5 * rank: 5 * rank + 5], torch.tensor([rank == 0] * 5))
     seen["gathered"] = {"responses": got, "scores": scores.tolist(), "ended": ended.tolist(), "keep": quark.top_quantile(scores, 3).tolist()}
 
     policy, ref, value, tok = toy_models()
-    batch, stats = ppo.rollout(policy, ref, value, digit_reward, tok, TOY_PROMPTS[12 * rank: 12 * rank + 12], TOY_PPO, seed=ppo.share_seed(7, rank))
+    batch, stats = ppo.rollout(policy, ref, value, digit_reward, tok, TOY_PROMPTS[12 * rank: 12 * rank + 12], TOY_PPO, seed=rl_methods.share_seed(7, rank))
     seen["rollout"] = {"stats": stats, **{k: batch[k].tolist() for k in ROLLOUT_KEYS}}
     _save_weights(out / f"rank{rank}-ppo-step.safetensors", *one_ppo_update(batch))
     _save_weights(out / f"rank{rank}-quark-step.safetensors", *one_quark_update(fixed_pool()))
@@ -139,19 +140,19 @@ def worker(out: Path) -> None:
 
 # -------------------------------------------------------------------- one process (fast)
 def test_in_one_process_the_helpers_are_the_local_computation():
-    assert torch.equal(ppo.global_mean(X), X.mean()) and torch.equal(ppo.global_mean(X, MASK), ppo.masked_mean(X, MASK))
+    assert torch.equal(rl_methods.global_mean(X), X.mean()) and torch.equal(rl_methods.global_mean(X, MASK), rl_methods.masked_mean(X, MASK))
     responses, ended = [[1, 2], [3]], torch.tensor([True, False])
-    got = quark.gather_rollout(responses, SCORES[:2], ended)
+    got = rl_methods.gather_rollout(responses, SCORES[:2], ended)
     assert got[0] is responses and torch.equal(got[1], SCORES[:2]) and torch.equal(got[2], ended)
-    assert ppo.share_seed(1_000_003, 0) == 1_000_003  # rank 0 (and one process) samples exactly as before
-    seeds = {ppo.share_seed(s, r) for s in range(50) for r in range(1, 9)}
+    assert rl_methods.share_seed(1_000_003, 0) == 1_000_003  # rank 0 (and one process) samples exactly as before
+    seeds = {rl_methods.share_seed(s, r) for s in range(50) for r in range(1, 9)}
     assert len(seeds) == 400 and all(0 <= x < 2**32 for x in seeds)  # distinct within torch's 32-bit CPU seeds
 
 
 def test_a_batch_that_does_not_split_names_the_field():
-    ppo.check_shares("ppo", 8, rollout_batch_size=512, step_batch_size=256)
+    rl_methods.check_shares("ppo", 8, rollout_batch_size=512, step_batch_size=256)
     with pytest.raises(ValueError, match=r"^quark.rollout_batch_size \(100\) does not divide evenly between the 8 processes"):
-        ppo.check_shares("quark", 8, rollout_batch_size=100)
+        rl_methods.check_shares("quark", 8, rollout_batch_size=100)
 
 
 def test_local_micro_batches_are_the_share_counted_from_zero():
@@ -173,11 +174,11 @@ def _ddp_config(folder: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> tuple[list[dict], Path]:
-    from farmflow.tasks.launch import _free_port
+    from farmflow.tasks.launch import free_port
 
     out = tmp_path_factory.mktemp("rl-distributed")
     argv = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(_ddp_config(out)), "--main_process_port",
-            str(_free_port()), __file__, "worker", str(out)]
+            str(free_port()), __file__, "worker", str(out)]
     src = str(TESTS.parent / "src")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
@@ -190,15 +191,15 @@ def test_whitening_and_means_span_both_processes(ranks):
     seen, _ = ranks
     assert [s["processes"] for s in seen] == [2, 2]
     # the one-process computation over the union of the shares (rank 1's rows padded back to 5 columns)
-    union = ppo.masked_whiten(X, MASK)
+    union = rl_methods.masked_whiten(X, MASK)
     got = torch.cat([torch.tensor(seen[0]["whiten"]), torch.nn.functional.pad(torch.tensor(seen[1]["whiten"]), (0, 1))])
     assert torch.allclose(got, union, atol=1e-5)
-    assert ppo.masked_mean(got, MASK).item() == pytest.approx(0.0, abs=1e-6)
-    assert ppo.masked_mean(got ** 2, MASK).item() == pytest.approx(1.0, abs=1e-4)
-    local = ppo.masked_whiten(X[:3], MASK[:3])  # what whitening rank 0's share alone would give: not that
+    assert rl_methods.masked_mean(got, MASK).item() == pytest.approx(0.0, abs=1e-6)
+    assert rl_methods.masked_mean(got ** 2, MASK).item() == pytest.approx(1.0, abs=1e-4)
+    local = rl_methods.masked_whiten(X[:3], MASK[:3])  # what whitening rank 0's share alone would give: not that
     assert (local - got[:3]).abs().max() > 0.1
     kept = torch.cat([torch.tensor(seen[0]["whiten_keep_mean"]), torch.nn.functional.pad(torch.tensor(seen[1]["whiten_keep_mean"]), (0, 1))])
-    assert torch.allclose(kept, ppo.masked_whiten(X, MASK, shift_mean=False), atol=1e-5)
+    assert torch.allclose(kept, rl_methods.masked_whiten(X, MASK, shift_mean=False), atol=1e-5)
     # by hand: the mean of the 6 row sums the two processes hold (rank 1's rows are 4 columns wide)
     row_sums = torch.cat([X[:3].sum(1), X[3:, :4].sum(1)])
     assert seen[0]["row_mean"] == seen[1]["row_mean"] == pytest.approx(row_sums.mean().item(), abs=1e-6)
@@ -219,12 +220,14 @@ def test_ppo_rollout_statistics_are_those_of_the_union(ranks):
     seen, _ = ranks
     r0, r1 = seen[0]["rollout"], seen[1]["rollout"]
     assert r0["stats"] == r1["stats"]  # every process logs the same numbers
+    from farmflow.models import decode_response
+
     _, _, _, tok = toy_models()
     texts, lengths = [], []
     for r, rank in ((r0, 0), (r1, 1)):
         for tokens, mask in zip(r["tokens"], r["response_mask"]):
             ids = [t for t, m in zip(tokens, mask) if m]
-            texts.append(ppo.decode_response(tok, ids))
+            texts.append(decode_response(tok, ids))
             lengths.append(len(ids))
     prompts = TOY_PROMPTS[:24]
     assert r0["stats"]["reward"] == pytest.approx(digit_reward(prompts, texts).mean().item(), abs=1e-6)
@@ -247,7 +250,7 @@ def _union_batch(shares: list[dict]) -> dict[str, torch.Tensor]:
     """The two processes' rollout shares as one batch: packed again (prompts, responses), response columns padded right."""
     _, _, _, tok = toy_models()
     responses = [[t for t, m in zip(row, mask) if m] for s in shares for row, mask in zip(s["tokens"], s["response_mask"])]
-    batch = ppo.pack(tok, TOY_PROMPTS[:24], responses, 64 - TOY_PPO.max_new_tokens)
+    batch = rl_methods.pack(tok, TOY_PROMPTS[:24], responses, 64 - TOY_PPO.max_new_tokens)
     width = batch["tokens"].shape[1]
     for k in ROLLOUT_KEYS[2:]:
         rows = [torch.nn.functional.pad(torch.tensor(s[k]), (0, width - len(s[k][0]))) for s in shares]

@@ -127,3 +127,85 @@ def test_split_digests_change_only_with_their_split(tmp_path):
     assert base(ModelConfig(), small) == small.key and base(ModelConfig(), more_eval) == more_eval.key
     assert base(ModelConfig(pretrained="org/model"), small) == base(ModelConfig(pretrained="org/model"), more_eval)
     assert base({"pretrained": "org/model"}, small) == base(ModelConfig(pretrained="org/model"), small)  # a config from JSON
+
+
+# Every stage's key for synthetic-micro's configs and fixed input keys, computed before the stage registry existed:
+# users' stores are addressed by these keys, so a refactor that changes one silently recomputes (and orphans) work.
+PINNED_KEYS = {
+    "data": "data-b56a1790aad8144e75862bbcb3940fa6",
+    "base_model": "base_model-25e5faacbfdc49e6e6cf4f95a7a63039",
+    "sft": "sft-76ad2664987ec336242bcc5bf98b1479",
+    "sample_pairs": "sample_pairs-c8291d9e85d2d028dc79a635e6272b30",
+    "annotate": "annotate-518e10c9fe80742205872791251e73d4",
+    "train_reward": "train_reward-a8a662e5161cdb1ba196d0da5c9c2cc1",
+    "generate": "generate-ed626207fc38506011a601de05b9e4d0",
+    "generate_json": "generate-ed626207fc38506011a601de05b9e4d0",
+    "best_of_n": "best_of_n-089e62724ce4d3b86f96a9d071890ff1",
+    "best_of_n_prefix": "best_of_n_prefix-6f61d74af9757d7d0aa2dfa7cbec91f7",
+    "best_of_n_rescore": "best_of_n_rescore-15fd10d6c8660a859ab1c810eeb34ad4",
+    "evaluate": "evaluate-b5e6791e78b5b900377f3b1d4110c36c",
+    "feedme": "feedme-254393a6e02b4540884ae8e5d0ce73b2",
+    "reward_conditioning": "reward_conditioning-9d5456ed27b8b61ded9e773afbcd5b91",
+    "reference_logps": "reference_logps-fd540a713d2fff8e60ef8e31c9cd75e1",
+    "dpo": "dpo-2827a0f4a082c6902ba189dc62a737e9",
+    "expert_iteration": "expert_iteration-a77ca15588f0d045eab96348509ec385",
+    "ppo": "ppo-dcf236f9c3b9824b8ca0ee4024ef93a9",
+    "quark": "quark-022af7452226ab7221368576b64a1ae1",
+    "proxy_reward": "proxy_reward-4e93ffff80249955d3e7a59ceb0fbbf9",
+    "overoptimization": "overoptimization-c166c29e74bbff9d873854feeb8b12f6",
+    "reward_report": "reward_report-83055387a3579eb4e2d5d648dab020cf",
+}
+
+
+def _ref(stage: str, parts: dict | None = None):
+    from farmflow.storage import ArtifactRef
+
+    return ArtifactRef(uri="", stage=stage, key=stage[:4].ljust(32, "0"), kind="table", format="x", created="now", parts=parts or {})
+
+
+def _pinned_cases() -> dict:
+    import json
+
+    cfg = load_config("synthetic-micro")
+    data = _ref("data", {s: s.ljust(16, "1") for s in ("sft", "pref", "unlabeled", "val", "eval")})
+    bon = {"best_of_n": cfg.best_of_n, "max_new_tokens": cfg.generation.max_new_tokens, "split": "eval", "max_prompts": None}
+    gen = {"sample": cfg.generation, "generator": "sft", "control": ""}
+    pref, sft, reward, outputs = _ref("annotate"), _ref("sft"), _ref("train_reward"), _ref("generate")
+    return {
+        "data": (cfg.data, {}), "base_model": (cfg.model, {"data": data}),
+        "sft": (cfg.sft, {"data": data, "base": _ref("base_model")}),
+        "sample_pairs": (cfg.pairs, {"data": data, "policy": sft}), "annotate": (cfg.annotation, {"pairs": _ref("sample_pairs")}),
+        "train_reward": (cfg.reward, {"preferences": pref, "sft": sft}),
+        "generate": (gen, {"data": data, "policy": sft}),
+        "generate_json": (json.loads(json.dumps({**gen, "sample": cfg.generation.model_dump(mode="json")})), {"data": data, "policy": sft}),
+        "best_of_n": (bon, {"data": data, "policy": sft, "reward": reward}),
+        "best_of_n_prefix": ({"n": 2}, {"best_of_n": _ref("best_of_n"), "reward": reward}),
+        "best_of_n_rescore": ({}, {"best_of_n": _ref("best_of_n"), "reward": reward}),
+        "evaluate": (cfg.evaluation.annotator, {"outputs": outputs, "data": data}),
+        "feedme": (cfg.feedme, {"preferences": pref, "sft": sft}),
+        "reward_conditioning": (cfg.reward_conditioning, {"preferences": pref, "sft": sft}),
+        "reference_logps": ({}, {"preferences": pref, "sft": sft}),
+        "dpo": (cfg.dpo, {"preferences": pref, "sft": sft, "reference": _ref("reference_logps")}),
+        "expert_iteration": (cfg.expert_iteration.train, {"sft": sft, "selections": _ref("best_of_n")}),
+        "ppo": (cfg.ppo, {"data": data, "sft": sft, "reward": reward}),
+        "quark": (cfg.quark, {"data": data, "sft": sft, "reward": reward}),
+        "proxy_reward": ({}, {"outputs": outputs, "reward": reward}),
+        "overoptimization": ({"title": "t", "points": []}, {}),
+        "reward_report": ({"annotation": cfg.annotation, "title": "t"}, {"preferences": pref, "sft": sft, "reward": reward}),
+    }
+
+
+def test_every_stage_key_is_pinned():
+    from farmflow.config import ModelConfig
+    from farmflow.tasks import STAGES, rl
+    from farmflow.tasks.core import cache_key
+
+    cases = _pinned_cases()
+    assert {name.removesuffix("_json") for name in cases} == set(STAGES)  # a new stage gets a pinned key too
+    for name, (config, inputs) in cases.items():
+        stage = name.removesuffix("_json")
+        assert cache_key(stage)(None, {"config": config, **inputs}) == PINNED_KEYS[name], name
+        assert STAGES[stage].key(STAGES[stage].typed_config(config), inputs) == PINNED_KEYS[name].removeprefix(f"{stage}-"), name
+    hub = ModelConfig(pretrained="org/model", revision="abc")
+    assert cache_key("base_model")(None, {"config": hub, "data": cases["base_model"][1]["data"]}) == "base_model-c7c8d77f2bf19b237ff17387162af217"
+    assert rl.snapshot_key("p" * 32, 5) == "cc56db1c46d7e853650915eb7b55d5e8"

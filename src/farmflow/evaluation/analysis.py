@@ -269,19 +269,6 @@ def plot_agreement(table: Sequence[dict], path: str, title: str = "Annotators: a
     plt.close(fig)
 
 
-def table_markdown(table: Sequence[dict], reference: str) -> str:
-    def f(x: float, scale: float = 100, fmt: str = ".1f") -> str:
-        return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else format(scale * x, fmt)
-
-    lines = [f"Reference: {reference}", "",
-             "| annotator | labels | agreement % | bias % | variance % | prefers longer % | prefers list % | $ / 1000 | s / 1000 |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in table:
-        lines.append(f"| {r['annotator']} | {r['labels']} | {f(r['agreement'])} | {f(r['bias'])} | {f(r['variance'])} | "
-                     f"{f(r['length_pref'])} | {f(r['list_pref'])} | {f(r['price_per_1000'], 1, '.2f')} | {f(r['seconds_per_1000'], 1, '.3f')} |")
-    return "\n".join(lines) + "\n"
-
-
 # ------------------------------------------------------------------ files
 def load_labels(path: str) -> list[dict]:
     """Label records from a JSON list (AlpacaEval annotations: price_per_example / time_per_example

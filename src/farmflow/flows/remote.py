@@ -26,7 +26,7 @@ from prefect import Task
 from pydantic_core import to_jsonable_python
 
 from farmflow.storage import ArtifactRef
-from farmflow.tasks.core import VERSIONS, _cache_key, is_complete, log
+from farmflow.tasks.core import VERSIONS, cache_key, is_complete, log
 
 
 class StageRunError(RuntimeError):
@@ -50,7 +50,7 @@ def stage_tasks() -> dict[str, Task]:
 
 def stage_key_of(stage: str, config: Any, inputs: dict[str, Any]) -> str:
     """The key the stage task will compute for this config and these inputs (options such as `checkpoints` are not part of it)."""
-    return _cache_key(stage)(None, {"config": config, **inputs}).removeprefix(f"{stage}-")
+    return cache_key(stage)(None, {"config": config, **inputs}).removeprefix(f"{stage}-")
 
 
 def run_remote(runner, task: Task, config: Any, label: str, inputs: dict[str, Any]) -> tuple[ArtifactRef, bool]:

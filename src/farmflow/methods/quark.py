@@ -1,39 +1,23 @@
-"""Quark, top-quantile variant: fine-tune on the best-scored of the policy's own samples (AlpacaFarm §3.4).
+"""Quark, top-quantile variant: fine-tune on the best-scored of the policy's own samples (AlpacaFarm §3.4;
+Lu et al., 2022).
 
-Each Quark step:
+Each step (the loop's sections below):
 
-1. **Rollout.** Sample one response per prompt for `rollout_batch_size` prompts of the
-   unlabeled split at `temperature`, score each with the reward model (a response that
-   never emits EOS gets `penalty_reward_value`, so it ranks last).
-2. **Top quantile.** The data pool is *reset* to this rollout; its samples are sorted by
-   reward and only the best ``1 / num_quantiles`` are kept (no reward tokens: the
-   top-quantile variant trains on the best quantile only).
-3. **Optimization.** `grad_steps_per_rollout` AdamW steps on minibatches of the kept
-   samples with `quark_loss`: the response tokens' negative log-likelihood plus
-   ``kl_coef × KL(π ‖ π_SFT)`` per token, against the frozen SFT policy. No entropy term.
+1. **Rollout.** Sample one response per prompt for `rollout_batch_size` unlabeled prompts at `temperature`, score each
+   with the reward model (a response that never emits EOS gets `penalty_reward_value`, so it ranks last).
+2. **Top quantile.** The data pool is *reset* to this rollout, sorted by reward, and only the best
+   ``1 / num_quantiles`` kept (no reward tokens: the top-quantile variant trains on the best quantile only).
+3. **Update.** `grad_steps_per_rollout` AdamW steps on minibatches of the pool with `quark_loss`.
 
-Defaults (`farmflow.config.QuarkConfig`) follow AlpacaFarm's released Quark script:
-rollout batch 512, step batch 256, KL coefficient 0.05, lr 3e-6, temperature 1.0,
-300-token responses, AdamW ε 1e-5; 5 quantiles as in Quark (Lu et al., 2022).
-Rollout sampling, scoring and sequence packing are shared with `farmflow.methods.ppo`; so is
-the device handling (`farmflow.models.runtime.Runtime`, LoRA on the policy when the model
-asks for it).
+Loss (`quark_loss`), per response token t, against the frozen SFT policy π_ref (no entropy term):
 
-**Several processes** (``accelerate launch``, DDP): each process samples and scores an equal,
-contiguous share of every rollout batch (`rollout_batch_size` must divide by the number of
-processes) with its own unwrapped policy and sampling seed; the shares are then gathered
-(`gather_rollout`), so every process ranks the whole rollout and holds the same pool: the
-quantile threshold and the logged reward are those of a one-process run over the union of
-the shares. Each optimizer minibatch is split between the processes (DDP averages the
-gradients); when it does not divide evenly (the paper's 512 // 5 = 102 samples on 8 GPUs)
-the last processes pad their share with masked rows that carry no weight. With one process
-the share is the whole rollout; N processes draw other (equally distributed) samples.
+    mean_t [ -log π(y_t) + kl_coef · KL(π(·|t) ‖ π_ref(·|t)) ]
 
-The `synthetic-tiny` preset uses rollout 128, step batch 32 (the best 25 of 128 samples),
-62 steps, lr 1e-4, KL coefficient 0.1, 48-token responses. In the demo Quark raises mean
-gold reward from 0.593 (SFT) to 0.625 (docs/results.md, demo leaderboard). Stronger
-optimization (lr 3e-4 with KL coefficient 0.05) raises the proxy reward further but loses
-gold: the weak reward model is over-optimized.
+Defaults and their sources are the `farmflow.config.QuarkConfig` field descriptions (AlpacaFarm's released Quark
+script); results in docs/methods.md. Rollouts, packing and schedules are shared with PPO (`farmflow.methods.rl`).
+Under ``accelerate launch`` (DDP) each process samples and scores a contiguous share of every rollout; the shares are
+gathered (`gather_rollout`), so every process ranks the whole rollout and holds the same pool. Each minibatch is split
+between the processes; when it does not divide evenly the last processes pad with masked rows that carry no weight.
 """
 
 from __future__ import annotations
@@ -43,13 +27,24 @@ from typing import Sequence
 import torch
 
 from farmflow.config import QuarkConfig
-from farmflow.methods.ppo import (
-    RewardFn, check_lengths, check_shares, linear_schedule, masked_mean, pack, refuse_sharded, response_logits, sample_and_score,
-    share_seed, take, total_steps,
+from farmflow.methods.rl import (
+    RewardFn,
+    check_lengths,
+    check_shares,
+    gather_rollout,
+    linear_schedule,
+    masked_mean,
+    pack,
+    refuse_sharded,
+    response_logits,
+    sample_and_score,
+    share_seed,
+    take,
+    total_steps,
 )
 from farmflow.models import batch_order
 from farmflow.models.checkpoint import Checkpointer
-from farmflow.models.runtime import Runtime, all_gather_objects, device_of, num_processes, to_device
+from farmflow.models.runtime import Runtime, device_of, num_processes, to_device
 from farmflow.progress import progress
 
 VERSION = "1"
@@ -57,7 +52,11 @@ VERSION = "1"
 
 # ---------------------------------------------------------------------------- loss
 def quark_loss(
-    logits: torch.Tensor, ref_logits: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor, kl_coef: float = 0.05,
+    logits: torch.Tensor,
+    ref_logits: torch.Tensor,
+    tokens: torch.Tensor,
+    mask: torch.Tensor,
+    kl_coef: float = 0.05,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Mean over response tokens of ``-log π(y_t) + kl_coef × KL(π(·|t) ‖ π_ref(·|t))``.
 
@@ -82,27 +81,21 @@ def top_quantile(scores: torch.Tensor, num_quantiles: int) -> torch.Tensor:
     return torch.argsort(scores, descending=True, stable=True)[:keep]
 
 
-def gather_rollout(responses: list[list[int]], scores: torch.Tensor, ended: torch.Tensor) -> tuple[list[list[int]], torch.Tensor, torch.Tensor]:
-    """Every process's share of a rollout (responses, scores, ended) joined in rank order: the whole batch, on every process.
-
-    A collective; in one process it returns its arguments.
-    """
-    parts = all_gather_objects((responses, scores.cpu(), ended.cpu()))
-    if len(parts) == 1:
-        return responses, scores, ended
-    return [r for p in parts for r in p[0]], torch.cat([p[1] for p in parts]), torch.cat([p[2] for p in parts])
-
-
 # ---------------------------------------------------------------------------- loop
 def train_quark(
-    policy, ref_policy, reward_fn: RewardFn, tokenizer, prompts: Sequence[str], cfg: QuarkConfig,
+    policy,
+    ref_policy,
+    reward_fn: RewardFn,
+    tokenizer,
+    prompts: Sequence[str],
+    cfg: QuarkConfig,
     checkpointer: Checkpointer | None = None,
 ) -> tuple[dict[str, float], list[dict[str, float]]]:
     """Train `policy` in place with Quark on `prompts`; returns (summary, per-step history).
 
     `ref_policy` (the SFT model) stays frozen; `reward_fn` scores responses
-    (`farmflow.methods.ppo.reward_model_fn` for a reward model). The prompts and sampling seed of step s are a pure function of (seed, s), so a resumed
-    run replays the steps an uninterrupted one would have taken.
+    (`farmflow.methods.rl.reward_model_fn` for a reward model). The prompts and sampling seed of step s are a pure
+    function of (seed, s), so a resumed run replays the steps an uninterrupted one would have taken.
     """
     check_lengths(policy, cfg.max_new_tokens, "quark")
     ref_policy.eval().requires_grad_(False)
@@ -111,11 +104,15 @@ def train_quark(
     processes = num_processes()
     check_shares("quark", processes, rollout_batch_size=len(prompt_batches[0]))
     pool_size = max(1, min(cfg.rollout_batch_size, len(prompts)) // cfg.num_quantiles)  # what `top_quantile` keeps
-    rows = min(cfg.step_batch_size, pool_size)  # per optimizer step; padded to a multiple of the processes (`_optimize`)
+    rows = min(
+        cfg.step_batch_size, pool_size
+    )  # per optimizer step; padded to a multiple of the processes (`_optimize`)
     rt = Runtime(policy, -(-rows // processes) * processes, cfg.micro_batch_size, "quark")
     refuse_sharded(rt, "quark")
     trained = rt.adapt(policy)
-    opt = torch.optim.AdamW([p for p in trained.parameters() if p.requires_grad], lr=cfg.lr, eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
+    opt = torch.optim.AdamW(
+        [p for p in trained.parameters() if p.requires_grad], lr=cfg.lr, eps=cfg.adam_eps, weight_decay=cfg.weight_decay
+    )
     sched = linear_schedule(opt, cfg.warmup_steps, steps)
     trained, opt = rt.prepare(trained, opt)
     ref_policy.to(rt.device)
@@ -129,19 +126,35 @@ def train_quark(
             seed = cfg.seed * 1_000_003 + step
             batch_prompts = [prompts[i] for i in prompt_batches[step]]
             share = len(batch_prompts) // rt.processes  # each process samples and scores its contiguous share
+            # --- 1. rollout: this process's share, then the whole batch on every process
             trained.eval()
             with torch.no_grad():
                 responses, scores, ended = sample_and_score(
-                    rt.unwrap(trained), tokenizer, reward_fn, batch_prompts[rt.rank * share: (rt.rank + 1) * share],
-                    temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, penalty_reward_value=cfg.penalty_reward_value,
-                    batch_size=cfg.micro_batch_size, seed=share_seed(seed, rt.rank))
+                    rt.unwrap(trained),
+                    tokenizer,
+                    reward_fn,
+                    batch_prompts[rt.rank * share : (rt.rank + 1) * share],
+                    temperature=cfg.temperature,
+                    max_new_tokens=cfg.max_new_tokens,
+                    penalty_reward_value=cfg.penalty_reward_value,
+                    batch_size=cfg.micro_batch_size,
+                    seed=share_seed(seed, rt.rank),
+                )
             responses, scores, ended = gather_rollout(responses, scores, ended)  # the whole rollout, on every process
-            keep = top_quantile(scores, cfg.num_quantiles).tolist()  # the pool: this rollout's best quantile only
-            pool = to_device(pack(tokenizer, [batch_prompts[i] for i in keep], [responses[i] for i in keep], max_prompt), device_of(trained))
-            stats = {"reward": scores.mean().item(), "ended": ended.float().mean().item(),
-                     "pool_reward": scores[keep].mean().item(), "pool_threshold": scores[keep].min().item(),
-                     "response_tokens": float(sum(len(r) for r in responses)) / len(responses)}
-            stats.update(_optimize(rt, trained, ref_policy, opt, pool, cfg, seed))
+            # --- 2. top quantile: the pool is this rollout's best quantile only
+            keep = top_quantile(scores, cfg.num_quantiles).tolist()
+            pool = to_device(
+                pack(tokenizer, [batch_prompts[i] for i in keep], [responses[i] for i in keep], max_prompt),
+                device_of(trained),
+            )
+            stats = {
+                "reward": scores.mean().item(),
+                "ended": ended.float().mean().item(),
+                "pool_reward": scores[keep].mean().item(),
+                "pool_threshold": scores[keep].min().item(),
+                "response_tokens": float(sum(len(r) for r in responses)) / len(responses),
+            }
+            stats.update(_optimize(rt, trained, ref_policy, opt, pool, cfg, seed))  # --- 3. update
             stats["lr"] = sched.get_last_lr()[0]
             sched.step()
             history.append({"step": float(step + 1), **stats})
@@ -149,7 +162,7 @@ def train_quark(
             bar.set_postfix(reward=f"{stats['reward']:.3f}", kl=f"{stats['kl']:.2f}")
             ckpt.save(step + 1, **state, extra={"history": history})
     rt.finish(trained)
-    tail = history[-max(1, len(history) // 10):]
+    tail = history[-max(1, len(history) // 10) :]
     summary = {"steps": float(steps), "resumed_from_step": float(start), "processes": float(rt.processes)}
     for k in ("reward", "pool_reward", "kl", "nll", "ended", "response_tokens"):
         summary[f"{k}_first"] = history[0][k]
@@ -157,8 +170,10 @@ def train_quark(
     return summary, history
 
 
-def _optimize(rt: Runtime, policy, ref_policy, opt, pool: dict[str, torch.Tensor], cfg: QuarkConfig, seed: int) -> dict[str, float]:
-    """`grad_steps_per_rollout` optimizer steps on minibatches of the pool (cycled when it is small).
+def _optimize(
+    rt: Runtime, policy, ref_policy, opt, pool: dict[str, torch.Tensor], cfg: QuarkConfig, seed: int
+) -> dict[str, float]:
+    """3. Update: `grad_steps_per_rollout` optimizer steps on minibatches of the pool (cycled when it is small).
 
     Every process holds the whole pool and takes its share of each minibatch. A minibatch is
     padded to `rt.batch_size` (a multiple of the processes) with repeated rows whose response
@@ -175,11 +190,19 @@ def _optimize(rt: Runtime, policy, ref_policy, opt, pool: dict[str, torch.Tensor
             mb = take(pool, chunk)
             counted = len(range(real)[rows])  # the chunk's real rows (all of them unless padded)
             if counted < len(chunk):
-                mb["response_mask"] = mb["response_mask"] * (torch.arange(rows.start, rows.stop) < real).unsqueeze(1).to(mb["response_mask"])
+                mb["response_mask"] = mb["response_mask"] * (torch.arange(rows.start, rows.stop) < real).unsqueeze(
+                    1
+                ).to(mb["response_mask"])
             with torch.no_grad():
                 ref_logits = response_logits(ref_policy, mb, cfg.temperature)
             with rt.accumulate(policy):
-                loss, st = quark_loss(response_logits(policy, mb, cfg.temperature), ref_logits, mb["tokens"], mb["response_mask"], cfg.kl_coef)
+                loss, st = quark_loss(
+                    response_logits(policy, mb, cfg.temperature),
+                    ref_logits,
+                    mb["tokens"],
+                    mb["response_mask"],
+                    cfg.kl_coef,
+                )
                 rt.backward(loss, counted / real)
                 rt.step(policy, opt, None, cfg.max_grad_norm)
             if 0 < counted < len(chunk):

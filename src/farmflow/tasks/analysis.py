@@ -8,6 +8,8 @@
   input by key, so the stage key covers all of them.
 * ``reward_report``: the reward model's held-out accuracy beside baselines, overall and per
   task family (``reward_report`` schema and ``report.md``; `farmflow.evaluation.reward_report`).
+
+The leaderboard (`leaderboard_task`) is a plain Prefect task, not a stage: it is rebuilt on every run.
 """
 
 from __future__ import annotations
@@ -16,77 +18,97 @@ import tempfile
 from pathlib import Path
 
 import pyarrow as pa
+from prefect import task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.cache_policies import NO_CACHE
+from prefect.context import TaskRunContext
 
-from farmflow.data import prompts_of
+from farmflow.annotators import build_pool
+from farmflow.annotators.oracle import pool_preference
 from farmflow.config import AnnotatorConfig
+from farmflow.data import prompts_of, split_rows
+from farmflow.evaluation import leaderboard_markdown, leaderboard_rows, plot_leaderboard, run_of_rows
+from farmflow.evaluation.leaderboard import annotator_label, reference_label
 from farmflow.evaluation.overopt import curve_markdown, curve_rows, plot_curves
 from farmflow.evaluation.reward_report import report_markdown, report_rows
-from farmflow.storage import ArtifactRef
+from farmflow.methods.dpo import reference_logps
+from farmflow.models import load_policy, load_reward, score
+from farmflow.storage import ArtifactRef, canonical_json, open_store, stage_key
 from farmflow.storage.schemas import SCHEMAS
-from farmflow.tasks.core import log, lookup, stage_task
+from farmflow.tasks.registry import STAGES
+from farmflow.tasks.stage import StageRun, Table, stage_task
 
 
-@stage_task("proxy_reward", version="1")
-def proxy_reward_task(store_uri: str, config: dict, outputs: ArtifactRef, reward: ArtifactRef, batch_size: int = 64) -> ArtifactRef:
+@stage_task(STAGES["proxy_reward"])
+def proxy_reward_task(
+    run: StageRun, config: dict, outputs: ArtifactRef, reward: ArtifactRef, batch_size: int = 64
+) -> Table:
     """The outputs table with `score` = the reward model's score; mean_reward in the metrics.
 
     config: {} (the output depends only on the inputs). `batch_size` (outputs scored per
     forward pass) is an option: memory only, not part of the key.
     """
-    store, key, hit = lookup("proxy_reward", store_uri, config, outputs=outputs, reward=reward)
-    if hit:
-        return hit
-    rows = store.read_table(outputs).to_pylist()
-    chosen_by = store.record(outputs).get("inputs", {}).get("reward")
+    rows = run.store.read_table(outputs).to_pylist()
+    chosen_by = run.store.record(outputs).get("inputs", {}).get("reward")
     if chosen_by == reward.key and all(r["score"] is not None for r in rows):
         scores = [r["score"] for r in rows]  # best-of-n already scored them with this reward model
     else:
-        from farmflow.models import load_reward, score
-
-        model, tokenizer = load_reward(store.model_dir(reward))
+        model, tokenizer = load_reward(run.store.model_dir(reward))
         scores = score(model, tokenizer, prompts_of(rows), [r["output"] for r in rows], batch_size=batch_size).tolist()
     table = pa.Table.from_pylist([r | {"score": float(s)} for r, s in zip(rows, scores)], schema=SCHEMAS["outputs"])
-    mean = sum(scores) / max(1, len(scores))
-    log("proxy_reward: mean %.3f over %d outputs", mean, len(scores))
-    return store.put_table("proxy_reward", key, table, "outputs", config=config, inputs={"outputs": outputs, "reward": reward},
-                           metrics={"mean_reward": mean, "n": float(len(scores))})
+    return Table(table, "outputs", {"mean_reward": sum(scores) / max(1, len(scores)), "n": float(len(scores))})
 
 
-@stage_task("overoptimization", version="2")
-def overoptimization_task(store_uri: str, config: dict) -> ArtifactRef:
+@stage_task(STAGES["overoptimization"])
+def overoptimization_task(run: StageRun, config: dict) -> Table:
     """The over-optimization curve of the points in `config`.
 
     config: {"title": str, "points": [{"label", "labeller", "family", "pressure", "outputs": key,
     "proxy": proxy_reward key, "evaluations": {annotator label: evaluate key}}]}; `labeller` names the
     annotator whose labels trained the reward model (several labellers make several curves).
     """
-    store, key, hit = lookup("overoptimization", store_uri, config)
-    if hit:
-        return hit
     points = []
     for p in config["points"]:
-        proxy = store.get("proxy_reward", p["proxy"])
-        evals = {a: store.get("evaluate", k) for a, k in p["evaluations"].items()}
-        missing = [f"proxy_reward/{p['proxy']}"] * (proxy is None) + [f"evaluate/{k}" for a, k in p["evaluations"].items() if evals[a] is None]
+        proxy = run.store.get("proxy_reward", p["proxy"])
+        evals = {a: run.store.get("evaluate", k) for a, k in p["evaluations"].items()}
+        missing = [f"proxy_reward/{p['proxy']}"] * (proxy is None) + [
+            f"evaluate/{k}" for a, k in p["evaluations"].items() if evals[a] is None
+        ]
         if missing:
-            raise ValueError(f"over-optimization point {p['label']!r} (reward model on {p['labeller']} labels): artifact(s) {missing} not in the store")
-        points.append({**{k: p[k] for k in ("label", "labeller", "family", "pressure")}, "outputs_key": p["outputs"],
-                       "proxy_reward": proxy.metrics["mean_reward"],
-                       "evaluations": {a: {"key": ref.key, "metrics": ref.metrics} for a, ref in evals.items()}})
+            raise ValueError(
+                f"over-optimization point {p['label']!r} (reward model on {p['labeller']} labels): "
+                f"artifact(s) {missing} not in the store"
+            )
+        points.append(
+            {
+                **{k: p[k] for k in ("label", "labeller", "family", "pressure")},
+                "outputs_key": p["outputs"],
+                "proxy_reward": proxy.metrics["mean_reward"],
+                "evaluations": {a: {"key": ref.key, "metrics": ref.metrics} for a, ref in evals.items()},
+            }
+        )
     rows = curve_rows(points)
     markdown = curve_markdown(rows, config["title"])
     with tempfile.TemporaryDirectory() as tmp:
         plot_curves(rows, f"{tmp}/curve.png", config["title"])
         png = Path(f"{tmp}/curve.png").read_bytes()
-    return store.put_table("overoptimization", key, pa.Table.from_pylist(rows, schema=SCHEMAS["overoptimization"]), "overoptimization",
-                           config=config, metrics={"points": float(len(points))},
-                           extra_files={"curve.md": markdown.encode(), "curve.png": png})
+    return Table(
+        pa.Table.from_pylist(rows, schema=SCHEMAS["overoptimization"]),
+        "overoptimization",
+        {"points": float(len(points))},
+        extra_files={"curve.md": markdown.encode(), "curve.png": png},
+    )
 
 
-@stage_task("reward_report", version="2")
+@stage_task(STAGES["reward_report"])
 def reward_report_task(
-    store_uri: str, config: dict, preferences: ArtifactRef, sft: ArtifactRef, reward: ArtifactRef, batch_size: int = 64,
-) -> ArtifactRef:
+    run: StageRun,
+    config: dict,
+    preferences: ArtifactRef,
+    sft: ArtifactRef,
+    reward: ArtifactRef,
+    batch_size: int = 64,
+) -> Table:
     """The reward model against baselines on the held-out (val) preference pairs.
 
     Scorers: ``reward_model``; ``longer_output`` (characters); ``policy_loglik``, the SFT
@@ -98,26 +120,30 @@ def reward_report_task(
     config: {"annotation": AnnotatorConfig (or its dict), "title": str}. `batch_size` is an
     option (memory only).
     """
-    store, key, hit = lookup("reward_report", store_uri, config, preferences=preferences, sft=sft, reward=reward)
-    if hit:
-        return hit
-    from farmflow.annotators import build_pool
-    from farmflow.annotators.oracle import pool_preference
-    from farmflow.data import split_rows
-    from farmflow.methods.dpo import reference_logps
-    from farmflow.models import load_policy, load_reward, score
-
-    rows = split_rows(store.read_table(preferences), "val")
+    rows = split_rows(run.store.read_table(preferences), "val")
     if not rows:
         raise ValueError(f"reward_report: preferences {preferences.key} have no val pairs to measure on")
     prompts, out_1, out_2 = prompts_of(rows), [r["output_1"] for r in rows], [r["output_2"] for r in rows]
-    model, tokenizer = load_reward(store.model_dir(reward))
-    scorers = {"reward_model": (score(model, tokenizer, prompts, out_1, batch_size=batch_size).tolist(),
-                                score(model, tokenizer, prompts, out_2, batch_size=batch_size).tolist())}
+    model, tokenizer = load_reward(run.store.model_dir(reward))
+    scorers = {
+        "reward_model": (
+            score(model, tokenizer, prompts, out_1, batch_size=batch_size).tolist(),
+            score(model, tokenizer, prompts, out_2, batch_size=batch_size).tolist(),
+        )
+    }
     scorers["longer_output"] = ([len(o) for o in out_1], [len(o) for o in out_2])
-    policy, tokenizer = load_policy(store.model_dir(sft))
-    scorers["policy_loglik"] = reference_logps(policy, tokenizer, prompts, out_1, out_2, policy.config.max_position_embeddings,
-                                               batch_size, average=True, label="reward_report: policy log-likelihood")
+    policy, tokenizer = load_policy(run.store.model_dir(sft))
+    scorers["policy_loglik"] = reference_logps(
+        policy,
+        tokenizer,
+        prompts,
+        out_1,
+        out_2,
+        policy.config.max_position_embeddings,
+        batch_size,
+        average=True,
+        label="reward_report: policy log-likelihood",
+    )
     if all(r["gold_1"] is not None and r["gold_2"] is not None for r in rows):
         scorers["gold"] = ([r["gold_1"] for r in rows], [r["gold_2"] for r in rows])
         annotation = AnnotatorConfig.model_validate(config["annotation"])
@@ -126,8 +152,98 @@ def reward_report_task(
             scorers["pool_bayes"] = ([0.5] * len(rows), [pool_preference(pool, r) for r in rows])
     table = report_rows(rows, scorers)
     headline = {f"{r['scorer']}_{r['target']}": r["accuracy"] for r in table if r["family"] == "all"}
-    log("reward_report: reward model %.3f, policy log-likelihood %.3f, longer output %.3f against labels on %d val pairs",
-        headline["reward_model_labels"], headline["policy_loglik_labels"], headline["longer_output_labels"], len(rows))
-    return store.put_table("reward_report", key, pa.Table.from_pylist(table, schema=SCHEMAS["reward_report"]), "reward_report",
-                           config=config, inputs={"preferences": preferences, "sft": sft, "reward": reward}, metrics=headline,
-                           extra_files={"report.md": report_markdown(table, config.get("title", "Reward model report")).encode()})
+    return Table(
+        pa.Table.from_pylist(table, schema=SCHEMAS["reward_report"]),
+        "reward_report",
+        headline,
+        extra_files={"report.md": report_markdown(table, config.get("title", "Reward model report")).encode()},
+    )
+
+
+@task(name="leaderboard", cache_policy=NO_CACHE, persist_result=False)
+def leaderboard_task(store_uri: str, evaluations: dict[str, ArtifactRef], title: str = "Leaderboard") -> ArtifactRef:
+    """One row per method from the evaluations (`evaluation.leaderboard_rows`); always rebuilt (it is cheap).
+
+    The LC win rate's instruction difficulty is pooled over the board's evaluations plus
+    every other evaluation in the store with the same annotator config and the same
+    evaluation split (its content digest; their keys enter the leaderboard's key). The artifact holds the Parquet
+    table plus
+    ``leaderboard.md`` and ``leaderboard.png``; inside a flow the table is also published
+    as Prefect markdown and table artifacts.
+    """
+    store = open_store(store_uri)
+    committed = store.records()
+    records = {r["ref"]["key"]: r for r in committed if r["ref"]["stage"] == "evaluate"}
+    data_refs = {
+        r["ref"]["key"]: ArtifactRef.model_validate(r["ref"]) for r in committed if r["ref"]["stage"] == "data"
+    }
+
+    def group(
+        record: dict,
+    ) -> str:  # same judge, same references (the eval split's content): difficulties are comparable
+        data_key = record["inputs"].get("data")
+        data = data_refs.get(data_key)
+        return canonical_json([record["config"], data.parts.get("eval", data_key) if data else data_key])
+
+    entries = []
+    for method, ref in evaluations.items():
+        record = records.get(ref.key) or store.record(ref)
+        data_key = record["inputs"].get("data") or "?"
+        data = store.get("data", data_key)  # its config names the evaluation file of the real farm
+        entries.append(
+            {
+                "method": method,
+                "metrics": ref.metrics,
+                "rows": store.read_table(ref).to_pylist(),
+                "group": group(record),
+                "annotator": annotator_label(record["config"]),
+                "reference": reference_label(data_key, data and store.record(data)["config"]),
+                "evaluation_key": ref.key,
+            }
+        )
+    groups = {e["group"] for e in entries}
+    board_keys = {ref.key for ref in evaluations.values()}
+    peers = [r for k, r in records.items() if k not in board_keys and group(r) in groups]
+    peer_runs: dict[str, list[dict]] = {}
+    for r in peers:
+        peer_runs.setdefault(group(r), []).append(
+            run_of_rows(store.read_table(ArtifactRef.model_validate(r["ref"])).to_pylist())
+        )
+    rows = leaderboard_rows(entries, peer_runs)
+    key = stage_key("leaderboard", "4", {"title": title, "peers": sorted(r["ref"]["key"] for r in peers)}, evaluations)
+    markdown = leaderboard_markdown(rows, title)
+    ref = store.get("leaderboard", key)
+    if ref is None:
+        with tempfile.TemporaryDirectory() as tmp:
+            plot_leaderboard(rows, f"{tmp}/leaderboard.png", title)
+            png = Path(f"{tmp}/leaderboard.png").read_bytes()
+        ref = store.put_table(
+            "leaderboard",
+            key,
+            pa.Table.from_pylist(rows, schema=SCHEMAS["leaderboard"]),
+            "leaderboard",
+            inputs=evaluations,
+            metrics={"difficulty_peer_runs": float(len(peers))},
+            extra_files={"leaderboard.md": markdown.encode(), "leaderboard.png": png},
+        )
+    if TaskRunContext.get() is not None:  # not when called as task.fn(...) outside a flow
+        create_markdown_artifact(
+            markdown + f"\nParquet, Markdown and plot: `{ref.uri}`\n", key="leaderboard", description=title
+        )
+        cols = (
+            "method",
+            "win_rate",
+            "standard_error",
+            "discrete_win_rate",
+            "lc_win_rate",
+            "mean_gold",
+            "gold_standard_error",
+            "avg_length",
+            "n",
+        )
+        create_table_artifact(
+            [{k: (None if r[k] != r[k] else r[k]) for k in cols} for r in rows],  # NaN is not JSON
+            key="leaderboard-table",
+            description=title,
+        )
+    return ref

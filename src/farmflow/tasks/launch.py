@@ -1,12 +1,12 @@
 """Each GPU stage in its own process: `execution.launcher` 'process' or 'accelerate'.
 
-The parent (the stage task, through `farmflow.tasks.core.stage_task`) checks the store
+The parent (the stage task, through `farmflow.tasks.stage.stage_task`) checks the store
 for the stage key as usual. On a miss it writes a spec (stage, store, config and input
-refs as JSON, an empty output folder) and starts a child:
+refs as JSON, an empty output folder) and starts a child (`farmflow.tasks.child`):
 
-* ``process``: ``python -m farmflow.tasks.launch SPEC``;
+* ``process``: ``python -m farmflow.tasks.child SPEC``;
 * ``accelerate``: training stages (`MULTI_PROCESS_STAGES`) through ``accelerate launch
-  --config_file <execution.accelerate_config> [--num_processes N] -m farmflow.tasks.launch SPEC``
+  --config_file <execution.accelerate_config> [--num_processes N] -m farmflow.tasks.child SPEC``
   (every process runs the stage; `farmflow.models.runtime.Runtime` splits each batch
   between them; PPO and Quark also split each rollout batch, under DDP only); the other GPU
   stages (sampling, scoring) as with ``process``.
@@ -30,19 +30,17 @@ import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, get_type_hints
+from typing import Any, Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from pydantic import TypeAdapter
 from pydantic_core import to_jsonable_python
 
+from farmflow.progress import log
 from farmflow.storage import ArtifactRef, canonical_json
 from farmflow.storage.refs import utc_now
 from farmflow.storage.schemas import conform
-
-MULTI_PROCESS_STAGES = ("sft", "train_reward", "feedme", "reward_conditioning", "dpo", "expert_iteration", "ppo", "quark")
-"""Stages that `accelerate launch` starts on several processes (their loops split each batch; PPO and Quark: DDP only)."""
+from farmflow.tasks.registry import MULTI_PROCESS_STAGES
 
 RECORD = "artifact.json"
 LOG_TAIL = 40
@@ -72,7 +70,7 @@ def find_config(path: str) -> Path:
     raise StageLaunchError(f"execution.accelerate_config: no file {path!r} in {Path.cwd()} and no shipped config of that name ({shipped})")
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -80,7 +78,7 @@ def _free_port() -> int:
 
 def command(stage: str, spec: Path, execution: Any) -> list[str]:
     """The child's command line for this stage and launcher."""
-    child = ["-m", "farmflow.tasks.launch", str(spec)]
+    child = ["-m", "farmflow.tasks.child", str(spec)]
     if execution.launcher != "accelerate" or stage not in MULTI_PROCESS_STAGES:
         return [sys.executable, *child]
     args = [sys.executable, "-m", "accelerate.commands.launch"]
@@ -88,7 +86,7 @@ def command(stage: str, spec: Path, execution: Any) -> list[str]:
         args += ["--config_file", str(find_config(execution.accelerate_config))]
     if execution.num_processes:
         args += ["--num_processes", str(execution.num_processes)]
-    return [*args, "--main_process_port", str(_free_port()), *child]
+    return [*args, "--main_process_port", str(free_port()), *child]
 
 
 def _tail(log: Path) -> str:
@@ -98,8 +96,6 @@ def _tail(log: Path) -> str:
 
 def run_in_child(stage: str, store, key: str, store_uri: str, config: Any, params: dict[str, Any], execution: Any) -> ArtifactRef:
     """Run `stage` in a child process (see the module docstring) and commit what it wrote; returns the stage's ref."""
-    from farmflow.tasks.core import log
-
     inputs = {k: v.model_dump(mode="json") for k, v in params.items() if isinstance(v, ArtifactRef)}
     options = {k: to_jsonable_python(v) for k, v in params.items() if not isinstance(v, ArtifactRef)}
     scratch = getattr(store, "root", None)
@@ -157,8 +153,6 @@ class _Relay:
         self.file, self.partial = file, b""
 
     def forward(self, final: bool = False) -> None:
-        from farmflow.tasks.core import log
-
         chunk = self.partial + self.file.read()
         lines = chunk.split(b"\n")
         self.partial = b"" if final else lines.pop()  # an unfinished last line waits for the rest
@@ -168,7 +162,7 @@ class _Relay:
                 log("%s", text[len(RELAY):])
 
 
-def _log_for_parent() -> None:
+def log_for_parent() -> None:
     """In a launched child: farmflow's INFO lines go to the log file with the `RELAY` prefix (main process only)."""
     import logging
 
@@ -187,7 +181,7 @@ PARENT_ENV = "FARMFLOW_PARENT_PID"
 PARENT_FILE = "parent.pid"
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
     """Is process `pid` running (a zombie, dead but not yet reaped, is not)?"""
     try:
         os.kill(pid, 0)
@@ -209,7 +203,7 @@ def exit_with_parent(pid: int, every_s: float = 2.0) -> None:
     import threading
 
     def watch() -> None:
-        while _alive(pid):
+        while alive(pid):
             time.sleep(every_s)
         os._exit(3)
 
@@ -223,7 +217,7 @@ def sweep_orphans(scratch: Path) -> None:
             pid = int((folder / PARENT_FILE).read_text())
         except (OSError, ValueError):
             continue  # being created, or not ours
-        if not _alive(pid):
+        if not alive(pid):
             shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -323,34 +317,3 @@ class OutboxStore:
     def save_checkpoint(self, stage: str, key: str, step: int, folder: Path, keep: int = 2) -> None:
         if self.writer:
             self.real.save_checkpoint(stage, key, step, folder, keep)
-
-
-def child_main(spec_path: str) -> None:
-    """Run one stage as described by the spec file (what the parent's command line starts)."""
-    from farmflow.tasks import core
-
-    spec = json.loads(Path(spec_path).read_text())
-    if os.environ.get(PARENT_ENV):
-        exit_with_parent(int(os.environ[PARENT_ENV]))
-    from farmflow.models.runtime import is_main_process, process_state
-
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        process_state()  # join the process group before anything else
-    from farmflow.storage import open_store
-    _log_for_parent()
-    core.load_stage_modules()
-    fn = core.TASKS[spec["stage"]].fn.__wrapped__  # the stage's own function, not the launcher hook
-    hints = get_type_hints(fn)
-    config = TypeAdapter(hints["config"]).validate_python(spec["config"])
-    inputs = {k: ArtifactRef.model_validate(v) for k, v in spec["inputs"].items()}
-    options = {k: TypeAdapter(hints[k]).validate_python(v) for k, v in spec["options"].items()}
-    core.OUTBOX = OutboxStore(open_store(spec["store_uri"]), Path(spec["out"]), writer=is_main_process())
-    try:
-        fn(spec["store_uri"], config, **inputs, **options)
-    except Exception as e:  # for the parent's message: under accelerate launch the log ends with the launcher's report
-        (Path(spec["out"]) / f"error-{os.environ.get('RANK', '0')}.txt").write_text(f"{type(e).__name__}: {e}")
-        raise
-
-
-if __name__ == "__main__":
-    child_main(sys.argv[1])

@@ -1,0 +1,48 @@
+"""A launched stage's child process: ``python -m farmflow.tasks.child SPEC`` (`farmflow.tasks.launch` starts it).
+
+It runs the stage's own function (`farmflow.tasks.stage.run_stage`) against an `OutboxStore`: reads come from the real
+store, the artifacts it would commit go into the spec's output folder for the parent to commit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import get_type_hints
+
+from pydantic import TypeAdapter
+
+import farmflow.tasks.stage as stages
+from farmflow.storage import ArtifactRef, open_store
+from farmflow.tasks.core import TASKS
+from farmflow.tasks.launch import PARENT_ENV, OutboxStore, exit_with_parent, log_for_parent
+from farmflow.tasks.registry import STAGES
+
+
+def child_main(spec_path: str) -> None:
+    """Run one stage as described by the spec file (what the parent's command line starts)."""
+    spec = json.loads(Path(spec_path).read_text())
+    if os.environ.get(PARENT_ENV):
+        exit_with_parent(int(os.environ[PARENT_ENV]))
+    from farmflow.models.runtime import is_main_process, num_processes
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        num_processes()  # join the process group before anything else
+    log_for_parent()
+    stage, fn = STAGES[spec["stage"]], stages.stage_function(TASKS[spec["stage"]])
+    hints = get_type_hints(fn)
+    config = TypeAdapter(hints["config"]).validate_python(spec["config"])
+    inputs = {k: ArtifactRef.model_validate(v) for k, v in spec["inputs"].items()}
+    options = {k: TypeAdapter(hints[k]).validate_python(v) for k, v in spec["options"].items()}
+    stages.OUTBOX = OutboxStore(open_store(spec["store_uri"]), Path(spec["out"]), writer=is_main_process())
+    try:
+        stages.run_stage(stage, fn, spec["store_uri"], config, {**inputs, **options})
+    except Exception as e:  # for the parent's message: under accelerate launch the log ends with the launcher's report
+        (Path(spec["out"]) / f"error-{os.environ.get('RANK', '0')}.txt").write_text(f"{type(e).__name__}: {e}")
+        raise
+
+
+if __name__ == "__main__":
+    child_main(sys.argv[1])

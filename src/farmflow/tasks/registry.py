@@ -1,0 +1,251 @@
+"""Every stage, declared once: its name, code version, inputs, how its key is made, and where it runs.
+
+`STAGES` is a plain table. The stage modules (`farmflow.tasks.pipeline`, `.methods`, `.rl`, `.analysis`) attach each
+stage's work with ``@stage_task(STAGES["sft"])`` (`farmflow.tasks.stage`), and `farmflow.tasks.core.TASKS` lists the
+resulting Prefect tasks by name. Nothing is registered by importing a module.
+
+A stage key is ``stage_key(name, version, key_config(config), keyed_inputs)``: bump a stage's version whenever its code
+changes what it produces (most versions live in the method module, e.g. `farmflow.methods.dpo.VERSION`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Literal
+
+from farmflow.config import SampleConfig
+from farmflow.data import synthetic
+from farmflow.evaluation import VERSION as EVAL_VERSION
+from farmflow.methods import best_of_n, dpo, expert_iteration, feedme, ppo, quark, reward, reward_conditioning, sft
+from farmflow.models import SAMPLER_VERSION
+from farmflow.storage import ArtifactRef, part_key, stage_key
+from farmflow.tasks.keys import config_get, key_config
+
+Reads = Callable[[Any], dict[str, "tuple[str, ...] | None"]]
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage's facts.
+
+    * `inputs`: the stage function's `ArtifactRef` parameters; each input's key enters the stage key.
+    * `reads(config)`: {input: the parts of it the stage reads} (the data artifact's splits, ``()`` for none, None for
+      all); those parts' digests stand in for the input's key, so SFT keeps its key when only the eval split changes.
+      It must name every split the stage's function reads, or a change there would be missed.
+    * `typed(config)`: the config as the stage's function takes it when it arrives as JSON (a GPU worker's stage flow),
+      so operational fields inside it stay out of every key.
+    * `complete(store, ref, config)`: does a committed artifact hold everything `config` asks for (PPO's snapshots)?
+      If not, the stage runs again under the same key and adds what is missing.
+    * `gpu`: loads a model on the accelerator (`farmflow.config.GPU_STAGES`, the default ``execution.gpu_stages``).
+    * `processes`: under ``execution.launcher=accelerate``, 'all' runs on every process (the loop splits each batch),
+      'one' in a single child process (sampling, scoring).
+    * `summary`: the log line after a run, a format string over the artifact's metrics (or a function of them).
+    """
+
+    name: str
+    version: str
+    inputs: tuple[str, ...] = ()
+    reads: Reads | None = None
+    typed: Callable[[Any], Any] | None = None
+    complete: Callable[[Any, ArtifactRef, Any], bool] | None = None
+    gpu: bool = False
+    processes: Literal["one", "all"] = "one"
+    summary: str | Callable[[dict[str, float]], str] = ""
+
+    def typed_config(self, config: Any) -> Any:
+        """`config` as the stage's function sees it, so every key computed for it is the same."""
+        return self.typed(config) if self.typed is not None else config
+
+    def keyed_inputs(self, config: Any, inputs: dict[str, ArtifactRef]) -> dict[str, ArtifactRef | str]:
+        """The inputs as the stage key sees them: an input read only in parts counts by those parts' digests."""
+        reads = self.reads(config) if self.reads is not None else {}
+        return {name: part_key(ref, reads[name]) if name in reads else ref for name, ref in inputs.items()}
+
+    def key(self, config: Any, inputs: dict[str, ArtifactRef]) -> str:
+        """The stage key of this (typed) config and these inputs."""
+        return stage_key(self.name, self.version, key_config(config), self.keyed_inputs(config, inputs))
+
+    def is_complete(self, store: Any, ref: ArtifactRef, config: Any) -> bool:
+        """A committed artifact serves `config` unless `complete` says something it asks for is missing."""
+        return self.complete is None or self.complete(store, ref, config)
+
+
+def generate_config(config: dict) -> dict:
+    """generate's config with its sampling section typed (it arrives as JSON on a GPU worker)."""
+    return {**config, "sample": SampleConfig.model_validate(config["sample"])}
+
+
+SNAPSHOT_STAGE = "ppo_snapshot"
+"""PPO's policy every ``ppo.snapshot_every`` steps, committed beside the run (over-optimization curves)."""
+
+
+def snapshot_key(ppo_key: str, step: int) -> str:
+    return stage_key(SNAPSHOT_STAGE, ppo.VERSION, {"step": step}, {"ppo": ppo_key})
+
+
+def snapshots_complete(store: Any, ref: ArtifactRef, config: Any) -> bool:
+    """Does the PPO artifact `ref` have a committed snapshot at every `snapshot_every` steps of its run?"""
+    every = config_get(config, "snapshot_every", 0)
+    steps = int(ref.metrics.get("steps", 0))
+    return not every or all(
+        store.get(SNAPSHOT_STAGE, snapshot_key(ref.key, s)) is not None for s in range(every, steps + 1, every)
+    )
+
+
+def _data_summary(metrics: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.0f}" for k, v in metrics.items() if k != "seconds")
+
+
+def _annotate_summary(m: dict[str, float]) -> str:
+    line = f"output_2 preferred in {m['output_2_preferred']:.1%} of the pairs"
+    if "requests" in m:  # API judges: what this run paid for
+        line += (f"; {m['judged']:.0f} judged now, {m['cached']:.0f} from the cache, {m['noised']:.0f} label-noised; "
+                 f"{m['requests']:.0f} requests, ${m['cost_usd']:.4f}")
+    return line
+
+
+SAMPLED = f"+sampler{SAMPLER_VERSION}"  # stages that sample: their outputs change with the sampler's random streams
+LOSS = "loss {train_loss_first:.3f} -> {train_loss_last:.3f}"
+RL = "{steps:.0f} steps, reward {reward_first:.3f} -> {reward_last:.3f}, KL {kl_first:.2f} -> {kl_last:.2f}"
+UNLABELED = {"data": ("unlabeled",)}
+
+STAGES: dict[str, Stage] = {
+    s.name: s
+    for s in (
+        # --- the shared pipeline: data → base model → SFT → pairs → preferences → reward model
+        Stage("data", f"1+synthetic{synthetic.VERSION}", summary=_data_summary),
+        Stage(
+            "base_model",
+            "1",
+            ("data",),
+            reads=lambda c: {"data": () if config_get(c, "pretrained") else None},
+            summary="{parameters:.0f} parameters",
+        ),
+        Stage(
+            "sft",
+            sft.VERSION,
+            ("data", "base"),
+            reads=lambda c: {"data": ("sft",)},
+            gpu=True,
+            processes="all",
+            summary="{steps:.0f} steps, " + LOSS + ", {train_tokens:.0f} tokens in {seconds:.1f}s",
+        ),
+        Stage(
+            "sample_pairs",
+            "1" + SAMPLED,
+            ("data", "policy"),
+            reads=lambda c: {"data": ("pref", "val")},
+            gpu=True,
+            summary="{identical_pairs:.0f} pairs with two identical outputs",
+        ),
+        Stage("annotate", "1", ("pairs",), summary=_annotate_summary),
+        Stage(
+            "train_reward",
+            reward.VERSION,
+            ("preferences", "sft"),
+            gpu=True,
+            processes="all",
+            summary="held-out accuracy {heldout_accuracy:.3f} (un-noised labels {heldout_accuracy_unnoised:.3f}, "
+            "gold {heldout_gold_accuracy:.3f})",
+        ),
+        # --- outputs and their evaluation
+        Stage(
+            "generate",
+            "1" + SAMPLED,
+            ("data", "policy"),
+            reads=lambda c: {"data": ("eval",)},
+            typed=generate_config,
+            gpu=True,
+        ),
+        Stage(
+            "evaluate",
+            EVAL_VERSION,
+            ("outputs", "data"),
+            reads=lambda c: {"data": ("eval",)},
+            summary="win rate {win_rate:.1f} ± {standard_error:.1f}, mean gold {mean_gold:.3f}",
+        ),
+        # --- methods (farmflow.methods.*)
+        Stage(
+            "best_of_n",
+            best_of_n.VERSION + SAMPLED,
+            ("data", "policy", "reward"),
+            reads=lambda c: {"data": (config_get(c, "split", "eval"),)},
+            gpu=True,
+            summary="mean reward {mean_reward:.3f}",
+        ),
+        Stage("best_of_n_prefix", "1", ("best_of_n", "reward"), summary="mean reward {mean_reward:.3f}"),
+        Stage("best_of_n_rescore", "1", ("best_of_n", "reward"), gpu=True, summary="mean reward {mean_reward:.3f}"),
+        Stage(
+            "feedme",
+            feedme.VERSION,
+            ("preferences", "sft"),
+            gpu=True,
+            processes="all",
+            summary="{examples:.0f} examples, {steps:.0f} steps, " + LOSS,
+        ),
+        Stage(
+            "reward_conditioning",
+            reward_conditioning.VERSION,
+            ("preferences", "sft"),
+            gpu=True,
+            processes="all",
+            summary="{examples:.0f} examples, " + LOSS,
+        ),
+        Stage("reference_logps", dpo.VERSION, ("preferences", "sft"), gpu=True),
+        Stage(
+            "dpo",
+            dpo.VERSION,
+            ("preferences", "sft", "reference"),
+            gpu=True,
+            processes="all",
+            summary="{pairs:.0f} pairs, " + LOSS + ", implicit reward accuracy {implicit_reward_accuracy_first:.2f} -> "
+            "{implicit_reward_accuracy_last:.2f}",
+        ),
+        Stage(
+            "expert_iteration",
+            expert_iteration.VERSION,
+            ("sft", "selections"),
+            gpu=True,
+            processes="all",
+            summary="{examples:.0f} selections, " + LOSS,
+        ),
+        Stage(
+            "ppo",
+            ppo.VERSION + SAMPLED,
+            ("data", "sft", "reward"),
+            reads=lambda c: UNLABELED,
+            complete=snapshots_complete,
+            gpu=True,
+            processes="all",
+            summary=RL,
+        ),
+        Stage(
+            "quark",
+            quark.VERSION + SAMPLED,
+            ("data", "sft", "reward"),
+            reads=lambda c: UNLABELED,
+            gpu=True,
+            processes="all",
+            summary=RL,
+        ),
+        # --- analysis
+        Stage(
+            "proxy_reward", "1", ("outputs", "reward"), gpu=True, summary="mean {mean_reward:.3f} over {n:.0f} outputs"
+        ),
+        Stage("overoptimization", "2", summary="{points:.0f} points"),
+        Stage(
+            "reward_report",
+            "2",
+            ("preferences", "sft", "reward"),
+            gpu=True,
+            summary="reward model {reward_model_labels:.3f}, policy log-likelihood {policy_loglik_labels:.3f}, "
+            "longer output {longer_output_labels:.3f} against labels",
+        ),
+    )
+}
+
+VERSIONS: dict[str, str] = {name: s.version for name, s in STAGES.items()}
+"""Stage name → code version (part of every stage key)."""
+
+MULTI_PROCESS_STAGES = tuple(name for name, s in STAGES.items() if s.processes == "all")
+"""Stages that `accelerate launch` starts on several processes (their loops split each batch; PPO, Quark: DDP only)."""

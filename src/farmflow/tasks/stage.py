@@ -1,0 +1,244 @@
+"""The plumbing every stage shares, so a stage's function holds only its work.
+
+``@stage_task(STAGES["dpo"])`` turns a stage function into a Prefect task. The function takes a `StageRun` (store,
+key, checkpointer), its config, its input `ArtifactRef`s and options, and returns what to commit: a `Table` or a
+`Model`. The task takes ``store_uri`` in place of the `StageRun` and
+
+1. computes the stage key (`farmflow.tasks.registry.Stage.key`);
+2. returns the committed artifact if the store has that key (and it is complete);
+3. otherwise counts the run (`EXECUTED`), calls the function, commits its result with the config, the inputs and the
+   run's seconds, drops its checkpoints and logs the stage's summary line.
+
+Prefect's cache key is the same stage key and the persisted result is the `ArtifactRef` as JSON, so a rerun with the
+same config does not even enter the task. Options (``checkpoints``, ``batch_size``, ``backend``) are not part of the
+key.
+
+Where a GPU stage runs is decided here too: inside `launching(execution)` (the flows' `StageRunner` enters it), a
+stage named in ``execution.gpu_stages`` with ``execution.launcher`` 'process' or 'accelerate' runs in a child process
+(`farmflow.tasks.launch`), whose outputs are committed here under the same key.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import threading
+import time
+from collections import Counter, defaultdict
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import pyarrow as pa
+from prefect import task
+
+import farmflow.tasks.launch as launch
+from farmflow.models.checkpoint import Checkpointer
+from farmflow.progress import log
+from farmflow.storage import ArtifactRef, open_store
+from farmflow.tasks.registry import Stage
+
+EXECUTED: Counter[str] = Counter()
+"""Per stage, how often its computation actually ran in this process (tests count these)."""
+_EXECUTED_LOCK = threading.Lock()  # methods run in parallel threads (farmflow.flows.fan_out)
+
+LAUNCH: ContextVar[Any] = ContextVar("farmflow_launch", default=None)
+"""The `ExecutionConfig` whose launcher applies to the stages run in this context (None: inline)."""
+
+OUTBOX: Any = None
+"""In a child process started by the launcher: the `farmflow.tasks.launch.OutboxStore` that stages write to."""
+
+
+@contextmanager
+def launching(execution: Any) -> Iterator[None]:
+    """Stages run inside this block follow ``execution.launcher`` (the flows' `StageRunner` wraps each stage in it)."""
+    token = LAUNCH.set(execution)
+    try:
+        yield
+    finally:
+        LAUNCH.reset(token)
+
+
+# --------------------------------------------------------------------- what a stage returns
+@dataclass
+class Table:
+    """A table artifact: `table` in the `format` schema (`farmflow.storage.schemas`), plus files and tables."""
+
+    table: pa.Table
+    format: str
+    metrics: dict[str, float] = field(default_factory=dict)
+    extra_files: dict[str, bytes] = field(default_factory=dict)
+    extra_tables: dict[str, tuple[pa.Table, str]] = field(default_factory=dict)
+    parts: dict[str, str] | None = None
+
+
+@dataclass
+class Model:
+    """A model artifact: weights and tokenizer (`farmflow.models.save`), plus text files in the model folder."""
+
+    model: Any
+    tokenizer: Any
+    metrics: dict[str, float] = field(default_factory=dict)
+    format: str = "policy"
+    extra_files: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class StageRun:
+    """What a stage function gets besides its config and inputs: store and URI, stage key, checkpointer."""
+
+    store: Any
+    store_uri: str
+    stage: str
+    key: str
+    ckpt: Checkpointer | None = None
+
+    def checkpointer(self, checkpoints: Any = None) -> Checkpointer:
+        """The store-backed `Checkpointer` of this run (`checkpoints`: a CheckpointConfig, or None = off)."""
+        if checkpoints is None:
+            self.ckpt = Checkpointer(None, self.stage, self.key)
+        else:
+            self.ckpt = Checkpointer(
+                self.store, self.stage, self.key, checkpoints.every_steps, checkpoints.every_seconds
+            )
+        return self.ckpt
+
+
+# ------------------------------------------------------------------------------- running
+def lookup(
+    stage: Stage, store_uri: str, config: Any, inputs: dict[str, ArtifactRef]
+) -> tuple[Any, str, ArtifactRef | None]:
+    """The store, the stage key and the committed artifact for it (None: compute it now; counted in `EXECUTED`)."""
+    key = stage.key(config, inputs)
+    if OUTBOX is not None:  # a launched child: the parent found no artifact; write to the outbox
+        return OUTBOX, key, None
+    store = open_store(store_uri)
+    hit = store.get(stage.name, key)
+    if hit is not None and not stage.is_complete(store, hit, config):
+        log("%s: %s is committed without something this run asks for; computing it again", stage.name, key[:12])
+        hit = None
+    if hit is not None:
+        log("%s: reusing %s from the store", stage.name, key[:12])
+    else:
+        with _EXECUTED_LOCK:
+            EXECUTED[stage.name] += 1
+    return store, key, hit
+
+
+def run_stage(
+    stage: Stage, fn: Callable[..., Table | Model], store_uri: str, config: Any, params: dict[str, Any]
+) -> ArtifactRef | None:
+    """Key → hit? → `fn` → commit: one stage run in this process (`params`: its inputs and options).
+
+    Returns the committed artifact (None in the processes of a launched child other than the main one)."""
+    config = stage.typed_config(config)
+    inputs = {k: v for k, v in params.items() if isinstance(v, ArtifactRef)}
+    store, key, hit = lookup(stage, store_uri, config, inputs)
+    if hit is not None:
+        return hit
+    run = StageRun(store, store_uri, stage.name, key)
+    started = time.perf_counter()
+    out = fn(run, config, **params)
+    ref = commit(run, out, config, inputs, time.perf_counter() - started)
+    if run.ckpt is not None:
+        run.ckpt.clear()
+    if stage.summary and ref is not None:  # None: a launched child's other processes, which do not write
+        metrics = defaultdict(lambda: float("nan"), ref.metrics)
+        log(
+            "%s: %s",
+            stage.name,
+            stage.summary(metrics) if callable(stage.summary) else stage.summary.format_map(metrics),
+        )
+    return ref
+
+
+def commit(
+    run: StageRun, out: Table | Model, config: Any, inputs: dict[str, ArtifactRef], seconds: float
+) -> ArtifactRef:
+    """Commit a stage function's result as the run's artifact, recording its config, inputs and metrics."""
+    metrics = {**out.metrics, "seconds": seconds}
+    if isinstance(out, Table):
+        return run.store.put_table(
+            run.stage,
+            run.key,
+            out.table,
+            out.format,
+            config=config,
+            inputs=inputs or None,
+            metrics=metrics,
+            extra_files=out.extra_files or None,
+            extra_tables=out.extra_tables or None,
+            parts=out.parts,
+        )
+    from farmflow.models import save
+
+    with run.store.put_model(run.stage, run.key, out.format, config=config, inputs=inputs or None) as (folder, m):
+        save(out.model, out.tokenizer, folder)
+        for name, text in out.extra_files.items():
+            (folder / name).write_text(text)
+        m.update(metrics)
+    return run.store.get(run.stage, run.key)
+
+
+def stage_task(stage: Stage, **options: Any):
+    """Decorator: stage function ``fn(run: StageRun, config, *inputs, **options) -> Table | Model`` → Prefect task.
+
+    The task's signature is the function's with ``store_uri: str`` in place of `run`; it is cached by the stage key
+    and its result (the `ArtifactRef`) persisted as JSON.
+    """
+
+    def declare(fn: Callable[..., Table | Model]):
+        signature = inspect.signature(fn)
+        params = list(signature.parameters.values())
+        store_uri = inspect.Parameter("store_uri", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation="str")
+        task_signature = signature.replace(parameters=[store_uri, *params[1:]])
+
+        @functools.wraps(fn)
+        def run(*args: Any, **kwargs: Any) -> ArtifactRef:
+            params = dict(task_signature.bind(*args, **kwargs).arguments)
+            uri, config = params.pop("store_uri"), params.pop("config")
+            execution = LAUNCH.get()
+            if (
+                OUTBOX is None
+                and execution is not None
+                and execution.launcher != "inline"
+                and stage.name in execution.gpu_stages
+            ):
+                config = stage.typed_config(config)
+                store, key, hit = lookup(
+                    stage, uri, config, {k: v for k, v in params.items() if isinstance(v, ArtifactRef)}
+                )
+                return hit or launch.run_in_child(stage.name, store, key, uri, config, params, execution)
+            return run_stage(stage, fn, uri, config, params)
+
+        run.__signature__ = task_signature
+        run.__annotations__ = {
+            "store_uri": "str",
+            **{k: v for k, v in fn.__annotations__.items() if k != params[0].name},
+        }
+        return task(
+            name=stage.name,
+            cache_key_fn=cache_key(stage),
+            persist_result=True,
+            result_serializer="json",
+            task_run_name=stage.name,
+            **options,
+        )(run)
+
+    return declare
+
+
+def cache_key(stage: Stage) -> Callable[[Any, dict[str, Any]], str]:
+    """Prefect's cache key of a stage task: ``<stage>-<stage key>``."""
+
+    def key_fn(_ctx: Any, params: dict[str, Any]) -> str:
+        config = stage.typed_config(params["config"])
+        return f"{stage.name}-{stage.key(config, {k: v for k, v in params.items() if isinstance(v, ArtifactRef)})}"
+
+    return key_fn
+
+
+def stage_function(task: Any) -> Callable[..., Table | Model]:
+    """The stage function behind a stage task (what a launched child runs, without the launcher hook)."""
+    return task.fn.__wrapped__
