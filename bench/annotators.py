@@ -62,14 +62,26 @@ def make_pairs(n: int, seed: int = 0) -> list[dict]:
     for i in range(n):
         t = sample_task(FAMILIES[i % len(FAMILIES)], rng)
         good, bad = correct_output(t), demonstrate(t, rng, 1.0)
-        rows.append({"id": str(i), "split": "pref", "instruction": t.instruction, "input": t.input, "task": task_to_json(t),
-                     "output_1": good if i % 2 else bad, "output_2": bad if i % 2 else good})
+        rows.append(
+            {
+                "id": str(i),
+                "split": "pref",
+                "instruction": t.instruction,
+                "input": t.input,
+                "task": task_to_json(t),
+                "output_1": good if i % 2 else bad,
+                "output_2": bad if i % 2 else good,
+            }
+        )
     return rows
 
 
 def start_server(latency_s: float) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "farmflow.cli.annotators", "--port", "0", "--latency-ms", str(latency_s * 1000)],
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "farmflow.cli.annotators", "--port", "0", "--latency-ms", str(latency_s * 1000)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     line = proc.stdout.readline()
     if "listening on" not in line:
         proc.kill()
@@ -81,14 +93,24 @@ def ours(rows: list[dict], url: str, batch: int) -> dict:
     from farmflow.annotators import annotate
     from farmflow.config import AnnotatorConfig
 
-    cfg = AnnotatorConfig(kind="api", api_pool=[{"name": f"bench_b{batch}", "model": MODEL, "batch_size": batch}],
-                          base_url=url, max_in_flight=IN_FLIGHT, label_noise=0.0)
+    cfg = AnnotatorConfig(
+        kind="api",
+        api_pool=[{"name": f"bench_b{batch}", "model": MODEL, "batch_size": batch}],
+        base_url=url,
+        max_in_flight=IN_FLIGHT,
+        label_noise=0.0,
+    )
     with tempfile.TemporaryDirectory() as store:  # a fresh row cache: every pair is asked
         start, cpu = time.perf_counter(), time.process_time()
         _, totals = annotate(rows, cfg, store)
         seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
-    return {"seconds": seconds, "pairs_per_s": len(rows) / seconds, "requests": totals["requests"], "judged": totals["judged"],
-            "client_cpu_ms_per_request": 1000 * cpu / totals["requests"]}
+    return {
+        "seconds": seconds,
+        "pairs_per_s": len(rows) / seconds,
+        "requests": totals["requests"],
+        "judged": totals["judged"],
+        "client_cpu_ms_per_request": 1000 * cpu / totals["requests"],
+    }
 
 
 def peer_template(batch: int) -> str:
@@ -109,22 +131,49 @@ def peer(rows: list[dict], url: str, batch: int, python: Path, work: Path) -> di
     folder = work / name
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "prompt.txt").write_text(peer_template(batch))
-    (folder / "configs.yaml").write_text(yaml.safe_dump({name: {
-        "prompt_template": str(folder / "prompt.txt"),
-        "fn_completions": "openai_completions",
-        "completions_kwargs": {"model_name": MODEL, "max_tokens": 16 + 12 * batch, "temperature": 1.0, "requires_chatml": True},
-        "fn_completion_parser": "regex_parser",
-        "completion_parser_kwargs": {"outputs_to_match": {1: r"\(a\)", 2: r"\(b\)"}},
-        "batch_size": batch,
-    }}))
+    (folder / "configs.yaml").write_text(
+        yaml.safe_dump(
+            {
+                name: {
+                    "prompt_template": str(folder / "prompt.txt"),
+                    "fn_completions": "openai_completions",
+                    "completions_kwargs": {
+                        "model_name": MODEL,
+                        "max_tokens": 16 + 12 * batch,
+                        "temperature": 1.0,
+                        "requires_chatml": True,
+                    },
+                    "fn_completion_parser": "regex_parser",
+                    "completion_parser_kwargs": {"outputs_to_match": {1: r"\(a\)", 2: r"\(b\)"}},
+                    "batch_size": batch,
+                }
+            }
+        )
+    )
     pairs = work / "pairs.json"
     # alpaca_eval has no input field: the input goes inside the instruction placeholder, so the
     # rendered prompt is exactly ours (with or without an input section)
-    pairs.write_text(json.dumps([{"instruction": r["instruction"] + (f"\n</instruction>\n<input>\n{r['input']}" if r["input"] else ""),
-                                  "output_1": r["output_1"], "output_2": r["output_2"]} for r in rows]))
+    pairs.write_text(
+        json.dumps(
+            [
+                {
+                    "instruction": r["instruction"]
+                    + (f"\n</instruction>\n<input>\n{r['input']}" if r["input"] else ""),
+                    "output_1": r["output_1"],
+                    "output_2": r["output_2"],
+                }
+                for r in rows
+            ]
+        )
+    )
     env = os.environ | {"OPENAI_API_BASE": url, "OPENAI_API_KEY": "bench", "OPENAI_MAX_CONCURRENCY": str(IN_FLIGHT)}
-    proc = subprocess.run([str(python), "-c", PEER, json.dumps({"pairs": str(pairs), "config": str(folder / "configs.yaml")})],
-                          capture_output=True, text=True, env=env, cwd=work)
+    proc = subprocess.run(
+        [str(python), "-c", PEER, json.dumps({"pairs": str(pairs), "config": str(folder / "configs.yaml")})],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=work,
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"alpaca_eval failed: {proc.stderr.strip()[-1500:]}")
     out = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -133,14 +182,22 @@ def peer(rows: list[dict], url: str, batch: int, python: Path, work: Path) -> di
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=REQUESTS, help="requests per batch size (pairs = requests x batch)")
+    parser.add_argument(
+        "--requests", type=int, default=REQUESTS, help="requests per batch size (pairs = requests x batch)"
+    )
     parser.add_argument("--no-peer", action="store_true", help="skip alpaca_eval")
     args = parser.parse_args()
     os.environ["OPENAI_API_KEY"] = "bench"  # the loopback judge accepts any key
     results: dict = {
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_average_at_start": os.getloadavg()},
-        "setup": {"requests_per_batch_size": args.requests, "latency_s": LATENCY_S, "in_flight": IN_FLIGHT, "model_name": MODEL,
-                  "server": "farmflow judge-server, own process, 200 ms per answer", "peer": ALPACA_EVAL},
+        "setup": {
+            "requests_per_batch_size": args.requests,
+            "latency_s": LATENCY_S,
+            "in_flight": IN_FLIGHT,
+            "model_name": MODEL,
+            "server": "farmflow judge-server, own process, 200 ms per answer",
+            "peer": ALPACA_EVAL,
+        },
         "batch_sizes": {},
     }
     server, url = start_server(LATENCY_S)
@@ -153,13 +210,19 @@ def main() -> None:
                 entry = {"pairs": len(rows), "limit_pairs_per_s": limit}
                 r = ours(rows, url, batch)
                 entry["farmflow"] = r | {"fraction_of_limit": r["pairs_per_s"] / limit}
-                print(f"batch {batch}: farmflow {r['pairs_per_s']:.0f} pairs/s = {100 * r['pairs_per_s'] / limit:.1f}% of {limit:.0f}", flush=True)
+                print(
+                    f"batch {batch}: farmflow {r['pairs_per_s']:.0f} pairs/s = {100 * r['pairs_per_s'] / limit:.1f}% of {limit:.0f}",
+                    flush=True,
+                )
                 if python is not None:
                     try:
                         p = peer(rows, url, batch, python, Path(tmp))
                         entry["alpaca_eval"] = p | {"fraction_of_limit": p["pairs_per_s"] / limit}
                         entry["ratio_farmflow_over_alpaca_eval"] = r["pairs_per_s"] / p["pairs_per_s"]
-                        print(f"batch {batch}: alpaca_eval {p['pairs_per_s']:.0f} pairs/s; ratio {entry['ratio_farmflow_over_alpaca_eval']:.2f}x", flush=True)
+                        print(
+                            f"batch {batch}: alpaca_eval {p['pairs_per_s']:.0f} pairs/s; ratio {entry['ratio_farmflow_over_alpaca_eval']:.2f}x",
+                            flush=True,
+                        )
                     except RuntimeError as err:
                         entry["alpaca_eval"] = {"error": str(err)}
                         print(f"batch {batch}: alpaca_eval could not run: {err}", flush=True)
@@ -169,7 +232,9 @@ def main() -> None:
         server.wait(timeout=10)
     results["machine"]["load_average_at_end"] = os.getloadavg()
     results["goals"] = {
-        "fraction_of_limit_>=_0.9": all(e["farmflow"]["fraction_of_limit"] >= 0.9 for e in results["batch_sizes"].values()),
+        "fraction_of_limit_>=_0.9": all(
+            e["farmflow"]["fraction_of_limit"] >= 0.9 for e in results["batch_sizes"].values()
+        ),
         "ratio_>=_2": all(e.get("ratio_farmflow_over_alpaca_eval", 0) >= 2 for e in results["batch_sizes"].values()),
     }
     cpu_ms = max(e["farmflow"]["client_cpu_ms_per_request"] for e in results["batch_sizes"].values())

@@ -50,8 +50,9 @@ def farmflow_run(store: Path, env: dict, cached: bool = True) -> tuple[float, fl
     """Wall seconds of one `farmflow run` subprocess and the flow's own seconds (its `wall_seconds`); with
     `cached`, fails unless every stage was a cache hit."""
     start = time.perf_counter()
-    done = subprocess.run([FARMFLOW, *ARGS, "--store", str(store)], env=env, capture_output=True, text=True,
-                          timeout=900)
+    done = subprocess.run(
+        [FARMFLOW, *ARGS, "--store", str(store)], env=env, capture_output=True, text=True, timeout=900
+    )
     wall = time.perf_counter() - start
     if done.returncode != 0:
         raise RuntimeError(f"farmflow run failed ({done.returncode}): {done.stderr[-2000:]}")
@@ -78,8 +79,13 @@ def start_server(prefect_home: Path, log: Path) -> tuple[subprocess.Popen, str]:
     """`farmflow server` on a free loopback port; returns it and the PREFECT_API_URL it printed, once it answers."""
     port = free_port()
     with open(log, "w") as out:
-        proc = subprocess.Popen([FARMFLOW, "server", "--port", str(port)], env=child_env(prefect_home), stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [FARMFLOW, "server", "--port", str(port)],
+            env=child_env(prefect_home),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     url = f"http://127.0.0.1:{port}/api"
     deadline = time.monotonic() + 180
     while True:
@@ -145,8 +151,11 @@ def main() -> None:
     med = {name: statistics.median(xs) for name, xs in walls.items()}
     beyond = med["server"] - med["imports"]
     results = {
-        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
-                    "load_average_1_5_15_min": {"before": load_before, "after": os.getloadavg()}},
+        "machine": {
+            "cpu_count": os.cpu_count(),
+            "platform": platform.platform(),
+            "load_average_1_5_15_min": {"before": load_before, "after": os.getloadavg()},
+        },
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": "farmflow " + " ".join(ARGS) + " --store <store filled by one un-timed run>",
         "repeats": REPEATS,
@@ -155,21 +164,26 @@ def main() -> None:
         "ratio_temporary_vs_server": med["temporary"] / med["server"],
         "server_beyond_imports_s": beyond,
         "server_beyond_imports_paired_median_s": statistics.median(
-            a - i for a, i in zip(walls["server"], walls["imports"])),
+            a - i for a, i in zip(walls["server"], walls["imports"])
+        ),
         "goal_beyond_imports_s": GOAL_BEYOND_IMPORTS_S,
         "goal_met": beyond <= GOAL_BEYOND_IMPORTS_S,
-        "notes": ("wall: seconds from starting the subprocess to its exit, as a user sees it. server: PREFECT_API_URL "
-                  "set to `farmflow server` on loopback; temporary: no PREFECT_API_URL (Prefect's temporary server per "
-                  "run); imports: python -c 'import farmflow.flows'. in_flow: the run's own wall_seconds (the flow "
-                  "call). Runs interleaved server, temporary, imports; beyond imports = median(server) - "
-                  "median(imports); paired: median over rounds of server - imports."),
+        "notes": (
+            "wall: seconds from starting the subprocess to its exit, as a user sees it. server: PREFECT_API_URL "
+            "set to `farmflow server` on loopback; temporary: no PREFECT_API_URL (Prefect's temporary server per "
+            "run); imports: python -c 'import farmflow.flows'. in_flow: the run's own wall_seconds (the flow "
+            "call). Runs interleaved server, temporary, imports; beyond imports = median(server) - "
+            "median(imports); paired: median over rounds of server - imports."
+        ),
     }
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps(results, indent=2) + "\n")
     for name, s in results["wall"].items():
         print(f"{name:9s} median {s['median_s']:.1f}s (min {s['min_s']:.1f}, max {s['max_s']:.1f}, n={REPEATS})")
-    print(f"temporary / server: {results['ratio_temporary_vs_server']:.2f}x; server beyond imports: {beyond:.1f}s "
-          f"(goal <= {GOAL_BEYOND_IMPORTS_S:g}s: {'met' if results['goal_met'] else 'not met'})")
+    print(
+        f"temporary / server: {results['ratio_temporary_vs_server']:.2f}x; server beyond imports: {beyond:.1f}s "
+        f"(goal <= {GOAL_BEYOND_IMPORTS_S:g}s: {'met' if results['goal_met'] else 'not met'})"
+    )
     print(f"wrote {OUT}")
 
 

@@ -63,20 +63,46 @@ import torch
 OUT = Path(__file__).parent / "results" / "gpu.json"
 
 # Peak dense (no sparsity) bf16 tensor-core TFLOP/s from NVIDIA's datasheets; matched in this order.
-PEAK_TFLOPS = [("H200", 989.0), ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("A100", 312.0), ("L40S", 362.0), ("L4", 121.0)]
+PEAK_TFLOPS = [
+    ("H200", 989.0),
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("H100", 989.0),
+    ("A100", 312.0),
+    ("L40S", 362.0),
+    ("L4", 121.0),
+]
 MFU_GOAL = 0.40
 
 SIZES = {
-    "full": {"model": {"hidden_size": 2048, "num_layers": 16, "num_heads": 16, "intermediate_size": 5632, "vocab": 32000, "max_seq_len": 512},
-             "reward": {"hidden_size": 1024, "num_layers": 8, "num_heads": 8, "intermediate_size": 2816},
-             "sft": {"batch": 16, "seq": 512, "warmup": 3, "steps": 12},
-             "gen": {"batches": [16, 64, 256], "prompt": 128, "new": 128},
-             "ppo": {"rollout": 64, "step_batch": 32, "micro": 16, "prompt": 128, "new": 128, "steps": 3}},
-    "tiny": {"model": {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "intermediate_size": 128, "vocab": 512, "max_seq_len": 64},
-             "reward": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64},
-             "sft": {"batch": 4, "seq": 64, "warmup": 1, "steps": 4},
-             "gen": {"batches": [2, 4], "prompt": 8, "new": 8},
-             "ppo": {"rollout": 4, "step_batch": 2, "micro": 2, "prompt": 8, "new": 8, "steps": 2}},
+    "full": {
+        "model": {
+            "hidden_size": 2048,
+            "num_layers": 16,
+            "num_heads": 16,
+            "intermediate_size": 5632,
+            "vocab": 32000,
+            "max_seq_len": 512,
+        },
+        "reward": {"hidden_size": 1024, "num_layers": 8, "num_heads": 8, "intermediate_size": 2816},
+        "sft": {"batch": 16, "seq": 512, "warmup": 3, "steps": 12},
+        "gen": {"batches": [16, 64, 256], "prompt": 128, "new": 128},
+        "ppo": {"rollout": 64, "step_batch": 32, "micro": 16, "prompt": 128, "new": 128, "steps": 3},
+    },
+    "tiny": {
+        "model": {
+            "hidden_size": 64,
+            "num_layers": 2,
+            "num_heads": 4,
+            "intermediate_size": 128,
+            "vocab": 512,
+            "max_seq_len": 64,
+        },
+        "reward": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64},
+        "sft": {"batch": 4, "seq": 64, "warmup": 1, "steps": 4},
+        "gen": {"batches": [2, 4], "prompt": 8, "new": 8},
+        "ppo": {"rollout": 4, "step_batch": 2, "micro": 2, "prompt": 8, "new": 8, "steps": 2},
+    },
 }
 
 
@@ -101,8 +127,16 @@ def peak_tflops(gpu_name: str | None) -> float | None:
 
 
 def machine() -> dict:
-    facts = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-             "cuda": torch.version.cuda, "gpu": None, "gpu_memory_gib": None, "driver": None}
+    facts = {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "gpu": None,
+        "gpu_memory_gib": None,
+        "driver": None,
+    }
     import transformers
 
     facts["transformers"] = transformers.__version__
@@ -114,10 +148,16 @@ def machine() -> dict:
         facts["vllm"] = None
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
-        facts.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1), gpus=torch.cuda.device_count(),
-                     compute_capability=f"{props.major}.{props.minor}")
+        facts.update(
+            gpu=props.name,
+            gpu_memory_gib=round(props.total_memory / 2**30, 1),
+            gpus=torch.cuda.device_count(),
+            compute_capability=f"{props.major}.{props.minor}",
+        )
         if shutil.which("nvidia-smi"):
-            out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True)
+            out = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True
+            )
             facts["driver"] = out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
     return facts
 
@@ -133,7 +173,9 @@ def word_tokenizer(vocab: int):
     tok = Tokenizer(models.WordLevel(words, unk_token=PAD))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD, padding_side="right")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD, padding_side="right"
+    )
 
 
 def texts(n: int, words: int, vocab: int, seed: int) -> list[str]:
@@ -148,8 +190,14 @@ def policy(size: dict, tok, device: str, dtype: torch.dtype):
     from farmflow.models import build_policy
 
     m = size["model"]
-    cfg = ModelConfig(hidden_size=m["hidden_size"], num_layers=m["num_layers"], num_heads=m["num_heads"],
-                      intermediate_size=m["intermediate_size"], max_seq_len=m["max_seq_len"], vocab_size=m["vocab"])
+    cfg = ModelConfig(
+        hidden_size=m["hidden_size"],
+        num_layers=m["num_layers"],
+        num_heads=m["num_heads"],
+        intermediate_size=m["intermediate_size"],
+        max_seq_len=m["max_seq_len"],
+        vocab_size=m["vocab"],
+    )
     with torch.device(device):
         model = build_policy(cfg, tok)
     return model.to(dtype)
@@ -158,7 +206,9 @@ def policy(size: dict, tok, device: str, dtype: torch.dtype):
 def flops_per_token(model, seq: int) -> tuple[float, int]:
     """PaLM's 6N + 12·L·H·Q·T training FLOPs per token, and N (parameters of the matrix products, tied embedding once)."""
     c = model.config
-    n = sum(p.numel() for p in model.parameters() if p.dim() == 2)  # embedding (= the LM head when tied) + linear weights
+    n = sum(
+        p.numel() for p in model.parameters() if p.dim() == 2
+    )  # embedding (= the LM head when tied) + linear weights
     if not c.tie_word_embeddings:
         n -= model.get_input_embeddings().weight.numel()  # a lookup, not a product
     return 6.0 * n + 12.0 * c.num_hidden_layers * c.hidden_size * seq, n
@@ -208,19 +258,34 @@ def bench_sft(size: dict, device: str, dtype: torch.dtype, peak: float | None, c
     prompts = texts(steps * batch, prompt_words, vocab, seed=1)
     responses = texts(steps * batch, seq - prompt_words - 2, vocab, seed=2)  # <s> prompt response </s> = seq tokens
     cfg = SFTConfig(epochs=1.0, batch_size=batch, lr=1e-5, warmup_ratio=0.0, seed=0)
-    precision = "float32" if dtype == torch.float32 else f"float32 master weights, {str(dtype).removeprefix('torch.')} autocast"
-    out: dict = {"batch": batch, "seq": seq, "tokens_per_step": batch * seq, "warmup_steps": warmup, "timed_steps": s["steps"],
-                 "precision": precision, "peak_tflops": peak}
+    precision = (
+        "float32" if dtype == torch.float32 else f"float32 master weights, {str(dtype).removeprefix('torch.')} autocast"
+    )
+    out: dict = {
+        "batch": batch,
+        "seq": seq,
+        "tokens_per_step": batch * seq,
+        "warmup_steps": warmup,
+        "timed_steps": s["steps"],
+        "precision": precision,
+        "peak_tflops": peak,
+    }
 
     model = policy(size, tok, device, dtype)
     fpt, n = flops_per_token(model, seq)
-    out.update(parameters=sum(p.numel() for p in model.parameters()), matmul_parameters=n, flops_per_token=fpt,
-               flops_formula="6N + 12*L*H*Q*T (PaLM appendix B), N = parameters of the matrix products (tied embedding once)")
+    out.update(
+        parameters=sum(p.numel() for p in model.parameters()),
+        matmul_parameters=n,
+        flops_per_token=fpt,
+        flops_formula="6N + 12*L*H*Q*T (PaLM appendix B), N = parameters of the matrix products (tied embedding once)",
+    )
     ends: list[float] = []
     with step_clock(sft, ends):
         metrics = sft.train_sft(model, tok, prompts, responses, cfg, seq)
     if metrics["train_tokens"] != steps * batch * seq:
-        raise RuntimeError(f"sft: trained on {metrics['train_tokens']:.0f} tokens, expected {steps * batch * seq} (padding or truncation)")
+        raise RuntimeError(
+            f"sft: trained on {metrics['train_tokens']:.0f} tokens, expected {steps * batch * seq} (padding or truncation)"
+        )
     sides = {"farmflow": rate(batch * seq, ends, warmup) | {"loss_first": metrics["train_loss_first"]}}
     del model
     free()
@@ -237,7 +302,9 @@ def bench_sft(size: dict, device: str, dtype: torch.dtype, peak: float | None, c
         try:
             run = plain_loop(size, tok, device, dtype, batches, cfg, compiled)
             sides[name] = rate(batch * seq, run["ends"], warmup) | {"loss_first": run["loss_first"]}
-        except Exception as err:  # the compiled peer needs a working inductor toolchain; its failure is a result, not a crash
+        except (
+            Exception
+        ) as err:  # the compiled peer needs a working inductor toolchain; its failure is a result, not a crash
             if not compiled:
                 raise
             sides[name] = {"error": f"{type(err).__name__}: {str(err)[:500]}"}
@@ -249,9 +316,13 @@ def bench_sft(size: dict, device: str, dtype: torch.dtype, peak: float | None, c
     ff = sides["farmflow"]["tokens_per_s"]
     out["ratio_farmflow_over_plain"] = ff / sides["plain_pytorch"]["tokens_per_s"]
     compiled_side = sides["plain_pytorch_compiled"] or {}
-    out["ratio_farmflow_over_compiled"] = ff / compiled_side["tokens_per_s"] if "tokens_per_s" in compiled_side else None
+    out["ratio_farmflow_over_compiled"] = (
+        ff / compiled_side["tokens_per_s"] if "tokens_per_s" in compiled_side else None
+    )
     mfu = sides["farmflow"]["mfu"]
-    out["goal"] = f"SFT MFU >= {MFU_GOAL:.0%}: " + ("no GPU peak known, not measured" if mfu is None else "met" if mfu >= MFU_GOAL else "not met")
+    out["goal"] = f"SFT MFU >= {MFU_GOAL:.0%}: " + (
+        "no GPU peak known, not measured" if mfu is None else "met" if mfu >= MFU_GOAL else "not met"
+    )
     return out
 
 
@@ -296,10 +367,20 @@ def bench_generation(size: dict, device: str, dtype: torch.dtype) -> dict:
         return sum(len(r[0]) for r in out)
 
     def hf_generate(batch: list[str]) -> int:
-        enc = tok_left(["<s> " + p for p in batch], return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+        enc = tok_left(["<s> " + p for p in batch], return_tensors="pt", padding=True, add_special_tokens=False).to(
+            device
+        )
         with torch.no_grad():
-            ids = model.generate(**enc, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new, pad_token_id=tok.pad_token_id)
-        gen = ids[:, enc["input_ids"].shape[1]:].tolist()
+            ids = model.generate(
+                **enc,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=new,
+                pad_token_id=tok.pad_token_id,
+            )
+        gen = ids[:, enc["input_ids"].shape[1] :].tolist()
         return sum(len(r[: r.index(tok.eos_token_id) + 1] if tok.eos_token_id in r else r) for r in gen)
 
     contenders = {"farmflow_sample_ids": farmflow, "hf_generate": hf_generate}
@@ -315,7 +396,9 @@ def bench_generation(size: dict, device: str, dtype: torch.dtype) -> dict:
             sync()
             seconds = time.perf_counter() - start
             row[name] = {"seconds": seconds, "generated_tokens": n_tokens, "tokens_per_s": n_tokens / seconds}
-        row["ratio_farmflow_over_hf_generate"] = row["farmflow_sample_ids"]["tokens_per_s"] / row["hf_generate"]["tokens_per_s"]
+        row["ratio_farmflow_over_hf_generate"] = (
+            row["farmflow_sample_ids"]["tokens_per_s"] / row["hf_generate"]["tokens_per_s"]
+        )
         rows.append(row)
     vllm_rows, vllm_status = None, "needs a GPU"
     if device == "cuda":
@@ -343,8 +426,13 @@ def bench_vllm(model, tok, prompts: list[str], g: dict, dtype: torch.dtype) -> l
 
     with tempfile.TemporaryDirectory() as folder:
         save(model, tok, folder)
-        llm = vllm.LLM(model=folder, dtype=str(dtype).removeprefix("torch."), seed=0, max_model_len=model.config.max_position_embeddings,
-                       gpu_memory_utilization=0.5)  # the HF model is still on the GPU
+        llm = vllm.LLM(
+            model=folder,
+            dtype=str(dtype).removeprefix("torch."),
+            seed=0,
+            max_model_len=model.config.max_position_embeddings,
+            gpu_memory_utilization=0.5,
+        )  # the HF model is still on the GPU
         ids = [{"prompt_token_ids": x} for x in prompt_token_ids(tok, prompts, g["prompt"])]
         params = vllm.SamplingParams(n=1, temperature=1.0, top_p=1.0, max_tokens=g["new"], seed=0)
         llm.generate(ids[:2], params, use_tqdm=False)  # warm-up
@@ -353,7 +441,9 @@ def bench_vllm(model, tok, prompts: list[str], g: dict, dtype: torch.dtype) -> l
             start = time.perf_counter()
             outs = llm.generate(ids[:b], params, use_tqdm=False)
             seconds = time.perf_counter() - start
-            texts_from_vllm(outs, 1, lambda t: decode_response(tok, t))  # farmflow's conversion, checked on real outputs
+            texts_from_vllm(
+                outs, 1, lambda t: decode_response(tok, t)
+            )  # farmflow's conversion, checked on real outputs
             n_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
             rows.append({"seconds": seconds, "generated_tokens": n_tokens, "tokens_per_s": n_tokens / seconds})
         del llm
@@ -374,15 +464,33 @@ def bench_ppo(size: dict, device: str, dtype: torch.dtype) -> dict:
     model = policy(size, tok, device, dtype)
     ref = copy.deepcopy(model)
     torch.manual_seed(1)
-    rm_config = LlamaConfig(vocab_size=vocab, hidden_size=r["hidden_size"], intermediate_size=r["intermediate_size"],
-                            num_hidden_layers=r["num_layers"], num_attention_heads=r["num_heads"], num_key_value_heads=r["num_heads"],
-                            max_position_embeddings=size["model"]["max_seq_len"], pad_token_id=tok.pad_token_id,
-                            bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, num_labels=1)
+    rm_config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=r["hidden_size"],
+        intermediate_size=r["intermediate_size"],
+        num_hidden_layers=r["num_layers"],
+        num_attention_heads=r["num_heads"],
+        num_key_value_heads=r["num_heads"],
+        max_position_embeddings=size["model"]["max_seq_len"],
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        num_labels=1,
+    )
     with torch.device(device):
         reward = LlamaForSequenceClassification(rm_config).to(dtype).eval()
-        value = ValueModel(copy.deepcopy(reward.model), r["hidden_size"]).to(dtype)  # farmflow.models.value_from_reward, in memory
-    cfg = PPOConfig(epochs=1.0, rollout_batch_size=p["rollout"], step_batch_size=p["step_batch"], micro_batch_size=p["micro"],
-                    max_new_tokens=p["new"], warmup_steps=0, penalty_reward_value=None)
+        value = ValueModel(copy.deepcopy(reward.model), r["hidden_size"]).to(
+            dtype
+        )  # farmflow.models.value_from_reward, in memory
+    cfg = PPOConfig(
+        epochs=1.0,
+        rollout_batch_size=p["rollout"],
+        step_batch_size=p["step_batch"],
+        micro_batch_size=p["micro"],
+        max_new_tokens=p["new"],
+        warmup_steps=0,
+        penalty_reward_value=None,
+    )
     prompts = texts(p["rollout"] * p["steps"], p["prompt"] - 1, vocab, seed=4)
 
     marks: dict[str, list[float]] = {"generate": [], "score": [], "rollout": [], "rollout_end": [], "step_end": []}
@@ -397,43 +505,78 @@ def bench_ppo(size: dict, device: str, dtype: torch.dtype) -> dict:
             if name == "rollout":
                 marks["rollout_end"].append(time.perf_counter())
             return result
+
         return wrapper
 
     reward_fn = timed(rl.reward_model_fn(reward, tok, batch_size=p["micro"]), "score")
     real = {"sample_ids": rl.sample_ids, "rollout": ppo.rollout}
     rl.sample_ids, ppo.rollout = timed(real["sample_ids"], "generate"), timed(real["rollout"], "rollout")
     try:
-        ppo.train_ppo(model, ref, value, reward_fn, tok, prompts, cfg,
-                      on_step=lambda step, _: (sync(), marks["step_end"].append(time.perf_counter())))
+        ppo.train_ppo(
+            model,
+            ref,
+            value,
+            reward_fn,
+            tok,
+            prompts,
+            cfg,
+            on_step=lambda step, _: (sync(), marks["step_end"].append(time.perf_counter())),
+        )
     finally:
         rl.sample_ids, ppo.rollout = real["sample_ids"], real["rollout"]
     steps = []
     for i in range(p["steps"]):
         train = marks["step_end"][i] - marks["rollout_end"][i]
         gen, score, roll = marks["generate"][i], marks["score"][i], marks["rollout"][i]
-        steps.append({"generation_s": gen, "scoring_s": score, "rollout_forward_s": roll - gen - score, "training_s": train,
-                      "total_s": roll + train})
+        steps.append(
+            {
+                "generation_s": gen,
+                "scoring_s": score,
+                "rollout_forward_s": roll - gen - score,
+                "training_s": train,
+                "total_s": roll + train,
+            }
+        )
     del model, ref, reward, value
     free()
     later = steps[1:] or steps
     mean = {k: statistics.mean(s[k] for s in later) for k in steps[0]}
     share = {k.removesuffix("_s"): v / mean["total_s"] for k, v in mean.items() if k != "total_s"}
-    return {"rollout_batch": p["rollout"], "step_batch": p["step_batch"], "micro_batch": p["micro"], "prompt_tokens": p["prompt"],
-            "max_new_tokens": p["new"], "ppo_epochs": cfg.ppo_epochs, "reward_and_value_model": r,
-            "first_step": steps[0], "mean_after_first": mean, "share_after_first": share, "steps": steps}
+    return {
+        "rollout_batch": p["rollout"],
+        "step_batch": p["step_batch"],
+        "micro_batch": p["micro"],
+        "prompt_tokens": p["prompt"],
+        "max_new_tokens": p["new"],
+        "ppo_epochs": cfg.ppo_epochs,
+        "reward_and_value_model": r,
+        "first_step": steps[0],
+        "mean_after_first": mean,
+        "share_after_first": share,
+        "steps": steps,
+    }
 
 
 # --------------------------------------------------------------------------- driver
 def main(argv: list[str] | None = None) -> dict | None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tiny", action="store_true", help="a toy model on the CPU in seconds (CI smoke test); MFU is null")
-    parser.add_argument("--out", type=Path, help=f"where to write the results (default: {OUT} for a GPU run; a --tiny run only prints)")
-    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile peer (saves its compile time)")
+    parser.add_argument(
+        "--tiny", action="store_true", help="a toy model on the CPU in seconds (CI smoke test); MFU is null"
+    )
+    parser.add_argument(
+        "--out", type=Path, help=f"where to write the results (default: {OUT} for a GPU run; a --tiny run only prints)"
+    )
+    parser.add_argument(
+        "--no-compile", action="store_true", help="skip the torch.compile peer (saves its compile time)"
+    )
     parser.add_argument("--only", choices=["sft", "generation", "ppo"], action="append", help="run these parts only")
     args = parser.parse_args(argv)
     if not args.tiny and not torch.cuda.is_available():
-        print(f"bench.gpu: skipped, no CUDA GPU here (torch {torch.__version__}, CUDA build: {torch.version.cuda}). "
-              "`python -m bench.gpu --tiny` runs the CPU smoke version.", flush=True)
+        print(
+            f"bench.gpu: skipped, no CUDA GPU here (torch {torch.__version__}, CUDA build: {torch.version.cuda}). "
+            "`python -m bench.gpu --tiny` runs the CPU smoke version.",
+            flush=True,
+        )
         return None
     mode = "tiny" if args.tiny else "full"
     size = SIZES[mode]
@@ -441,23 +584,38 @@ def main(argv: list[str] | None = None) -> dict | None:
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     facts = machine()
     peak = peak_tflops(facts["gpu"]) if device == "cuda" else None
-    results: dict = {"mode": mode, "device": device, "machine": facts, "model": size["model"],
-                     "peak_bf16_tflops_table": dict(PEAK_TFLOPS)}
+    results: dict = {
+        "mode": mode,
+        "device": device,
+        "machine": facts,
+        "model": size["model"],
+        "peak_bf16_tflops_table": dict(PEAK_TFLOPS),
+    }
     parts = args.only or ["sft", "generation", "ppo"]
     started = time.perf_counter()
     if "sft" in parts:
         results["sft"] = bench_sft(size, device, dtype, peak, compile_peer=not (args.tiny or args.no_compile))
         s = results["sft"]
-        print(f"sft: farmflow {s['sides']['farmflow']['tokens_per_s']:.0f} tokens/s, plain PyTorch ratio "
-              f"{s['ratio_farmflow_over_plain']:.2f}x; {s['goal']}", flush=True)
+        print(
+            f"sft: farmflow {s['sides']['farmflow']['tokens_per_s']:.0f} tokens/s, plain PyTorch ratio "
+            f"{s['ratio_farmflow_over_plain']:.2f}x; {s['goal']}",
+            flush=True,
+        )
     if "generation" in parts:
         results["generation"] = bench_generation(size, device, dtype)
         for row in results["generation"]["rows"]:
-            print(f"sampling batch {row['batch']}: farmflow {row['farmflow_sample_ids']['tokens_per_s']:.0f} tokens/s, "
-                  f"HF generate {row['hf_generate']['tokens_per_s']:.0f} ({row['ratio_farmflow_over_hf_generate']:.2f}x)", flush=True)
+            print(
+                f"sampling batch {row['batch']}: farmflow {row['farmflow_sample_ids']['tokens_per_s']:.0f} tokens/s, "
+                f"HF generate {row['hf_generate']['tokens_per_s']:.0f} ({row['ratio_farmflow_over_hf_generate']:.2f}x)",
+                flush=True,
+            )
     if "ppo" in parts:
         results["ppo"] = bench_ppo(size, device, dtype)
-        print("ppo step (after the first): " + ", ".join(f"{k} {v:.2f}s" for k, v in results["ppo"]["mean_after_first"].items()), flush=True)
+        print(
+            "ppo step (after the first): "
+            + ", ".join(f"{k} {v:.2f}s" for k, v in results["ppo"]["mean_after_first"].items()),
+            flush=True,
+        )
     results["seconds"] = time.perf_counter() - started
     out = args.out or (None if args.tiny else OUT)
     if out is None:

@@ -62,13 +62,22 @@ def ratio(a: list[float], b: list[float]) -> dict[str, float]:
     return {"ratio": statistics.median(a) / statistics.median(b), "low": min(a) / max(b), "high": max(a) / min(b)}
 
 
-def entry(what: str, unit: str, runs: dict[str, list[float]], goal: float | None = None, note: str = "") -> dict[str, Any]:
+def entry(
+    what: str, unit: str, runs: dict[str, list[float]], goal: float | None = None, note: str = ""
+) -> dict[str, Any]:
     """One benchmark row: the first contender against the second (medians, spread, ratio and the goal it is held to)."""
     (a, xs), (b, ys) = list(runs.items())[:2]
     r = ratio(xs, ys)
     return {
-        "what": what, "unit": unit, "contenders": [a, b], "medians": {a: summary(xs), b: summary(ys)}, "ratio": r["ratio"],
-        "ratio_range": [r["low"], r["high"]], "goal": goal, "met": None if goal is None else r["ratio"] >= goal, "note": note,
+        "what": what,
+        "unit": unit,
+        "contenders": [a, b],
+        "medians": {a: summary(xs), b: summary(ys)},
+        "ratio": r["ratio"],
+        "ratio_range": [r["low"], r["high"]],
+        "goal": goal,
+        "met": None if goal is None else r["ratio"] >= goal,
+        "note": note,
     }
 
 
@@ -78,13 +87,20 @@ def machine() -> dict[str, Any]:
     import transformers
 
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                                timeout=10).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
     except OSError:
         commit = ""
     return {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "cpus": os.cpu_count(), "platform": platform.platform(),
-        "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-        "torch_threads": torch.get_num_threads(), "load_average": list(os.getloadavg()), "commit": commit,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "load_average": list(os.getloadavg()),
+        "commit": commit,
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }

@@ -23,8 +23,10 @@ def row(bench: str, e: dict, when: str) -> str:
     med = e["medians"]
     spread = lambda s: f"{fmt(s['median'])} ({fmt(s['min'])}–{fmt(s['max'])})"  # noqa: E731
     goal = "" if e.get("goal") is None else f"≥ {e['goal']:g}× {'met' if e['met'] else '**not met**'}"
-    return (f"| {bench} | {e['what']} | {e['unit']} | {a}: {spread(med[a])} | {b}: {spread(med[b])} | "
-            f"**{e['ratio']:.2f}×** ({e['ratio_range'][0]:.2f}–{e['ratio_range'][1]:.2f}) | {med[a]['rounds']} | {goal} | {when} |")
+    return (
+        f"| {bench} | {e['what']} | {e['unit']} | {a}: {spread(med[a])} | {b}: {spread(med[b])} | "
+        f"**{e['ratio']:.2f}×** ({e['ratio_range'][0]:.2f}–{e['ratio_range'][1]:.2f}) | {med[a]['rounds']} | {goal} | {when} |"
+    )
 
 
 def render(results: Path = RESULTS) -> str:
@@ -48,8 +50,12 @@ def render(results: Path = RESULTS) -> str:
         for e in data.get("entries", []):
             lines.append(row(path.stem, e, when))
     if legacy:
-        lines += ["", "Not yet measured with the shared harness (their own format, see the file): "
-                  + ", ".join(f"`bench/results/{n}`" for n in legacy) + "."]
+        lines += [
+            "",
+            "Not yet measured with the shared harness (their own format, see the file): "
+            + ", ".join(f"`bench/results/{n}`" for n in legacy)
+            + ".",
+        ]
     return "\n".join(lines) + "\n"
 
 

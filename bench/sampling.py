@@ -53,7 +53,12 @@ def tiny_setup(prompts: int, max_len: int):
     table = build_synthetic_farm(cfg.data)
     rows = table.to_pylist()
     tok = train_tokenizer(prompts_of(rows) + [r["output"] for r in rows if r["output"]], cfg.model.vocab_size)
-    return build_policy(cfg.model, tok).eval(), tok, prompts_of(split_rows(table, "eval"))[:prompts], "tiny random Llama (smoke)"
+    return (
+        build_policy(cfg.model, tok).eval(),
+        tok,
+        prompts_of(split_rows(table, "eval"))[:prompts],
+        "tiny random Llama (smoke)",
+    )
 
 
 def generated_tokens(rows: list[list[int]], eos: int, pad: int) -> int:
@@ -72,7 +77,9 @@ def farmflow_side(model, tok, prompts: list[str], n: int, new: int, batch: int):
 
     def run() -> dict:
         start = time.perf_counter()
-        out = sample_ids(model, tok, prompts, n=n, temperature=1.0, max_new_tokens=new, batch_size=batch, seed=next(calls))
+        out = sample_ids(
+            model, tok, prompts, n=n, temperature=1.0, max_new_tokens=new, batch_size=batch, seed=next(calls)
+        )
         seconds = time.perf_counter() - start
         tokens = sum(len(r) for per_prompt in out for r in per_prompt)
         return {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds}
@@ -89,13 +96,23 @@ def hf_side(model, tok, prompts: list[str], n: int, new: int, batch: int):
     def run() -> dict:
         tokens, start = 0, time.perf_counter()
         for i in range(0, len(ids), batch):
-            chunk = ids[i: i + batch]
+            chunk = ids[i : i + batch]
             width = max(len(x) for x in chunk)
             input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in chunk])
             mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in chunk])
             with torch.no_grad():
-                out = model.generate(input_ids=input_ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                                     max_new_tokens=new, num_return_sequences=n, pad_token_id=pad, eos_token_id=eos)
+                out = model.generate(
+                    input_ids=input_ids,
+                    attention_mask=mask,
+                    do_sample=True,
+                    temperature=1.0,
+                    top_k=0,
+                    top_p=1.0,
+                    max_new_tokens=new,
+                    num_return_sequences=n,
+                    pad_token_id=pad,
+                    eos_token_id=eos,
+                )
             tokens += generated_tokens(out[:, width:].tolist(), eos, pad)
         seconds = time.perf_counter() - start
         return {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds}
@@ -124,7 +141,9 @@ def curve_sides(model, tok, prompts: list[str], new: int, batch: int):
 
     def apart() -> float:
         start = time.perf_counter()
-        picks["apart"] = {k: pick_best(*scored_candidates(model, tok, reward_model, tok, prompts, n=k, **args))[0] for k in ns}
+        picks["apart"] = {
+            k: pick_best(*scored_candidates(model, tok, reward_model, tok, prompts, n=k, **args))[0] for k in ns
+        }
         return 1.0 / (time.perf_counter() - start)
 
     return {"largest_n_once": once, "each_n_apart": apart}, picks
@@ -132,7 +151,9 @@ def curve_sides(model, tok, prompts: list[str], new: int, batch: int):
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per comparison (after one warm-up each)")
+    parser.add_argument(
+        "--rounds", type=int, default=5, help="interleaved rounds per comparison (after one warm-up each)"
+    )
     parser.add_argument("--smoke", action="store_true", help="a tiny random model and a few prompts: seconds, for CI")
     parser.add_argument("--out", type=Path, default=OUT, help="results file")
     args = parser.parse_args(argv)
@@ -142,31 +163,56 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         model, tok, prompts, what = real_setup(prompts=64, max_len=512)
         new, batch, n_best, best_prompts = 64, 16, 16, 8
-    prompts = sorted(prompts, key=lambda p: len(tok(p, add_special_tokens=False)["input_ids"]))  # the same batches on both sides
+    prompts = sorted(
+        prompts, key=lambda p: len(tok(p, add_special_tokens=False)["input_ids"])
+    )  # the same batches on both sides
     results: dict = {
         "machine": machine(),
-        "setup": {"model": what, "prompts": len(prompts), "max_new_tokens": new, "batch_size": batch, "best_of_n": n_best,
-                  "best_of_n_prompts": best_prompts, "rounds": args.rounds, "temperature": 1.0},
-        "entries": [], "runs": {},
+        "setup": {
+            "model": what,
+            "prompts": len(prompts),
+            "max_new_tokens": new,
+            "batch_size": batch,
+            "best_of_n": n_best,
+            "best_of_n_prompts": best_prompts,
+            "rounds": args.rounds,
+            "temperature": 1.0,
+        },
+        "entries": [],
+        "runs": {},
     }
     comparisons = {
         "n=1": (prompts, 1),
         f"best-of-{n_best}": (prompts[:best_prompts], n_best),
     }
     for name, (ps, n) in comparisons.items():
-        runs = interleave({"farmflow": farmflow_side(model, tok, ps, n, new, batch),
-                           "hf_generate": hf_side(model, tok, ps, n, new, batch)}, rounds=args.rounds)
+        runs = interleave(
+            {
+                "farmflow": farmflow_side(model, tok, ps, n, new, batch),
+                "hf_generate": hf_side(model, tok, ps, n, new, batch),
+            },
+            rounds=args.rounds,
+        )
         rates = {side: values(rs, "tokens_per_s") for side, rs in runs.items()}
         results["entries"].append(entry(f"sampling {name}, {what}", "generated tokens/s", rates, goal=1.5))
         results["runs"][name] = runs
-        print(f"{name}: farmflow {summary(rates['farmflow'])['median']:.0f} vs HF generate "
-              f"{summary(rates['hf_generate'])['median']:.0f} tokens/s ({results['entries'][-1]['ratio']:.2f}x)", flush=True)
+        print(
+            f"{name}: farmflow {summary(rates['farmflow'])['median']:.0f} vs HF generate "
+            f"{summary(rates['hf_generate'])['median']:.0f} tokens/s ({results['entries'][-1]['ratio']:.2f}x)",
+            flush=True,
+        )
     sides, picks = curve_sides(model, tok, prompts[:best_prompts], new, batch)
     runs = interleave(sides, rounds=args.rounds)
     if picks["once"] != picks["apart"]:
         raise SystemExit("best-of-n curve: prefixes of the largest n differ from sampling each n apart")
-    results["entries"].append(entry(f"best-of-n curve (n=1..16), {what}", "curves/s", runs,
-                                    note="largest n once vs each n apart; identical picks"))
+    results["entries"].append(
+        entry(
+            f"best-of-n curve (n=1..16), {what}",
+            "curves/s",
+            runs,
+            note="largest n once vs each n apart; identical picks",
+        )
+    )
     results["runs"]["curve"] = runs
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")

@@ -40,11 +40,21 @@ def annotations_table(n: int) -> pa.Table:
     words = ["sort", "list", "reverse", "max", "sum", "categorize"]
     col = lambda fmt: [fmt.format(k, words[k % 6]) for k in range(n)]  # noqa: E731
     cols = {
-        "key": col("key-{}-{}"), "annotator": [f"annotator-{k % 13}" for k in range(n)], "annotator_hash": [f"h{k % 13}" for k in range(n)],
-        "model": ["gpt-4"] * n, "instruction": col("Please {1} the following numbers, instance {0}."), "input": col("{0}, 3, 17, 2"),
-        "output_1": col("Here is the answer to {1} #{0}: 2, 3, 17, and that is all."), "output_2": col("I think {1} of {0} gives 17, 3, 2."),
-        "preference": [1.0 + (k % 2) for k in range(n)], "status": ["ok"] * n, "raw_completion": col("Output ({0}) is better for {1}."),
-        "prompt_tokens": [120 + k % 50 for k in range(n)], "completion_tokens": [5] * n, "price_usd": [0.0021] * n, "latency_s": [0.8] * n,
+        "key": col("key-{}-{}"),
+        "annotator": [f"annotator-{k % 13}" for k in range(n)],
+        "annotator_hash": [f"h{k % 13}" for k in range(n)],
+        "model": ["gpt-4"] * n,
+        "instruction": col("Please {1} the following numbers, instance {0}."),
+        "input": col("{0}, 3, 17, 2"),
+        "output_1": col("Here is the answer to {1} #{0}: 2, 3, 17, and that is all."),
+        "output_2": col("I think {1} of {0} gives 17, 3, 2."),
+        "preference": [1.0 + (k % 2) for k in range(n)],
+        "status": ["ok"] * n,
+        "raw_completion": col("Output ({0}) is better for {1}."),
+        "prompt_tokens": [120 + k % 50 for k in range(n)],
+        "completion_tokens": [5] * n,
+        "price_usd": [0.0021] * n,
+        "latency_s": [0.8] * n,
         "created": [datetime(2026, 1, 1, tzinfo=timezone.utc)] * n,
     }
     schema = SCHEMAS["annotations"]
@@ -69,7 +79,9 @@ def bench_store(store, table: pa.Table, weights: Path, fresh_cache) -> dict:
     out: dict = {}
     ns = iter(range(100))
     names: list[str] = []
-    out["table_write_s"] = median_time(lambda: names.append(store.append_rows(f"annotations/w{next(ns)}", table, "annotations")))
+    out["table_write_s"] = median_time(
+        lambda: names.append(store.append_rows(f"annotations/w{next(ns)}", table, "annotations"))
+    )
     first = store.row_chunks("annotations/w0")[0]
     out["parquet_mb"] = store.fs.size(first) / 1e6
     out["table_read_s"] = median_time(lambda: store.read_rows("annotations/w0", "annotations"))
@@ -83,7 +95,9 @@ def bench_store(store, table: pa.Table, weights: Path, fresh_cache) -> dict:
 
     out["checkpoint_write_s"] = median_time(put_model)
     ref = store.get("bench", "ckpt-0")
-    out["checkpoint_read_s"] = median_time(lambda: (store.model_dir(ref) / "model.safetensors").read_bytes(), setup=fresh_cache)
+    out["checkpoint_read_s"] = median_time(
+        lambda: (store.model_dir(ref) / "model.safetensors").read_bytes(), setup=fresh_cache
+    )
 
     # the aggregate over exactly one 200k-row chunk
     for k in range(1, len(names)):
@@ -124,22 +138,32 @@ def main() -> None:
         local = LocalStore(tmp / "local")
         results: dict = {
             "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform()},
-            "rows": ROWS, "checkpoint_mb": CHECKPOINT_MB, "repeats": REPEATS,
+            "rows": ROWS,
+            "checkpoint_mb": CHECKPOINT_MB,
+            "repeats": REPEATS,
             "local": bench_store(local, table, weights, fresh_cache=None),
         }
         cache = tmp / "s3-cache"
         s3 = open_store(f"s3://bench/farm?endpoint_url={endpoint}&cache_dir={cache}")
-        results["s3_moto_loopback"] = bench_store(s3, table, weights, fresh_cache=lambda: shutil.rmtree(cache / "s3", ignore_errors=True))
+        results["s3_moto_loopback"] = bench_store(
+            s3, table, weights, fresh_cache=lambda: shutil.rmtree(cache / "s3", ignore_errors=True)
+        )
 
         # peers: plain pyarrow and file copies locally, plain boto3 against the same server
         parquet = tmp / "peer.parquet"
         peer: dict = {"pyarrow_write_s": median_time(lambda: pq.write_table(table, parquet))}
         peer["pyarrow_read_s"] = median_time(lambda: pq.read_table(parquet))
         peer["copy_checkpoint_s"] = median_time(lambda: shutil.copyfile(weights, tmp / "copy.safetensors"))
-        peer["boto3_upload_parquet_s"] = median_time(lambda: client.upload_file(str(parquet), "bench", "peer/t.parquet"))
-        peer["boto3_download_parquet_s"] = median_time(lambda: client.download_file("bench", "peer/t.parquet", str(tmp / "t.parquet")))
+        peer["boto3_upload_parquet_s"] = median_time(
+            lambda: client.upload_file(str(parquet), "bench", "peer/t.parquet")
+        )
+        peer["boto3_download_parquet_s"] = median_time(
+            lambda: client.download_file("bench", "peer/t.parquet", str(tmp / "t.parquet"))
+        )
         peer["boto3_upload_checkpoint_s"] = median_time(lambda: client.upload_file(str(weights), "bench", "peer/w"))
-        peer["boto3_download_checkpoint_s"] = median_time(lambda: client.download_file("bench", "peer/w", str(tmp / "w")))
+        peer["boto3_download_checkpoint_s"] = median_time(
+            lambda: client.download_file("bench", "peer/w", str(tmp / "w"))
+        )
         results["peers"] = peer
 
         lo, s3r = results["local"], results["s3_moto_loopback"]
@@ -147,14 +171,18 @@ def main() -> None:
             "local_table_write_vs_pyarrow": lo["table_write_s"] / peer["pyarrow_write_s"],
             "local_table_read_vs_pyarrow": lo["table_read_s"] / peer["pyarrow_read_s"],
             "local_checkpoint_write_vs_copy": lo["checkpoint_write_s"] / peer["copy_checkpoint_s"],
-            "s3_table_write_vs_boto3_upload": s3r["table_write_s"] / (peer["pyarrow_write_s"] + peer["boto3_upload_parquet_s"]),
-            "s3_table_read_vs_boto3_download": s3r["table_read_s"] / (peer["boto3_download_parquet_s"] + peer["pyarrow_read_s"]),
+            "s3_table_write_vs_boto3_upload": s3r["table_write_s"]
+            / (peer["pyarrow_write_s"] + peer["boto3_upload_parquet_s"]),
+            "s3_table_read_vs_boto3_download": s3r["table_read_s"]
+            / (peer["boto3_download_parquet_s"] + peer["pyarrow_read_s"]),
             "s3_checkpoint_write_vs_boto3_upload": s3r["checkpoint_write_s"] / peer["boto3_upload_checkpoint_s"],
             "s3_checkpoint_read_vs_boto3_download": s3r["checkpoint_read_s"] / peer["boto3_download_checkpoint_s"],
             "s3_vs_local_duckdb_aggregate": s3r["duckdb_aggregate_s"] / lo["duckdb_aggregate_s"],
         }
-        results["notes"] = ("ratios are seconds (farmflow / peer): 1.0 = as fast as the peer, 2.0 = twice as slow; peers for tables "
-                            "include the Parquet encode/decode with pyarrow. S3 = moto in-process on 127.0.0.1.")
+        results["notes"] = (
+            "ratios are seconds (farmflow / peer): 1.0 = as fast as the peer, 2.0 = twice as slow; peers for tables "
+            "include the Parquet encode/decode with pyarrow. S3 = moto in-process on 127.0.0.1."
+        )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         server.stop()
@@ -163,9 +191,11 @@ def main() -> None:
     OUT.write_text(json.dumps(results, indent=2) + "\n")
     for where in ("local", "s3_moto_loopback"):
         r = results[where]
-        print(f"{where:17s} table ({r['parquet_mb']:.1f} MB Parquet, {ROWS} rows): write {r['table_write_mb_s']:.1f} MB/s, "
-              f"read {r['table_read_mb_s']:.1f} MB/s | checkpoint {CHECKPOINT_MB} MB: write {r['checkpoint_write_mb_s']:.1f} MB/s, "
-              f"read {r['checkpoint_read_mb_s']:.1f} MB/s | DuckDB aggregate {r['duckdb_aggregate_s'] * 1000:.0f} ms")
+        print(
+            f"{where:17s} table ({r['parquet_mb']:.1f} MB Parquet, {ROWS} rows): write {r['table_write_mb_s']:.1f} MB/s, "
+            f"read {r['table_read_mb_s']:.1f} MB/s | checkpoint {CHECKPOINT_MB} MB: write {r['checkpoint_write_mb_s']:.1f} MB/s, "
+            f"read {r['checkpoint_read_mb_s']:.1f} MB/s | DuckDB aggregate {r['duckdb_aggregate_s'] * 1000:.0f} ms"
+        )
     for name, ratio in results["ratios"].items():
         print(f"  {name}: {ratio:.2f}x")
     print(f"wrote {OUT}")

@@ -59,13 +59,34 @@ from bench.venvs import ensure_venv
 ROOT = Path(__file__).resolve().parents[1]
 OUT = Path(__file__).parent / "results" / "training.json"
 TRL_VENV = ROOT / ".farmflow" / "bench" / "trl-venv"
-TRL_REQUIREMENTS = ["trl==1.16.0", "datasets==5.2.0", "pandas==3.1.1", "dill==0.4.1", "multiprocess==0.70.19", "xxhash==4.1.0"]
+TRL_REQUIREMENTS = [
+    "trl==1.16.0",
+    "datasets==5.2.0",
+    "pandas==3.1.1",
+    "dill==0.4.1",
+    "multiprocess==0.70.19",
+    "xxhash==4.1.0",
+]
 # per model: the longest sequence, and per trainer the sequences or pairs per step and the learning rate
 SETUPS = {
-    "tiny": {"max_len": 160, "trainers": {"sft": {"batch": 32, "lr": 3e-3}, "reward": {"batch": 32, "lr": 5e-4}, "dpo": {"batch": 32, "lr": 1e-4}},
-             "describe": "tiny Llama, synthetic-tiny shape (hidden 128, 2 layers, 4 heads, MLP 384, vocab 1024, tied embeddings)"},
-    "smollm2": {"max_len": 256, "trainers": {"sft": {"batch": 8, "lr": 2e-5}, "reward": {"batch": 8, "lr": 1e-5}, "dpo": {"batch": 8, "lr": 1e-6}},
-                "describe": "SmolLM2-135M-Instruct (model cache), Alpaca demonstrations; pairs: an instruction's own answer vs another's"},
+    "tiny": {
+        "max_len": 160,
+        "trainers": {
+            "sft": {"batch": 32, "lr": 3e-3},
+            "reward": {"batch": 32, "lr": 5e-4},
+            "dpo": {"batch": 32, "lr": 1e-4},
+        },
+        "describe": "tiny Llama, synthetic-tiny shape (hidden 128, 2 layers, 4 heads, MLP 384, vocab 1024, tied embeddings)",
+    },
+    "smollm2": {
+        "max_len": 256,
+        "trainers": {
+            "sft": {"batch": 8, "lr": 2e-5},
+            "reward": {"batch": 8, "lr": 1e-5},
+            "dpo": {"batch": 8, "lr": 1e-6},
+        },
+        "describe": "SmolLM2-135M-Instruct (model cache), Alpaca demonstrations; pairs: an instruction's own answer vs another's",
+    },
 }
 TRAINERS = tuple(SETUPS["tiny"]["trainers"])
 REAL_DATA = ROOT.parent / "shared" / "data" / "alpaca_en_demo.json"
@@ -101,19 +122,35 @@ def prepare(folder: Path, steps: dict[str, int], model: str = "tiny") -> None:
 
     n_sft = steps["sft"] * trainers["sft"]["batch"]
     n_pairs = max(steps["reward"] * trainers["reward"]["batch"], steps["dpo"] * trainers["dpo"]["batch"])
-    sft = split_rows(build_synthetic_farm(DataConfig(sft_size=n_sft, pref_size=1, unlabeled_size=1, val_size=1, eval_size=2)), "sft")
+    sft = split_rows(
+        build_synthetic_farm(DataConfig(sft_size=n_sft, pref_size=1, unlabeled_size=1, val_size=1, eval_size=2)), "sft"
+    )
     pairs = []
     for r in make_pairs(2 * n_pairs, seed=1):  # a correct answer vs a flawed demonstration, order alternating
         g1, g2 = gold_reward(r["task"], r["output_1"]), gold_reward(r["task"], r["output_2"])
         if g1 != g2:  # ties carry no preference (DPO skips them)
-            pairs.append({"prompt": format_prompt(r["instruction"], r["input"]), "output_1": r["output_1"],
-                          "output_2": r["output_2"], "preference": 1.0 if g1 > g2 else 2.0})
+            pairs.append(
+                {
+                    "prompt": format_prompt(r["instruction"], r["input"]),
+                    "output_1": r["output_1"],
+                    "output_2": r["output_2"],
+                    "preference": 1.0 if g1 > g2 else 2.0,
+                }
+            )
     if len(pairs) < n_pairs:
         raise RuntimeError(f"only {len(pairs)} untied pairs, {n_pairs} needed")
     pairs = pairs[:n_pairs]
-    data = {"sft": {"prompts": prompts_of(sft), "responses": [r["output"] for r in sft]},
-            "pairs": {k: [p[k] for p in pairs] for k in ("prompt", "output_1", "output_2", "preference")}}
-    texts = data["sft"]["prompts"] + data["sft"]["responses"] + data["pairs"]["prompt"] + data["pairs"]["output_1"] + data["pairs"]["output_2"]
+    data = {
+        "sft": {"prompts": prompts_of(sft), "responses": [r["output"] for r in sft]},
+        "pairs": {k: [p[k] for p in pairs] for k in ("prompt", "output_1", "output_2", "preference")},
+    }
+    texts = (
+        data["sft"]["prompts"]
+        + data["sft"]["responses"]
+        + data["pairs"]["prompt"]
+        + data["pairs"]["output_1"]
+        + data["pairs"]["output_2"]
+    )
     model_cfg = preset("synthetic-tiny").model.model_copy(update={"max_seq_len": SETUPS["tiny"]["max_len"]})
     tok = train_tokenizer(texts, model_cfg.vocab_size)
     save(build_policy(model_cfg, tok), tok, folder / "policy")
@@ -136,9 +173,15 @@ def prepare_real(folder: Path, steps: dict[str, int]) -> None:
     if max(n_sft, n_pairs) + 1 > len(rows):
         raise SystemExit(f"{REAL_DATA} has {len(rows)} rows; {max(n_sft, n_pairs) + 1} needed: fewer steps")
     prompts = [format_prompt(r["instruction"], r.get("input", "")) for r in rows]
-    data = {"sft": {"prompts": prompts[:n_sft], "responses": [r["output"] for r in rows[:n_sft]]},
-            "pairs": {"prompt": prompts[:n_pairs], "output_1": [r["output"] for r in rows[:n_pairs]],
-                      "output_2": [r["output"] for r in rows[1: n_pairs + 1]], "preference": [1.0] * n_pairs}}
+    data = {
+        "sft": {"prompts": prompts[:n_sft], "responses": [r["output"] for r in rows[:n_sft]]},
+        "pairs": {
+            "prompt": prompts[:n_pairs],
+            "output_1": [r["output"] for r in rows[:n_pairs]],
+            "output_2": [r["output"] for r in rows[1 : n_pairs + 1]],
+            "preference": [1.0] * n_pairs,
+        },
+    }
     model, tok = load_pretrained(ModelConfig(pretrained="smollm2-135m-instruct", max_seq_len=setup["max_len"]))
     save(model, tok, folder / "policy")
     (folder / "data.json").write_text(json.dumps({"data": data, "steps": steps} | setup))
@@ -175,7 +218,14 @@ def run_farmflow(kind: str, folder: Path, inputs: dict) -> dict:
     model, tok = load_policy(folder / "policy")
     steps, batch, lr = inputs["steps"][kind], inputs["trainers"][kind]["batch"], inputs["trainers"][kind]["lr"]
     max_len = inputs["max_len"]
-    common = {"epochs": 1.0, "batch_size": batch, "lr": lr, "warmup_ratio": WARMUP_RATIO, "weight_decay": 0.0, "seed": SEED}
+    common = {
+        "epochs": 1.0,
+        "batch_size": batch,
+        "lr": lr,
+        "warmup_ratio": WARMUP_RATIO,
+        "weight_decay": 0.0,
+        "seed": SEED,
+    }
     ends: list[float] = []
     module = {"sft": sft, "reward": reward, "dpo": dpo}[kind]
     real_progress = module.progress
@@ -191,24 +241,38 @@ def run_farmflow(kind: str, folder: Path, inputs: dict) -> dict:
         d = inputs["data"]["sft"]
         n = steps * batch
         prompts, responses = d["prompts"][:n], d["responses"][:n]
-        shapes = [encode_examples(tok, [prompts[i] for i in b], [responses[i] for i in b], max_len)[1] for b in batches(n, batch, steps)]
+        shapes = [
+            encode_examples(tok, [prompts[i] for i in b], [responses[i] for i in b], max_len)[1]
+            for b in batches(n, batch, steps)
+        ]
         train = lambda: sft.train_sft(model, tok, prompts, responses, SFTConfig(**common), max_len)
     else:
         d = inputs["data"]["pairs"]
         n = steps * batch
         prompts, out_1, out_2, prefs = d["prompt"][:n], d["output_1"][:n], d["output_2"][:n], d["preference"][:n]
-        shapes = [encode_examples(tok, [prompts[i] for i in b] * 2, [out_1[i] for i in b] + [out_2[i] for i in b], max_len)[1]
-                  for b in batches(n, batch, steps)]
+        shapes = [
+            encode_examples(tok, [prompts[i] for i in b] * 2, [out_1[i] for i in b] + [out_2[i] for i in b], max_len)[1]
+            for b in batches(n, batch, steps)
+        ]
         if kind == "reward":
             model = reward_from_policy(folder / "policy", seed=SEED)
-            train = lambda: reward.train_reward(model, tok, prompts, out_1, out_2, prefs, RewardConfig(**common), max_len)
+            train = lambda: reward.train_reward(
+                model, tok, prompts, out_1, out_2, prefs, RewardConfig(**common), max_len
+            )
         else:
             ref_1, ref_2 = dpo.reference_logps(model, tok, prompts, out_1, out_2, max_len, batch_size=batch)
-            train = lambda: dpo.train_dpo(model, tok, prompts, out_1, out_2, prefs, ref_1, ref_2, DPOConfig(beta=BETA, **common), max_len)
+            train = lambda: dpo.train_dpo(
+                model, tok, prompts, out_1, out_2, prefs, ref_1, ref_2, DPOConfig(beta=BETA, **common), max_len
+            )
     module.progress = timed_progress  # only around the training loop (not DPO's reference pass)
     metrics = train()
-    return {"step_ends": ends, "tokens": [int(m.sum()) for m in shapes], "padded": [m.numel() for m in shapes],
-            "loss_first": metrics["train_loss_first"], "loss_last": metrics["train_loss_last"]}
+    return {
+        "step_ends": ends,
+        "tokens": [int(m.sum()) for m in shapes],
+        "padded": [m.numel() for m in shapes],
+        "loss_first": metrics["train_loss_first"],
+        "loss_last": metrics["train_loss_last"],
+    }
 
 
 # ------------------------------------------------------------------------- TRL side
@@ -234,42 +298,78 @@ def run_trl(kind: str, folder: Path, inputs: dict) -> dict:
             ends.append((time.perf_counter(), time.process_time()))
 
     common = dict(
-        output_dir=str(folder / f"trl-{kind}"), per_device_train_batch_size=batch, gradient_accumulation_steps=1, max_steps=steps,
-        learning_rate=lr, weight_decay=0.0, warmup_steps=WARMUP_RATIO, lr_scheduler_type="cosine", max_grad_norm=1.0,
-        optim="adamw_torch", bf16=False, fp16=False, gradient_checkpointing=False, train_sampling_strategy="sequential",
-        logging_strategy="no", save_strategy="no", eval_strategy="no", report_to="none", disable_tqdm=True,
-        dataloader_num_workers=0, dataloader_pin_memory=False, use_cpu=not torch.cuda.is_available(), seed=SEED, max_length=max_len,
+        output_dir=str(folder / f"trl-{kind}"),
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=1,
+        max_steps=steps,
+        learning_rate=lr,
+        weight_decay=0.0,
+        warmup_steps=WARMUP_RATIO,
+        lr_scheduler_type="cosine",
+        max_grad_norm=1.0,
+        optim="adamw_torch",
+        bf16=False,
+        fp16=False,
+        gradient_checkpointing=False,
+        train_sampling_strategy="sequential",
+        logging_strategy="no",
+        save_strategy="no",
+        eval_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        dataloader_pin_memory=False,
+        use_cpu=not torch.cuda.is_available(),
+        seed=SEED,
+        max_length=max_len,
     )
     if kind == "sft":
         d = inputs["data"]["sft"]
         ids, labels = encoded(tok, d["prompts"][:n], d["responses"][:n], max_len)
         dataset = Dataset.from_dict({"input_ids": [ids[i] for i in order], "labels": [labels[i] for i in order]})
-        trainer = trl.SFTTrainer(model=model, args=trl.SFTConfig(packing=False, **common), train_dataset=dataset, processing_class=tok,
-                                 callbacks=[StepEnd()])
+        trainer = trl.SFTTrainer(
+            model=model,
+            args=trl.SFTConfig(packing=False, **common),
+            train_dataset=dataset,
+            processing_class=tok,
+            callbacks=[StepEnd()],
+        )
     else:
         prompts, chosen, rejected = chosen_rejected({k: v[:n] for k, v in inputs["data"]["pairs"].items()})
         c_ids, _ = encoded(tok, prompts, chosen, max_len)
         r_ids, _ = encoded(tok, prompts, rejected, max_len)
         if kind == "reward":
-            dataset = Dataset.from_dict({"chosen_ids": [c_ids[i] for i in order], "rejected_ids": [r_ids[i] for i in order]})
-            trainer = trl.RewardTrainer(model=reward_from_policy(folder / "policy", seed=SEED), args=trl.RewardConfig(**common),
-                                        train_dataset=dataset, processing_class=tok, callbacks=[StepEnd()])
+            dataset = Dataset.from_dict(
+                {"chosen_ids": [c_ids[i] for i in order], "rejected_ids": [r_ids[i] for i in order]}
+            )
+            trainer = trl.RewardTrainer(
+                model=reward_from_policy(folder / "policy", seed=SEED),
+                args=trl.RewardConfig(**common),
+                train_dataset=dataset,
+                processing_class=tok,
+                callbacks=[StepEnd()],
+            )
         else:
             _, c_labels = encoded(tok, prompts, chosen, max_len)
             p_len = [lab.count(-100) for lab in c_labels]  # the prompt part: <s> and the prompt's tokens
             if any(c[:k] != r[:k] for c, r, k in zip(c_ids, r_ids, p_len)):
                 raise RuntimeError("dpo: a pair's two encodings do not share the prompt tokens (truncation)")
-            dataset = Dataset.from_dict({
-                "prompt_ids": [c_ids[i][: p_len[i]] for i in order], "chosen_ids": [c_ids[i][p_len[i]:] for i in order],
-                "rejected_ids": [r_ids[i][p_len[i]:] for i in order],
-            })
+            dataset = Dataset.from_dict(
+                {
+                    "prompt_ids": [c_ids[i][: p_len[i]] for i in order],
+                    "chosen_ids": [c_ids[i][p_len[i] :] for i in order],
+                    "rejected_ids": [r_ids[i][p_len[i] :] for i in order],
+                }
+            )
 
             class PreTokenizedDPOTrainer(trl.DPOTrainer):  # rows already hold farmflow's prompt / chosen / rejected ids
                 def _prepare_dataset(self, dataset, *args, **kwargs):
                     return dataset
 
             config = trl.DPOConfig(beta=BETA, loss_type=["sigmoid"], precompute_ref_log_probs=True, **common)
-            trainer = PreTokenizedDPOTrainer(model=model, args=config, train_dataset=dataset, processing_class=tok, callbacks=[StepEnd()])
+            trainer = PreTokenizedDPOTrainer(
+                model=model, args=config, train_dataset=dataset, processing_class=tok, callbacks=[StepEnd()]
+            )
     collate = trainer.data_collator
 
     def counting_collator(examples):
@@ -289,9 +389,15 @@ def run_trl(kind: str, folder: Path, inputs: dict) -> dict:
 
     trainer.compute_loss = recording_loss
     trainer.train()
-    tail = losses[-max(1, len(losses) // 10):]
-    return {"step_ends": ends, "tokens": tokens, "padded": padded, "loss_first": losses[0], "loss_last": sum(tail) / len(tail),
-            "trl_version": trl.__version__}
+    tail = losses[-max(1, len(losses) // 10) :]
+    return {
+        "step_ends": ends,
+        "tokens": tokens,
+        "padded": padded,
+        "loss_first": losses[0],
+        "loss_last": sum(tail) / len(tail),
+        "trl_version": trl.__version__,
+    }
 
 
 # --------------------------------------------------------------------------- driver
@@ -303,20 +409,39 @@ def worker(side: str, kind: str, folder: Path, threads: int) -> None:
 
 
 def measure(python: Path, side: str, kind: str, folder: Path, threads: int, warmup: int) -> dict:
-    env = os.environ | {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false",
-                        "WANDB_DISABLED": "true", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    proc = subprocess.run([str(python), "-m", "bench.training", "--worker", side, kind, str(folder), "--threads", str(threads)],
-                          capture_output=True, text=True, env=env, cwd=ROOT)
+    env = os.environ | {
+        "OMP_NUM_THREADS": str(threads),
+        "MKL_NUM_THREADS": str(threads),
+        "TOKENIZERS_PARALLELISM": "false",
+        "WANDB_DISABLED": "true",
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+    }
+    proc = subprocess.run(
+        [str(python), "-m", "bench.training", "--worker", side, kind, str(folder), "--threads", str(threads)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"{side} {kind} failed: {proc.stderr.strip()[-3000:]}")
-    r = json.loads(lines[-1][len("RESULT "):])
+    r = json.loads(lines[-1][len("RESULT ") :])
     ends = r.pop("step_ends")
     if len(ends) != len(r["tokens"]):
         raise RuntimeError(f"{side} {kind}: {len(ends)} steps timed, {len(r['tokens'])} batches counted")
     (wall, cpu), timed = [b - a for a, b in zip(ends[warmup - 1], ends[-1])], sum(r["tokens"][warmup:])
-    return r | {"steps": len(ends), "timed_steps": len(ends) - warmup, "seconds": wall, "cpu_seconds": cpu, "tokens_timed": timed,
-                "tokens_per_s": timed / wall, "tokens_per_cpu_s": timed / cpu, "ms_per_step": 1000 * wall / (len(ends) - warmup)}
+    return r | {
+        "steps": len(ends),
+        "timed_steps": len(ends) - warmup,
+        "seconds": wall,
+        "cpu_seconds": cpu,
+        "tokens_timed": timed,
+        "tokens_per_s": timed / wall,
+        "tokens_per_cpu_s": timed / cpu,
+        "ms_per_step": 1000 * wall / (len(ends) - warmup),
+    }
 
 
 GOALS = {"sft": 1.5, "reward": 1.2, "dpo": 1.5}  # farmflow / TRL tokens/s, the goals of the benchmark issue
@@ -325,13 +450,30 @@ GOALS = {"sft": 1.5, "reward": 1.2, "dpo": 1.5}  # farmflow / TRL tokens/s, the 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worker", nargs=3, metavar=("SIDE", "TRAINER", "FOLDER"), help=argparse.SUPPRESS)
-    parser.add_argument("--model", choices=list(SETUPS), default="smollm2", help="the real model (default) or the tiny one")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads on both sides (default 1: a shared 2-core machine)")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved repetitions per trainer; medians are reported")
+    parser.add_argument(
+        "--model", choices=list(SETUPS), default="smollm2", help="the real model (default) or the tiny one"
+    )
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads on both sides (default 1: a shared 2-core machine)"
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="interleaved repetitions per trainer; medians are reported"
+    )
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps at the start of every run")
-    parser.add_argument("--steps", type=int, nargs=3, default=(9, 9, 9), metavar=("SFT", "REWARD", "DPO"), help="steps per run, warm-up included")
-    parser.add_argument("--only", choices=list(TRAINERS), action="append", help="run these trainers only (printed, not written)")
-    parser.add_argument("--smoke", action="store_true", help="CI: the tiny model, 3 steps, one round, farmflow's side only")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        nargs=3,
+        default=(9, 9, 9),
+        metavar=("SFT", "REWARD", "DPO"),
+        help="steps per run, warm-up included",
+    )
+    parser.add_argument(
+        "--only", choices=list(TRAINERS), action="append", help="run these trainers only (printed, not written)"
+    )
+    parser.add_argument(
+        "--smoke", action="store_true", help="CI: the tiny model, 3 steps, one round, farmflow's side only"
+    )
     parser.add_argument("--out", type=Path, default=OUT, help="results file")
     args = parser.parse_args(argv)
     if args.worker:
@@ -348,9 +490,18 @@ def main(argv: list[str] | None = None) -> dict:
     setup = SETUPS[args.model]
     results: dict = {
         "machine": machine() | {"threads": args.threads},
-        "setup": {"model": setup["describe"], "max_len": setup["max_len"], "trainers": setup["trainers"], "steps": steps,
-                  "warmup_steps": args.warmup, "rounds": args.rounds, "token_count": TOKEN_COUNT, "peer": TRL_REQUIREMENTS[0],
-                  "dtype": "float32", "optimizer": "AdamW (torch.optim.AdamW, not fused) + clip 1.0 + warmup/cosine"},
+        "setup": {
+            "model": setup["describe"],
+            "max_len": setup["max_len"],
+            "trainers": setup["trainers"],
+            "steps": steps,
+            "warmup_steps": args.warmup,
+            "rounds": args.rounds,
+            "token_count": TOKEN_COUNT,
+            "peer": TRL_REQUIREMENTS[0],
+            "dtype": "float32",
+            "optimizer": "AdamW (torch.optim.AdamW, not fused) + clip 1.0 + warmup/cosine",
+        },
         "differences": DIFFERENCES,
         "entries": [],
         "trainers": {},
@@ -364,23 +515,40 @@ def main(argv: list[str] | None = None) -> dict:
                 for side in sides if rnd % 2 == 0 else reversed(sides):
                     r = measure(pythons[side], side, kind, folder, args.threads, args.warmup)
                     runs[side].append(r)
-                    print(f"{kind} round {rnd} {side}: {r['tokens_per_s']:.0f} tokens/s, {r['tokens_per_cpu_s']:.0f} per CPU second "
-                          f"({r['ms_per_step']:.0f} ms/step)", flush=True)
+                    print(
+                        f"{kind} round {rnd} {side}: {r['tokens_per_s']:.0f} tokens/s, {r['tokens_per_cpu_s']:.0f} per CPU second "
+                        f"({r['ms_per_step']:.0f} ms/step)",
+                        flush=True,
+                    )
             ff = runs["farmflow"]
-            if any((r["tokens"], r["padded"]) != (ff[0]["tokens"], ff[0]["padded"]) for rs in runs.values() for r in rs):
+            if any(
+                (r["tokens"], r["padded"]) != (ff[0]["tokens"], ff[0]["padded"]) for rs in runs.values() for r in rs
+            ):
                 raise RuntimeError(f"{kind}: the sides did not train on the same batches")
             results["trainers"][kind] = {
-                "tokens_per_step": statistics.mean(ff[0]["tokens"]), "padded_tokens_per_step": statistics.mean(ff[0]["padded"]),
+                "tokens_per_step": statistics.mean(ff[0]["tokens"]),
+                "padded_tokens_per_step": statistics.mean(ff[0]["padded"]),
                 "first_step_loss": {side: rs[0]["loss_first"] for side, rs in runs.items()},
-                "runs": {side: [{k: v for k, v in r.items() if k not in ("tokens", "padded")} for r in rs] for side, rs in runs.items()},
+                "runs": {
+                    side: [{k: v for k, v in r.items() if k not in ("tokens", "padded")} for r in rs]
+                    for side, rs in runs.items()
+                },
             }
             if "trl" in runs:
                 rates = {side: values(rs, "tokens_per_s") for side, rs in runs.items()}
-                e = entry(f"{kind} training, {args.model}", "trained tokens/s", rates, goal=GOALS[kind],
-                          note=f"per CPU second: {statistics.median(values(ff, 'tokens_per_cpu_s')) / statistics.median(values(runs['trl'], 'tokens_per_cpu_s')):.2f}x")
+                e = entry(
+                    f"{kind} training, {args.model}",
+                    "trained tokens/s",
+                    rates,
+                    goal=GOALS[kind],
+                    note=f"per CPU second: {statistics.median(values(ff, 'tokens_per_cpu_s')) / statistics.median(values(runs['trl'], 'tokens_per_cpu_s')):.2f}x",
+                )
                 results["entries"].append(e)
                 results["machine"]["trl_version"] = runs["trl"][0].get("trl_version")
-                print(f"{kind}: farmflow / TRL {e['ratio']:.2f}x ({e['ratio_range'][0]:.2f}-{e['ratio_range'][1]:.2f})", flush=True)
+                print(
+                    f"{kind}: farmflow / TRL {e['ratio']:.2f}x ({e['ratio_range'][0]:.2f}-{e['ratio_range'][1]:.2f})",
+                    flush=True,
+                )
     results["machine"]["load_average_at_end"] = list(os.getloadavg())
     if args.only:  # a partial run is printed, not written over the full results
         print(json.dumps(results["entries"], indent=2))

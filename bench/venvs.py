@@ -28,10 +28,21 @@ def ensure_venv(folder: Path, requirements: list[str], share: bool = False) -> P
     pip = [str(python), "-m", "pip", "install", "-q"]
     with tempfile.TemporaryDirectory() as tmp:
         if share:
-            peer_site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                                       capture_output=True, text=True, check=True).stdout.strip()
-            Path(peer_site, "_shared_site.pth").write_text(f"import site; site.addsitedir({sysconfig.get_paths()['purelib']!r})\n")
-            freeze = subprocess.run([sys.executable, "-m", "pip", "freeze", "--exclude-editable"], capture_output=True, text=True, check=True)
+            peer_site = subprocess.run(
+                [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout.strip()
+            Path(peer_site, "_shared_site.pth").write_text(
+                f"import site; site.addsitedir({sysconfig.get_paths()['purelib']!r})\n"
+            )
+            freeze = subprocess.run(
+                [sys.executable, "-m", "pip", "freeze", "--exclude-editable"],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             constraints = Path(tmp) / "constraints.txt"
             constraints.write_text("\n".join(x for x in freeze.stdout.splitlines() if not x.startswith("-e ")) + "\n")
             pip += ["-c", str(constraints)]

@@ -22,8 +22,9 @@ def free_port() -> int:
 def prefect_cli(*args: str, env: dict, log: Path) -> subprocess.Popen:
     """``prefect ARGS`` from this venv in its own process group, output to `log`."""
     exe = str(Path(sys.executable).parent / "prefect")
-    return subprocess.Popen([exe, *args], env=env, cwd=log.parent, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    return subprocess.Popen(
+        [exe, *args], env=env, cwd=log.parent, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
+    )
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -44,8 +45,14 @@ def prefect_server(home: Path, **settings: str) -> Iterator[tuple[str, dict, Pat
 
     port = free_port()
     api_url = f"http://127.0.0.1:{port}/api"
-    env = os.environ | {"PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_API_URL": api_url,
-                        "PREFECT_LOGGING_LEVEL": "INFO", "PREFECT_SERVER_LOGGING_LEVEL": "INFO", **settings}
+    env = os.environ | {
+        "PREFECT_HOME": str(home),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_API_URL": api_url,
+        "PREFECT_LOGGING_LEVEL": "INFO",
+        "PREFECT_SERVER_LOGGING_LEVEL": "INFO",
+        **settings,
+    }
     log = home / "server.log"
     proc = prefect_cli("server", "start", "--host", "127.0.0.1", "--port", str(port), env=env, log=log)
     try:

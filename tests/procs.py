@@ -24,7 +24,9 @@ def run_and_kill_when(argv: list[str], cue: Callable[[], bool], what: str, timeo
     Fails if the process ends on its own or `cue` never holds within `timeout` seconds (`what`
     names the awaited event in that message).
     """
-    proc = subprocess.Popen([sys.executable, "-c", *argv], env=python_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", *argv], env=python_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
     try:
         deadline = time.monotonic() + timeout
         while not cue():

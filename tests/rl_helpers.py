@@ -9,12 +9,11 @@ import textwrap
 from pathlib import Path
 
 import torch
+from procs import run_and_kill_when
 from transformers import LlamaModel
 
 from farmflow.config import ModelConfig, load_config
 from farmflow.models import ValueModel, build_policy, train_tokenizer
-from procs import run_and_kill_when
-
 
 # ------------------------------------------------------------------ toy task
 # Prompts "Say <word>"; the reward is the fraction of digit characters in the response.
@@ -32,7 +31,10 @@ def toy_models():
     rng = random.Random(0)
     texts = [" ".join(rng.choice(WORDS) for _ in range(8)) + f" {rng.randint(0, 999)}" for _ in range(300)]
     tok = train_tokenizer(texts, 300)
-    policy = build_policy(ModelConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, vocab_size=300, max_seq_len=64), tok)
+    policy = build_policy(
+        ModelConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, vocab_size=300, max_seq_len=64),
+        tok,
+    )
     torch.manual_seed(1)
     value = ValueModel(LlamaModel(policy.config), policy.config.hidden_size)
     return policy, copy.deepcopy(policy), value, tok
@@ -99,5 +101,9 @@ def kill_when_checkpointed(task: str, config, art: dict, stage: str, min_step: i
         steps = [int(p.name.split("-")[1]) for p in folder.glob("*/step-*")]
         return max(steps, default=0)
 
-    run_and_kill_when([script, art["uri"], config.model_dump_json(), refs], lambda: newest() >= min_step, f"a checkpoint of step {min_step}+")
+    run_and_kill_when(
+        [script, art["uri"], config.model_dump_json(), refs],
+        lambda: newest() >= min_step,
+        f"a checkpoint of step {min_step}+",
+    )
     return newest()

@@ -46,7 +46,11 @@ class S3Server:
     def objects(self, bucket: str) -> dict[str, bytes]:
         """Every object in the bucket: key → bytes."""
         client = self.client()
-        keys = [o["Key"] for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket) for o in page.get("Contents", [])]
+        keys = [
+            o["Key"]
+            for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket)
+            for o in page.get("Contents", [])
+        ]
         return {k: client.get_object(Bucket=bucket, Key=k)["Body"].read() for k in keys}
 
     @contextmanager
@@ -65,7 +69,12 @@ class S3Server:
             self._reset_auth(float("inf"))
 
     def _reset_auth(self, count: float) -> None:
-        request = Request(f"{self.endpoint}/moto-api/reset-auth", data=str(count).encode(), method="POST", headers={"Content-Type": "text/plain"})
+        request = Request(
+            f"{self.endpoint}/moto-api/reset-auth",
+            data=str(count).encode(),
+            method="POST",
+            headers={"Content-Type": "text/plain"},
+        )
         urlopen(request, timeout=10).read()
 
     def stop(self) -> None:
@@ -74,8 +83,18 @@ class S3Server:
 
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
-    saved = {k: os.environ.get(k) for k in [*FAKE_ENV, "AWS_PROFILE", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE",
-                                            "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN"]}
+    saved = {
+        k: os.environ.get(k)
+        for k in [
+            *FAKE_ENV,
+            "AWS_PROFILE",
+            "AWS_CONFIG_FILE",
+            "AWS_SHARED_CREDENTIALS_FILE",
+            "AWS_ENDPOINT_URL",
+            "AWS_ENDPOINT_URL_S3",
+            "AWS_SESSION_TOKEN",
+        ]
+    }
     nothing = tmp_path_factory.mktemp("aws") / "none"
     os.environ.update(FAKE_ENV, AWS_CONFIG_FILE=str(nothing), AWS_SHARED_CREDENTIALS_FILE=str(nothing))
     for k in ("AWS_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN"):
@@ -143,7 +162,11 @@ class FlakyProxy:
                     self.wfile.write(error if self.command != "HEAD" else b"")
                     return
                 conn = http.client.HTTPConnection(target.hostname, target.port, timeout=30)
-                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("expect", "transfer-encoding", "content-length")}
+                headers = {
+                    k: v
+                    for k, v in self.headers.items()
+                    if k.lower() not in ("expect", "transfer-encoding", "content-length")
+                }
                 headers["Content-Length"] = str(len(body))
                 conn.request(self.command, self.path, body=body or None, headers=headers)
                 resp = conn.getresponse()
@@ -152,7 +175,10 @@ class FlakyProxy:
                 for k, v in resp.getheaders():
                     if k.lower() not in ("transfer-encoding", "connection", "content-length"):
                         self.send_header(k, v)
-                self.send_header("Content-Length", resp.getheader("Content-Length", "0") if self.command == "HEAD" else str(len(data)))
+                self.send_header(
+                    "Content-Length",
+                    resp.getheader("Content-Length", "0") if self.command == "HEAD" else str(len(data)),
+                )
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(data)

@@ -14,10 +14,25 @@ from farmflow.cli import app
 from farmflow.evaluation import alpaca_eval_winrate, parse_preference, win_rate_stats
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "shared" / "data" / "alpaca_eval_example"
-FIELDS = ("win_rate", "standard_error", "n_wins", "n_wins_base", "n_draws", "n_total", "discrete_win_rate", "avg_length")
+FIELDS = (
+    "win_rate",
+    "standard_error",
+    "n_wins",
+    "n_wins_base",
+    "n_draws",
+    "n_total",
+    "discrete_win_rate",
+    "avg_length",
+)
 CASES = [
-    ("alpaca-7b_alpaca_eval_gpt4_annotations.json", "alpaca-7b_alpaca_eval_gpt4_leaderboard_row.csv"),  # ints, legacy 0 ties
-    ("alpaca-7b_weighted_alpaca_eval_gpt4_turbo_annotations.json", "alpaca-7b_weighted_alpaca_eval_gpt4_turbo_leaderboard_row.csv"),
+    (
+        "alpaca-7b_alpaca_eval_gpt4_annotations.json",
+        "alpaca-7b_alpaca_eval_gpt4_leaderboard_row.csv",
+    ),  # ints, legacy 0 ties
+    (
+        "alpaca-7b_weighted_alpaca_eval_gpt4_turbo_annotations.json",
+        "alpaca-7b_weighted_alpaca_eval_gpt4_turbo_leaderboard_row.csv",
+    ),
 ]
 
 
@@ -32,10 +47,26 @@ def test_reproduces_published_leaderboard_rows(annotations, row):
     assert stats["n_invalid"] == 0
 
 
-@pytest.mark.parametrize("value, expected", [
-    (1, 1.0), (2, 2.0), ("2", 2.0), (" 1.25 ", 1.25), (1.0000001827, 1.0000001827), (0, 1.5), ("0", 1.5),
-    (None, None), (float("nan"), None), ("nan", None), ("abc", None), ("", None), (3, None), (0.5, None), (True, None),
-])
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        (1, 1.0),
+        (2, 2.0),
+        ("2", 2.0),
+        (" 1.25 ", 1.25),
+        (1.0000001827, 1.0000001827),
+        (0, 1.5),
+        ("0", 1.5),
+        (None, None),
+        (float("nan"), None),
+        ("nan", None),
+        ("abc", None),
+        ("", None),
+        (3, None),
+        (0.5, None),
+        (True, None),
+    ],
+)
 def test_parse_preference(value, expected):
     assert parse_preference(value) == expected
 
@@ -65,7 +96,7 @@ def test_cli_winrate(tmp_path):
     path.write_text(json.dumps(rows))
     result = runner.invoke(app, ["eval", "winrate", str(path)])
     assert result.exit_code == 0, result.output
-    out = json.loads(result.stdout[result.stdout.index("{"):])
+    out = json.loads(result.stdout[result.stdout.index("{") :])
     assert out["n_total"] == 3 and out["n_invalid"] == 1 and out["win_rate"] == pytest.approx(50.0)
 
     bad = tmp_path / "bad.json"

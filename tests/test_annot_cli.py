@@ -2,10 +2,10 @@
 
 import json
 
+from test_api_annotators import KEY, gold_pref, make_rows, sharp_server
 from typer.testing import CliRunner
 
 from farmflow.cli import app
-from test_api_annotators import KEY, gold_pref, make_rows, sharp_server
 
 
 def test_annotate_alpaca_eval_file_and_reparse(tmp_path, monkeypatch):
@@ -17,10 +17,14 @@ def test_annotate_alpaca_eval_file_and_reparse(tmp_path, monkeypatch):
     names = runner.invoke(app, ["--help"]).output
     assert "judge-server" in names and "annotate" in names and "annotations" in names
     with sharp_server(monkeypatch) as url:  # follows gold, so the labels are known
-        res = runner.invoke(app, ["annotate", str(src), "--annotator", "p_sim_gpt4", "--base-url", url, "--store", str(tmp_path / "st")])
+        res = runner.invoke(
+            app, ["annotate", str(src), "--annotator", "p_sim_gpt4", "--base-url", url, "--store", str(tmp_path / "st")]
+        )
     assert res.exit_code == 0, res.output
     out = json.loads((tmp_path / "pairs.annotated.json").read_text())
-    assert [r["preference"] for r in out] == [gold_pref(r) for r in rows] and {r["annotator"] for r in out} == {"gpt4_greedy"}
+    assert [r["preference"] for r in out] == [gold_pref(r) for r in rows] and {r["annotator"] for r in out} == {
+        "gpt4_greedy"
+    }
     assert out[0]["instruction"] == rows[0]["instruction"] and "task" not in out[0]
     res = runner.invoke(app, ["annotate", str(src), "--annotator", "oracle", "--output", str(tmp_path / "o.json")])
     assert res.exit_code == 0 and len(json.loads((tmp_path / "o.json").read_text())) == 12

@@ -8,11 +8,23 @@ import pytest
 
 from farmflow.annotators import prompts
 from farmflow.annotators.oracle import task_from_text
-from farmflow.annotators.prompts import Item, ParseError, parse, parse_choice, parse_json, parse_logprobs, parse_prompt, render
+from farmflow.annotators.prompts import (
+    Item,
+    ParseError,
+    parse,
+    parse_choice,
+    parse_json,
+    parse_logprobs,
+    parse_prompt,
+    render,
+)
 from farmflow.config import ANNOTATOR_PRESETS, AnnotatorConfig, ApiAnnotatorConfig, ConfigError, load_config
 from farmflow.data.synthetic import FAMILIES, sample_task
 
-ITEMS = [Item("Sort 3, 1, 2.", "", "1, 2, 3", "3, 2, 1"), Item("Reverse the words below.", "red cat", "cat red", "red cat")]
+ITEMS = [
+    Item("Sort 3, 1, 2.", "", "1, 2, 3", "3, 2, 1"),
+    Item("Reverse the words below.", "red cat", "cat red", "red cat"),
+]
 
 
 # ----------------------------------------------------------------------------- templates
@@ -46,30 +58,36 @@ def test_multiline_outputs_survive_the_round_trip():
 
 
 # ----------------------------------------------------------------------------- choice
-@pytest.mark.parametrize("text, n, expected", [
-    ("[1] (a)\n[2] (b)", 2, [1.0, 2.0]),
-    ("Sure, here are my verdicts:\n\n[1] (b)\n[2] (a)\n", 2, [2.0, 1.0]),
-    ("1. (b) is correct\n2: a", 2, [2.0, 1.0]),
-    ("**Item 2** - Output (b)\nItem 1 - A.", 2, [1.0, 2.0]),
-    ("[1] (a)\n[1] (a)", 1, [1.0]),  # a repeated identical answer is fine
-    ("Output (b)", 1, [2.0]),
-    ("b", 1, [2.0]),
-    ("(A)", 1, [1.0]),
-    ("After careful thought, Output (b) is better.", 1, [2.0]),
-])
+@pytest.mark.parametrize(
+    "text, n, expected",
+    [
+        ("[1] (a)\n[2] (b)", 2, [1.0, 2.0]),
+        ("Sure, here are my verdicts:\n\n[1] (b)\n[2] (a)\n", 2, [2.0, 1.0]),
+        ("1. (b) is correct\n2: a", 2, [2.0, 1.0]),
+        ("**Item 2** - Output (b)\nItem 1 - A.", 2, [1.0, 2.0]),
+        ("[1] (a)\n[1] (a)", 1, [1.0]),  # a repeated identical answer is fine
+        ("Output (b)", 1, [2.0]),
+        ("b", 1, [2.0]),
+        ("(A)", 1, [1.0]),
+        ("After careful thought, Output (b) is better.", 1, [2.0]),
+    ],
+)
 def test_choice_parses_messy_completions(text, n, expected):
     assert parse_choice(text, n) == expected
 
 
-@pytest.mark.parametrize("text, n, reason", [
-    ("[1] (a)", 2, "expected 2 answers, found 1"),
-    ("[1] (a)\n[2] (b)\n[3] (a)", 2, "items \\[3\\]"),
-    ("[1] (a)\n[1] (b)", 1, "answered twice"),
-    ("(a) is better than (b)", 1, "ambiguous"),
-    ("Both are equally good.", 1, "no choice found"),
-    ("1 apple and 2 bananas", 2, "no choice found"),
-    ("", 3, "no choice found"),
-])
+@pytest.mark.parametrize(
+    "text, n, reason",
+    [
+        ("[1] (a)", 2, "expected 2 answers, found 1"),
+        ("[1] (a)\n[2] (b)\n[3] (a)", 2, "items \\[3\\]"),
+        ("[1] (a)\n[1] (b)", 1, "answered twice"),
+        ("(a) is better than (b)", 1, "ambiguous"),
+        ("Both are equally good.", 1, "no choice found"),
+        ("1 apple and 2 bananas", 2, "no choice found"),
+        ("", 3, "no choice found"),
+    ],
+)
 def test_choice_rejects_what_does_not_answer_every_item_once(text, n, reason):
     with pytest.raises(ParseError, match=reason):
         parse_choice(text, n)
@@ -80,18 +98,24 @@ def test_json_parses_fenced_chatty_and_string_booleans():
     text = 'Here you go:\n```json\n[{"item": 2, "explanation": "b sorts", "a_is_better": false},\n {"item": 1, "explanation": "x", "a_is_better": "TRUE"}]\n```'
     assert parse_json(text, 2) == [1.0, 2.0]
     assert parse_json('{"explanation": "(a) is right", "a_is_better": true}', 1) == [1.0]  # a lone object
-    assert parse_json('[{"explanation": "", "a_is_better": false}, {"explanation": "", "a_is_better": true}]', 2) == [2.0, 1.0]
+    assert parse_json('[{"explanation": "", "a_is_better": false}, {"explanation": "", "a_is_better": true}]', 2) == [
+        2.0,
+        1.0,
+    ]
 
 
-@pytest.mark.parametrize("text, n, reason", [
-    ('[{"item": 1, "explanation": "ok", "a_is_b', 1, "truncated JSON"),
-    ('[{"item": 1, "explanation": "ok", "a_is_better": true}, {"item": 2, "expl', 2, "truncated JSON"),
-    ('[{"item": 1, "explanation": "ok" "a_is_better": true}]', 1, "invalid JSON"),
-    ('[{"item": 1, "explanation": "ok", "a_is_better": "maybe"}]', 1, "no boolean"),
-    ('[{"item": 1, "explanation": "ok", "a_is_better": true}]', 2, "expected 2 answers"),
-    ('[{"item": "one", "explanation": "", "a_is_better": true}]', 1, "non-integer"),
-    ("I think (a).", 1, "no JSON array"),
-])
+@pytest.mark.parametrize(
+    "text, n, reason",
+    [
+        ('[{"item": 1, "explanation": "ok", "a_is_b', 1, "truncated JSON"),
+        ('[{"item": 1, "explanation": "ok", "a_is_better": true}, {"item": 2, "expl', 2, "truncated JSON"),
+        ('[{"item": 1, "explanation": "ok" "a_is_better": true}]', 1, "invalid JSON"),
+        ('[{"item": 1, "explanation": "ok", "a_is_better": "maybe"}]', 1, "no boolean"),
+        ('[{"item": 1, "explanation": "ok", "a_is_better": true}]', 2, "expected 2 answers"),
+        ('[{"item": "one", "explanation": "", "a_is_better": true}]', 1, "non-integer"),
+        ("I think (a).", 1, "no JSON array"),
+    ],
+)
 def test_json_rejects_broken_answers(text, n, reason):
     with pytest.raises(ParseError, match=reason):
         parse_json(text, n)
@@ -100,9 +124,13 @@ def test_json_rejects_broken_answers(text, n, reason):
 # ----------------------------------------------------------------------------- logprobs
 def test_logprobs_give_a_fractional_preference():
     # P(a) = 0.8, P(b) = 0.2 -> 1 + 0.2 / 1.0
-    assert parse_logprobs("a", [("a", math.log(0.8)), (" b", math.log(0.2)), ("The", math.log(0.001))]) == [pytest.approx(1.2)]
+    assert parse_logprobs("a", [("a", math.log(0.8)), (" b", math.log(0.2)), ("The", math.log(0.001))]) == [
+        pytest.approx(1.2)
+    ]
     # tokens are normalized and summed: "(b" and "B" both count for b; only the ratio matters
-    assert parse_logprobs("b", [("(b", math.log(0.3)), ("B", math.log(0.3)), ("a", math.log(0.2))]) == [pytest.approx(1 + 0.6 / 0.8)]
+    assert parse_logprobs("b", [("(b", math.log(0.3)), ("B", math.log(0.3)), ("a", math.log(0.2))]) == [
+        pytest.approx(1 + 0.6 / 0.8)
+    ]
     # no usable log-probabilities: the text decides
     assert parse_logprobs("b", None) == [2.0]
     with pytest.raises(ParseError):
@@ -135,7 +163,9 @@ def test_presets_by_name():
     assert {a.prompt_format for a in ann.api_pool} == {"choice", "json", "logprobs"}
     assert {a.batch_size for a in ann.api_pool} == {1, 4, 5}
     assert all(a.temperature == 1.0 and a.paper_name for a in ann.api_pool)
-    ev = load_config("synthetic-micro", ['evaluation.annotator={"preset": "p_sim_eval", "base_url": "http://127.0.0.1:9/v1"}']).evaluation.annotator
+    ev = load_config(
+        "synthetic-micro", ['evaluation.annotator={"preset": "p_sim_eval", "base_url": "http://127.0.0.1:9/v1"}']
+    ).evaluation.annotator
     assert ev.label_noise == 0.0 and ev.base_url == "http://127.0.0.1:9/v1" and len(ev.api_pool) == 13
     gpt4 = AnnotatorConfig(preset="p_sim_gpt4")
     assert len(gpt4.api_pool) == 1 and gpt4.api_pool[0].temperature == 0.0
@@ -147,13 +177,27 @@ def test_presets_by_name():
 def test_a_preset_by_name_keeps_the_other_fields_in_any_order():
     """`annotation=p_sim_ann` sets the preset and keeps the section's other fields, whichever comes first: replacing
     the whole section would make a later `annotation.max_cost_usd` unknown and silently drop an earlier one."""
-    for overrides in (["annotation=p_sim_ann", "annotation.max_cost_usd=20"], ["annotation.max_cost_usd=20", "annotation=p_sim_ann"],
-                      ["annotation.max_cost_usd=20", "annotation.preset=p_sim_ann"]):
+    for overrides in (
+        ["annotation=p_sim_ann", "annotation.max_cost_usd=20"],
+        ["annotation.max_cost_usd=20", "annotation=p_sim_ann"],
+        ["annotation.max_cost_usd=20", "annotation.preset=p_sim_ann"],
+    ):
         ann = load_config("synthetic-micro", overrides).annotation
-        assert (ann.preset, ann.kind, ann.label_noise, ann.max_cost_usd, len(ann.api_pool)) == ("p_sim_ann", "api", 0.5, 20.0, 13), overrides
+        assert (ann.preset, ann.kind, ann.label_noise, ann.max_cost_usd, len(ann.api_pool)) == (
+            "p_sim_ann",
+            "api",
+            0.5,
+            20.0,
+            13,
+        ), overrides
     # switching presets: the fields the old preset fixed make way for the new one's
     ann = load_config("alpaca-small", ["annotation.base_url=http://127.0.0.1:9/v1", "annotation=p_sim_gpt4"]).annotation
-    assert (ann.preset, len(ann.api_pool), ann.label_noise, ann.base_url) == ("p_sim_gpt4", 1, 0.0, "http://127.0.0.1:9/v1")
+    assert (ann.preset, len(ann.api_pool), ann.label_noise, ann.base_url) == (
+        "p_sim_gpt4",
+        1,
+        0.0,
+        "http://127.0.0.1:9/v1",
+    )
     assert load_config("alpaca-small", ["annotation.preset=p_sim_eval"]).annotation.label_noise == 0.0
 
 

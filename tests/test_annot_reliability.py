@@ -4,20 +4,24 @@ import time
 from pathlib import Path
 
 import pytest
+from procs import run_and_kill_when
+from test_api_annotators import KEY, judge, make_rows, pool
 
 from farmflow.annotators import annotate
 from farmflow.annotators.server import FAULTS, JudgeConfig, JudgeServer
 from farmflow.storage import open_store
-from procs import run_and_kill_when
-from test_api_annotators import KEY, judge, make_rows, pool
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def mixed_pool(url, **kw):
-    return pool(judge("c1", base_url=url), judge("c5", batch_size=5, base_url=url),
-                judge("j4", model="gpt-4o", prompt_format="json", batch_size=4, base_url=url),
-                judge("lp", prompt_format="logprobs", base_url=url), **kw)
+    return pool(
+        judge("c1", base_url=url),
+        judge("c5", batch_size=5, base_url=url),
+        judge("j4", model="gpt-4o", prompt_format="json", batch_size=4, base_url=url),
+        judge("lp", prompt_format="logprobs", base_url=url),
+        **kw,
+    )
 
 
 def test_twenty_percent_faults_of_every_kind(monkeypatch, tmp_path):
@@ -55,7 +59,10 @@ def test_twenty_percent_faults_of_every_kind(monkeypatch, tmp_path):
         assert all(p is None or p == pytest.approx(q) for p, q in zip(prefs, reference))
         # none paid twice: the client accounts for exactly the tokens the server billed, and a pair is
         # answered at most twice (one re-ask after an unreadable answer)
-        assert totals["prompt_tokens"] == stats["prompt_tokens"] and totals["completion_tokens"] == stats["completion_tokens"]
+        assert (
+            totals["prompt_tokens"] == stats["prompt_tokens"]
+            and totals["completion_tokens"] == stats["completion_tokens"]
+        )
         assert max(srv.state.pairs.values()) <= 2
         assert totals["reasks"] > 0
 

@@ -2,7 +2,6 @@
 
 import math
 import random
-from collections import Counter
 
 import pytest
 
@@ -21,8 +20,15 @@ def make_tasks(n, seed=0, families=FAMILIES):
 
 
 def row(i, task, out_1, out_2):
-    return {"id": f"pref-{i:05d}", "split": "pref", "instruction": task.instruction, "input": task.input,
-            "output_1": out_1, "output_2": out_2, "task": task_to_json(task)}
+    return {
+        "id": f"pref-{i:05d}",
+        "split": "pref",
+        "instruction": task.instruction,
+        "input": task.input,
+        "output_1": out_1,
+        "output_2": out_2,
+        "task": task_to_json(task),
+    }
 
 
 def one(name="solo", **kw):
@@ -49,6 +55,7 @@ def good_and_bad(n, seed=0):
 
 # ----------------------------------------------------------------------------- helpers
 
+
 def test_unit_hash_is_deterministic_uniform():
     assert unit_hash(0, "a", "b") == 0.9953506957432792  # a blake2b hash: the same in every process, unlike hash()
     assert unit_hash(0, "a", "b") != unit_hash(1, "a", "b")
@@ -65,6 +72,7 @@ def test_is_list():
 
 
 # ----------------------------------------------------------------------------- preferences
+
 
 def test_sharp_annotator_prefers_the_correct_output_in_either_order():
     triples = good_and_bad(60)
@@ -134,6 +142,7 @@ def test_assignment_depends_only_on_instruction_and_input():
 
 # ----------------------------------------------------------------------------- label noise
 
+
 def test_full_label_noise_is_a_fair_coin():
     triples = good_and_bad(500, seed=1)[:400]
     assert len(triples) == 400
@@ -166,6 +175,7 @@ def test_no_label_noise_never_noised():
 
 
 # ----------------------------------------------------------------------------- biases
+
 
 def equal_gold_rows(n, make_second):
     """Sort tasks with two outputs of equal gold (1.0): the canonical answer and a variant."""
@@ -228,7 +238,9 @@ def test_list_bias_prefers_the_list():
 def test_oracle_logit_formula(scale):
     t = make_tasks(1, families=("sort",))[0]
     extra = {} if scale is None else {"length_scale": scale}
-    a = OracleAnnotator(OracleAnnotatorConfig(name="x", sharpness=2.0, length_bias=0.5, list_bias=0.3, position_bias=0.1, **extra))
+    a = OracleAnnotator(
+        OracleAnnotatorConfig(name="x", sharpness=2.0, length_bias=0.5, list_bias=0.3, position_bias=0.1, **extra)
+    )
     r = {"task": task_to_json(t), "instruction": t.instruction, "input": t.input}
     first, second = "no idea", "\n".join(f"- {x}" for x in correct_output(t).split(", "))
     bias = 0.5 * math.tanh((len(second) - len(first)) / (scale or 40)) + 0.3 * 1 - 0.1  # default scale: 40 characters
@@ -237,6 +249,7 @@ def test_oracle_logit_formula(scale):
 
 
 # ----------------------------------------------------------------------------- errors
+
 
 def test_row_without_task_raises_naming_the_row():
     t = make_tasks(2)
@@ -254,8 +267,18 @@ def test_huge_sharpness_does_not_overflow():
 
 def test_identical_outputs_are_ties_even_under_label_noise():
     tasks = [sample_task("sort", random.Random(i)) for i in range(50)]
-    rows = [{"id": str(i), "split": "pref", "instruction": t.instruction, "input": t.input, "task": task_to_json(t),
-             "output_1": correct_output(t), "output_2": correct_output(t)} for i, t in enumerate(tasks)]
+    rows = [
+        {
+            "id": str(i),
+            "split": "pref",
+            "instruction": t.instruction,
+            "input": t.input,
+            "task": task_to_json(t),
+            "output_1": correct_output(t),
+            "output_2": correct_output(t),
+        }
+        for i, t in enumerate(tasks)
+    ]
     table = annotate_pairs(rows, AnnotatorConfig(label_noise=1.0))
     assert set(table.column("preference").to_pylist()) == {1.5}
     assert not any(table.column("noised").to_pylist())
@@ -263,7 +286,16 @@ def test_identical_outputs_are_ties_even_under_label_noise():
 
 def test_missing_task_is_reported_even_when_the_row_would_be_noised():
     t = sample_task("sort", random.Random(0))
-    rows = [{"id": "row-7", "split": "pref", "instruction": t.instruction, "input": t.input, "task": None,
-             "output_1": "a", "output_2": "b"}]
+    rows = [
+        {
+            "id": "row-7",
+            "split": "pref",
+            "instruction": t.instruction,
+            "input": t.input,
+            "task": None,
+            "output_1": "a",
+            "output_2": "b",
+        }
+    ]
     with pytest.raises(ValueError, match="row-7"):
         annotate_pairs(rows, AnnotatorConfig(label_noise=1.0))

@@ -36,13 +36,30 @@ def make_rows(n, seed=0):
         if good == bad:
             bad = "no idea"
         o1, o2 = (good, bad) if i % 2 else (bad, good)
-        rows.append({"id": f"p{i}", "split": "pref", "instruction": t.instruction, "input": t.input,
-                     "output_1": o1, "output_2": o2, "task": task_to_json(t)})
+        rows.append(
+            {
+                "id": f"p{i}",
+                "split": "pref",
+                "instruction": t.instruction,
+                "input": t.input,
+                "output_1": o1,
+                "output_2": o2,
+                "task": task_to_json(t),
+            }
+        )
     return rows
 
 
 def pool(*annotators, **kw):
-    base = dict(kind="api", api_pool=list(annotators), label_noise=0.0, max_in_flight=8, timeout_s=10, max_retries=2, chunk_size=20)
+    base = dict(
+        kind="api",
+        api_pool=list(annotators),
+        label_noise=0.0,
+        max_in_flight=8,
+        timeout_s=10,
+        max_retries=2,
+        chunk_size=20,
+    )
     return AnnotatorConfig(**(base | kw))
 
 
@@ -74,7 +91,11 @@ def gold_pref(row):
 # ----------------------------------------------------------------------------- judgements
 @pytest.mark.parametrize("fmt, batch", [("choice", 1), ("choice", 5), ("json", 4), ("logprobs", 1)])
 def test_every_format_and_batch_size_un_swaps_correctly(monkeypatch, tmp_path, fmt, batch):
-    rows = [r for r in make_rows(60) if abs(gold_reward(r["task"], r["output_1"]) - gold_reward(r["task"], r["output_2"])) >= 0.1]
+    rows = [
+        r
+        for r in make_rows(60)
+        if abs(gold_reward(r["task"], r["output_1"]) - gold_reward(r["task"], r["output_2"])) >= 0.1
+    ]
     with sharp_server(monkeypatch) as url:
         cfg = pool(judge(prompt_format=fmt, batch_size=batch, base_url=url))
         table, totals = annotate(rows, cfg, str(tmp_path))
@@ -87,7 +108,9 @@ def test_every_format_and_batch_size_un_swaps_correctly(monkeypatch, tmp_path, f
         assert prefs == [gold_pref(r) for r in rows]
     swapped = table.column("swapped").to_pylist()
     assert set(swapped) == {True, False}  # both presentation orders happened
-    assert totals["requests"] == math.ceil(len(rows) / batch) and totals["judged"] == len(rows) and totals["failed"] == 0
+    assert (
+        totals["requests"] == math.ceil(len(rows) / batch) and totals["judged"] == len(rows) and totals["failed"] == 0
+    )
 
 
 def test_logprobs_preference_is_the_oracle_probability(monkeypatch, tmp_path):
@@ -112,7 +135,9 @@ def test_logit_bias_is_sent(monkeypatch, tmp_path):
         cfg = pool(judge(prompt_format="logprobs", logit_bias={"97": 100, "98": -100}, base_url=url))
         table = annotate_pairs(rows, cfg, str(tmp_path))
     # everything biased to "(a)": the first output shown always wins
-    assert [t["preference"] for t in table.to_pylist()] == [pytest.approx(2.0 if t["swapped"] else 1.0) for t in table.to_pylist()]
+    assert [t["preference"] for t in table.to_pylist()] == [
+        pytest.approx(2.0 if t["swapped"] else 1.0) for t in table.to_pylist()
+    ]
     # the server refuses integer or empty biases (400), as transformers serve does (500): none was refused
     assert server.state.stats["status_400"] == 0 and server.state.stats["no_max_tokens"] == 0
 
@@ -136,10 +161,18 @@ def test_noised_label_of_a_flipped_pair_is_flipped_too(tmp_path):
 
 def test_pool_assignment_noise_ties_and_deduplication(server, tmp_path):
     rows = make_rows(120)
-    rows += [rows[0] | {"id": "dup"}, rows[1] | {"id": "flip", "output_1": rows[1]["output_2"], "output_2": rows[1]["output_1"]}]
+    rows += [
+        rows[0] | {"id": "dup"},
+        rows[1] | {"id": "flip", "output_1": rows[1]["output_2"], "output_2": rows[1]["output_1"]},
+    ]
     rows += [rows[2] | {"id": "tie", "output_2": rows[2]["output_1"]}]
-    cfg = pool(judge("a", batch_size=3, base_url=server.url), judge("b", prompt_format="json", batch_size=2, base_url=server.url),
-               judge("c", model="gpt-4o", base_url=server.url), label_noise=0.5, seed=3)
+    cfg = pool(
+        judge("a", batch_size=3, base_url=server.url),
+        judge("b", prompt_format="json", batch_size=2, base_url=server.url),
+        judge("c", model="gpt-4o", base_url=server.url),
+        label_noise=0.5,
+        seed=3,
+    )
     table, totals = annotate(rows, cfg, str(tmp_path))
     out = table.to_pylist()
     noised = [r for r in out if r["noised"]]
@@ -175,8 +208,19 @@ def test_row_cache_never_pays_twice(server, tmp_path):
     log = open_store(tmp_path).read_rows("annotations", "annotations").to_pylist()
     assert len(log) == 50 and len({r["key"] for r in log}) == 50
     for r in log:
-        assert r["output_1"] <= r["output_2"] and r["status"] == "ok" and r["annotator_hash"] and r["model"] == "gpt-4o-mini"
-        assert r["prompt_tokens"] > 0 and r["price_usd"] > 0 and r["latency_s"] > 0 and r["items"] == 2 and r["item"] in (1, 2)
+        assert (
+            r["output_1"] <= r["output_2"]
+            and r["status"] == "ok"
+            and r["annotator_hash"]
+            and r["model"] == "gpt-4o-mini"
+        )
+        assert (
+            r["prompt_tokens"] > 0
+            and r["price_usd"] > 0
+            and r["latency_s"] > 0
+            and r["items"] == 2
+            and r["item"] in (1, 2)
+        )
     # another annotator config (temperature) is another cache entry
     annotate_pairs(rows[:4], pool(judge(batch_size=2, temperature=0.5, base_url=server.url)), str(tmp_path))
     assert server.state.stats["requests"] == n + 2
@@ -244,7 +288,9 @@ def test_failed_parse_is_reasked_once_then_stored_with_raw_completion(monkeypatc
             annotate(rows, cfg, str(tmp_path))
     log = open_store(tmp_path).read_rows("annotations", "annotations").to_pylist()
     assert len(log) == 10
-    assert all(r["status"] == "failed" and "after one re-ask" in r["error"] and "merits" in r["raw_completion"] for r in log)
+    assert all(
+        r["status"] == "failed" and "after one re-ask" in r["error"] and "merits" in r["raw_completion"] for r in log
+    )
     assert all(r["preference"] is None for r in log)
 
 
@@ -259,8 +305,14 @@ def test_reparse_fixes_failed_rows_without_api_calls(monkeypatch, tmp_path):
         # rewrite the log as if the parser had failed on every completion
         for p in (tmp_path / "_rows" / "annotations").glob("*.parquet"):
             p.unlink()
-        store.append_rows("annotations", pa.Table.from_pylist([r | {"status": "failed", "preference": None, "error": "parse: old parser"} for r in good],
-                                                              schema=SCHEMAS["annotations"]), "annotations")
+        store.append_rows(
+            "annotations",
+            pa.Table.from_pylist(
+                [r | {"status": "failed", "preference": None, "error": "parse: old parser"} for r in good],
+                schema=SCHEMAS["annotations"],
+            ),
+            "annotations",
+        )
         assert cache.reparse(store) == {"failed_rows": 6, "reparsed": 6, "still_failed": 0}
         again, totals = annotate(rows, cfg, str(tmp_path))
     assert totals["requests"] == 0 and totals["cached"] == 6
@@ -347,7 +399,9 @@ def test_local_rate_limit(server, tmp_path, monkeypatch):
 
     from farmflow.annotators import ratelimit
 
-    cfg = pool(judge(base_url=server.url), requests_per_minute=1200, rate_limit_name="test-local")  # one request per 50 ms
+    cfg = pool(
+        judge(base_url=server.url), requests_per_minute=1200, rate_limit_name="test-local"
+    )  # one request per 50 ms
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
     with temporary_settings(restore_defaults={PREFECT_API_URL}):
         start = time.perf_counter()
@@ -384,8 +438,12 @@ def test_prefect_secret_and_global_rate_limit(prefect_harness, monkeypatch, tmp_
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     Secret(value=KEY).save("farmflow-test-judge-key", overwrite=True)
     with JudgeServer(JudgeConfig(api_key=KEY)) as url:
-        cfg = pool(judge(base_url=url), api_key_secret="farmflow-test-judge-key", requests_per_minute=240,
-                   rate_limit_name="farmflow-test-rate")
+        cfg = pool(
+            judge(base_url=url),
+            api_key_secret="farmflow-test-judge-key",
+            requests_per_minute=240,
+            rate_limit_name="farmflow-test-rate",
+        )
         start = time.perf_counter()
         table, totals = annotate(make_rows(10), cfg, str(tmp_path))
         elapsed = time.perf_counter() - start
@@ -425,17 +483,26 @@ def test_annotate_task_uses_the_row_cache_across_flows(server, tmp_path):
 
     store = open_store(tmp_path)
     rows = make_rows(24)
-    pairs = store.put_table("sample_pairs", "k1", pa.Table.from_pylist([{k: r[k] for k in SCHEMAS["pairs"].names} for r in rows],
-                                                                      schema=SCHEMAS["pairs"]), "pairs")
+    pairs = store.put_table(
+        "sample_pairs",
+        "k1",
+        pa.Table.from_pylist([{k: r[k] for k in SCHEMAS["pairs"].names} for r in rows], schema=SCHEMAS["pairs"]),
+        "pairs",
+    )
     cfg = pool(judge(batch_size=3, base_url=server.url))
     ref = annotate_task.fn(str(tmp_path), cfg, pairs)
     assert ref.metrics["judged"] == 24 and ref.metrics["requests"] == 8 and ref.metrics["cost_usd"] > 0
     # max_in_flight is operational (not in the stage key): same stage, nothing runs
     assert annotate_task.fn(str(tmp_path), cfg.model_copy(update={"max_in_flight": 2}), pairs).key == ref.key
-    ref2 = annotate_task.fn(str(tmp_path), cfg.model_copy(update={"seed": 1}), pairs)  # another stage key, the same judged pairs
+    ref2 = annotate_task.fn(
+        str(tmp_path), cfg.model_copy(update={"seed": 1}), pairs
+    )  # another stage key, the same judged pairs
     assert ref2.key != ref.key and ref2.metrics["cached"] == 24 and ref2.metrics["requests"] == 0
     assert server.state.stats["requests"] == 8
-    assert store.read_table(ref2).column("preference").to_pylist() == store.read_table(ref).column("preference").to_pylist()
+    assert (
+        store.read_table(ref2).column("preference").to_pylist()
+        == store.read_table(ref).column("preference").to_pylist()
+    )
 
 
 def test_judge_answers_on_a_kept_alive_connection_without_the_nagle_stall(monkeypatch):
@@ -443,12 +510,19 @@ def test_judge_answers_on_a_kept_alive_connection_without_the_nagle_stall(monkey
     every answer on a reused connection waits ~40 ms for the client's delayed ACK (76% of the benchmark's
     ceiling)."""
     import httpx
+
     from farmflow.annotators.prompts import Item, render
 
     row = make_rows(1)[0]
-    body = {"model": "gpt-4o-mini", "max_tokens": 8,
-            "messages": render([Item(row["instruction"], row["input"], row["output_1"], row["output_2"])], "choice")}
-    with sharp_server(monkeypatch, latency_s=0.0) as url, httpx.Client(headers={"Authorization": f"Bearer {KEY}"}) as client:
+    body = {
+        "model": "gpt-4o-mini",
+        "max_tokens": 8,
+        "messages": render([Item(row["instruction"], row["input"], row["output_1"], row["output_2"])], "choice"),
+    }
+    with (
+        sharp_server(monkeypatch, latency_s=0.0) as url,
+        httpx.Client(headers={"Authorization": f"Bearer {KEY}"}) as client,
+    ):
         seconds = []
         for _ in range(11):  # one connection, kept alive
             start = time.perf_counter()
@@ -482,8 +556,12 @@ def test_a_cut_json_body_fails_its_request_not_the_run(monkeypatch, tmp_path):
     assert totals["failed"] == 20 and table.column("preference").null_count == 20
     log = open_store(tmp_path).read_rows("annotations", "annotations").to_pylist()
     assert len(log) == 20 and {r["status"] for r in log} == {"failed"}
-    assert all(r["error"].startswith("bad_response: unreadable reply") and "JSONDecodeError" in r["error"]
-               and r["error"].endswith("(after one re-ask)") for r in log)
+    assert all(
+        r["error"].startswith("bad_response: unreadable reply")
+        and "JSONDecodeError" in r["error"]
+        and r["error"].endswith("(after one re-ask)")
+        for r in log
+    )
 
 
 def test_half_the_bodies_cut_every_pair_judged_or_failed_none_lost(monkeypatch, tmp_path):
@@ -496,7 +574,8 @@ def test_half_the_bodies_cut_every_pair_judged_or_failed_none_lost(monkeypatch, 
     assert len(log) == len({r["key"] for r in log}) == 40 == totals["judged"] + totals["failed"]
     assert totals["reasks"] > 0 and totals["judged"] > 20  # a re-ask usually gets a readable reply
     assert [p for p in table.column("preference").to_pylist() if p is not None] == [
-        gold_pref(r) for r, p in zip(rows, table.column("preference").to_pylist()) if p is not None]
+        gold_pref(r) for r, p in zip(rows, table.column("preference").to_pylist()) if p is not None
+    ]
 
 
 @pytest.mark.parametrize("fault, status", [("409", 409), ("400", 400)])
@@ -520,16 +599,21 @@ def test_server_errors_are_retried_and_say_how_often(monkeypatch, tmp_path):
         _, totals = annotate(make_rows(3), cfg, str(tmp_path), allow_incomplete=True)
     assert srv.state.stats["requests"] == 9 and totals["failed"] == 3  # 1 + 2 retries each
     log = open_store(tmp_path).read_rows("annotations", "annotations").to_pylist()
-    body = '{"error":{"message":"The server had an error while processing your request.","type":"server_error",' \
-           '"param":null,"code":null}}'
+    body = (
+        '{"error":{"message":"The server had an error while processing your request.","type":"server_error",'
+        '"param":null,"code":null}}'
+    )
     assert {r["error"] for r in log} == {f"http_500: the server said: {body} (after 2 retries)"}
 
 
 # ----------------------------------------------------------------------------- served_model
 def three_models(url, **kw):
-    return pool(judge("g4", model="gpt-4o", prompt_format="json", batch_size=4, base_url=url),
-                judge("mini", batch_size=1, style="strict", base_url=url),
-                judge("d3", model="gpt-4.1-mini", batch_size=5, temperature=0.5, base_url=url), **kw)
+    return pool(
+        judge("g4", model="gpt-4o", prompt_format="json", batch_size=4, base_url=url),
+        judge("mini", batch_size=1, style="strict", base_url=url),
+        judge("d3", model="gpt-4.1-mini", batch_size=5, temperature=0.5, base_url=url),
+        **kw,
+    )
 
 
 def test_served_model_sends_one_model_name_and_is_part_of_the_cache_identity(monkeypatch, tmp_path, caplog):
@@ -574,8 +658,12 @@ def test_served_model_in_the_stage_key_and_prices():
     # a cost cap needs the price of the model asked: the served one, not the pool's
     with pytest.raises(ValueError, match=r"add \['judge-7b'\] to prices"):
         three_models("http://127.0.0.1:9/v1", served_model="judge-7b", max_cost_usd=1.0)
-    three_models("http://127.0.0.1:9/v1", served_model="judge-7b", max_cost_usd=1.0,
-                 prices={"judge-7b": ModelPrice(prompt_usd_per_mtok=0.1, completion_usd_per_mtok=0.2)})
+    three_models(
+        "http://127.0.0.1:9/v1",
+        served_model="judge-7b",
+        max_cost_usd=1.0,
+        prices={"judge-7b": ModelPrice(prompt_usd_per_mtok=0.1, completion_usd_per_mtok=0.2)},
+    )
 
 
 def test_cli_served_model_and_a_stopped_run_still_writes_its_output(monkeypatch, tmp_path):
@@ -594,7 +682,7 @@ def test_cli_served_model_and_a_stopped_run_still_writes_its_output(monkeypatch,
         res = runner.invoke(app, args)
         assert res.exit_code == 1
         assert "annotation.served_model" in " ".join(res.output.split())
-        summary = json.loads(res.stdout[res.stdout.index("{"):res.stdout.rindex("}") + 1])
+        summary = json.loads(res.stdout[res.stdout.index("{") : res.stdout.rindex("}") + 1])
         assert summary["pairs"] == 10 and summary["unsent"] == 10 and summary["judged"] == 0
         assert [r["preference"] for r in json.loads((tmp_path / "pairs.annotated.json").read_text())] == [None] * 10
         res = runner.invoke(app, [*args, "--served-model", "judge-7b"])
@@ -627,8 +715,9 @@ def test_ctrl_c_writes_every_answer_received_to_the_row_cache(monkeypatch, tmp_p
     srv = JudgeServer(JudgeConfig(latency_s=0.02))
     with srv as url:
         code = INTERRUPTED_RUN.format(tests=str(Path(__file__).parent), url=url, store=str(store))
-        proc = subprocess.Popen([sys.executable, "-c", code], env=python_env(), stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code], env=python_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
         deadline = time.monotonic() + 120
         while srv.state.stats["items_answered"] < 100:
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1].decode()[-2000:]

@@ -7,7 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, where bench/ lives (also under plain `pytest`)
+sys.path.insert(
+    0, str(Path(__file__).resolve().parents[1])
+)  # the repository root, where bench/ lives (also under plain `pytest`)
 from bench import gpu  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -37,11 +39,18 @@ def test_tiny_run_writes_well_formed_results(tmp_path):
     out = tmp_path / "gpu.json"
     gpu.main(["--tiny", "--out", str(out)])
     r = json.loads(out.read_text())
-    assert r["mode"] == "tiny" and r["device"] == "cpu" and r["machine"]["cpus"] >= 1 and r["machine"]["torch"] == torch.__version__
+    assert (
+        r["mode"] == "tiny"
+        and r["device"] == "cpu"
+        and r["machine"]["cpus"] >= 1
+        and r["machine"]["torch"] == torch.__version__
+    )
     s = r["sft"]
     assert s["tokens_per_step"] == 4 * 64 and s["timed_steps"] == 4 and s["peak_tflops"] is None
     for side in ("farmflow", "plain_pytorch"):
-        assert s["sides"][side]["tokens_per_s"] > 0 and s["sides"][side]["step_ms"] > 0 and s["sides"][side]["mfu"] is None
+        assert (
+            s["sides"][side]["tokens_per_s"] > 0 and s["sides"][side]["step_ms"] > 0 and s["sides"][side]["mfu"] is None
+        )
     assert s["sides"]["plain_pytorch_compiled"] is None and s["ratio_farmflow_over_compiled"] is None
     assert s["ratio_farmflow_over_plain"] > 0 and "not measured" in s["goal"]
     # same weights, same first batch: the first loss is the same on both sides

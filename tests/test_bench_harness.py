@@ -20,6 +20,7 @@ def test_interleave_warms_then_alternates_the_order():
             counter[name] += 1
             calls.append(name)
             return counter[name]
+
         return run
 
     runs = harness.interleave({"a": contender("a"), "b": contender("b")}, rounds=3, warmup=1)

@@ -28,12 +28,14 @@ STAMP = re.compile(r"^\d\d:\d\d:\d\d\.\d{3} \| ")  # Prefect's console prefix
 
 
 def farmflow(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
-    env = python_env(PREFECT_HOME=str(cwd / "prefect"), PREFECT_LOGGING_LEVEL="INFO",
-                     FARMFLOW_LOG_DIR=str(cwd / "logs"))
+    env = python_env(
+        PREFECT_HOME=str(cwd / "prefect"), PREFECT_LOGGING_LEVEL="INFO", FARMFLOW_LOG_DIR=str(cwd / "logs")
+    )
     env.pop("PREFECT_API_URL", None)
     env.pop("FARMFLOW_DEBUG", None)
-    return subprocess.run([sys.executable, "-c", CLI, *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-c", CLI, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 @pytest.fixture(scope="module")
@@ -76,9 +78,20 @@ def test_a_failing_run_prints_one_error_line_and_the_log_path(farm, tmp_path):
     broken = tmp_path / "broken.json"
     broken.write_text('[{"instruction": "a", "input": "", "output": "b"}, {"instruction": ')
     references = Path(__file__).parents[1].parent / "shared/data/alpaca_eval_davinci003_outputs.json"
-    args = ["run", "best-of-n", "--preset", "synthetic-micro", "--store", str(root / "store"),
-            "--set", 'data.source="local"', "--set", f"data.instructions_path={json.dumps(str(broken))}",
-            "--set", f"data.eval_path={json.dumps(str(references))}"]
+    args = [
+        "run",
+        "best-of-n",
+        "--preset",
+        "synthetic-micro",
+        "--store",
+        str(root / "store"),
+        "--set",
+        'data.source="local"',
+        "--set",
+        f"data.instructions_path={json.dumps(str(broken))}",
+        "--set",
+        f"data.eval_path={json.dumps(str(references))}",
+    ]
     done = farmflow(*args, cwd=root)
     assert done.returncode == 2, done.stderr[-3000:]
     lines = done.stderr.splitlines()
@@ -115,10 +128,13 @@ def boundary_app() -> typer.Typer:
     return demo
 
 
-@pytest.mark.parametrize("command, code, line", [
-    ("bad-value", 2, "error: invalid literal for int() with base 10: 'twelve'\n"),
-    ("bug", 1, "error: KeyError: 'missing' (unexpected; `farmflow --debug ...` shows the traceback)\n"),
-])
+@pytest.mark.parametrize(
+    "command, code, line",
+    [
+        ("bad-value", 2, "error: invalid literal for int() with base 10: 'twelve'\n"),
+        ("bug", 1, "error: KeyError: 'missing' (unexpected; `farmflow --debug ...` shows the traceback)\n"),
+    ],
+)
 def test_the_error_boundary_maps_exception_families_to_one_line_and_an_exit_code(command, code, line):
     result = CliRunner().invoke(boundary_app(), [command])
     assert result.exit_code == code and result.stderr == line and result.stdout == ""
@@ -143,11 +159,27 @@ def test_leaderboard_formats_parse_back_to_the_tables_rows(farm):
     store = str(root / "store")
     rows = json.loads(invoke("leaderboard", "--store", store, "--json"))["leaderboard"]
     assert json.loads(invoke("leaderboard", "--store", store, "--format", "json")) == [
-        {k: r[k] for k in ("method", "win_rate", "standard_error", "discrete_win_rate", "lc_win_rate",
-                           "lc_standard_error", "mean_gold", "gold_standard_error", "avg_length", "n")} for r in rows]
+        {
+            k: r[k]
+            for k in (
+                "method",
+                "win_rate",
+                "standard_error",
+                "discrete_win_rate",
+                "lc_win_rate",
+                "lc_standard_error",
+                "mean_gold",
+                "gold_standard_error",
+                "avg_length",
+                "n",
+            )
+        }
+        for r in rows
+    ]
     parsed = list(csv.DictReader(io.StringIO(invoke("leaderboard", "--store", store, "--format", "csv"))))
     assert [(r["method"], float(r["win_rate"]), int(r["n"])) for r in parsed] == [
-        (r["method"], r["win_rate"], r["n"]) for r in rows]
+        (r["method"], r["win_rate"], r["n"]) for r in rows
+    ]
     md = [ln for ln in invoke("leaderboard", "--store", store, "--format", "md").splitlines() if ln.startswith("| ")]
     table = invoke("leaderboard", "--store", store)
     for r, line in zip(rows, md[1:], strict=True):  # md[0]: the header
@@ -157,9 +189,11 @@ def test_leaderboard_formats_parse_back_to_the_tables_rows(farm):
         assert [c.strip() for c in shown.strip("│").split("│")] == cells  # the table shows the same cells
 
 
-@pytest.mark.parametrize("args", [["artifacts", "ls"], ["history"],
-                                  ["sql", "SELECT stage, count(*) AS n FROM artifacts GROUP BY stage"]],
-                         ids=["artifacts-ls", "history", "sql"])
+@pytest.mark.parametrize(
+    "args",
+    [["artifacts", "ls"], ["history"], ["sql", "SELECT stage, count(*) AS n FROM artifacts GROUP BY stage"]],
+    ids=["artifacts-ls", "history", "sql"],
+)
 def test_table_commands_print_json_csv_and_md_of_the_same_rows(farm, args):
     root, _, _ = farm
     base = [*args, "--store", str(root / "store")]

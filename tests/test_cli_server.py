@@ -39,8 +39,11 @@ def answers(url: str) -> bool:
         return False
 
 
-@pytest.mark.parametrize("sig, home", [(signal.SIGINT, "default"), (signal.SIGTERM, "set")],
-                         ids=["SIGINT-default-home", "SIGTERM-PREFECT_HOME-set"])
+@pytest.mark.parametrize(
+    "sig, home",
+    [(signal.SIGINT, "default"), (signal.SIGTERM, "set")],
+    ids=["SIGINT-default-home", "SIGTERM-PREFECT_HOME-set"],
+)
 def test_server_answers_health_and_stops_on_signal(tmp_path, sig, home):
     """The printed export line names a server that answers; SIGINT/SIGTERM shut it down gracefully, nothing
     is left running and the port is free again. PREFECT_HOME: as set, else ./.farmflow/prefect."""
@@ -55,8 +58,14 @@ def test_server_answers_health_and_stops_on_signal(tmp_path, sig, home):
         env.pop("PREFECT_HOME")
     log = tmp_path / "server.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-c", CLI, "server", "--port", str(port)], cwd=tmp_path, env=env,
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", CLI, "server", "--port", str(port)],
+            cwd=tmp_path,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         url = f"http://127.0.0.1:{port}/api"
         deadline = time.monotonic() + 50
@@ -86,8 +95,9 @@ def test_server_answers_health_and_stops_on_signal(tmp_path, sig, home):
 def run_cli(*args: str, api_url: str, tmp_path) -> tuple[subprocess.CompletedProcess, float]:
     env = python_env(PREFECT_API_URL=api_url, PREFECT_HOME=str(tmp_path / "prefect"))
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-c", CLI_REPORTING_IMPORTS, *args], env=env, capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", CLI_REPORTING_IMPORTS, *args], env=env, capture_output=True, text=True, timeout=120
+    )
     return done, time.perf_counter() - start
 
 
@@ -95,8 +105,16 @@ def test_run_fails_in_one_line_when_the_api_url_does_not_answer(tmp_path):
     with socket.socket() as closed:  # bound, never listening: connections are refused, and no one else takes it
         closed.bind(("127.0.0.1", 0))
         url = f"http://127.0.0.1:{closed.getsockname()[1]}/api"
-        done, seconds = run_cli("run", "best-of-n", "--preset", "synthetic-micro", "--store", str(tmp_path / "store"),
-                                api_url=url, tmp_path=tmp_path)
+        done, seconds = run_cli(
+            "run",
+            "best-of-n",
+            "--preset",
+            "synthetic-micro",
+            "--store",
+            str(tmp_path / "store"),
+            api_url=url,
+            tmp_path=tmp_path,
+        )
     assert done.returncode == 1
     assert done.stderr.startswith(f"error: the Prefect API at PREFECT_API_URL={url} does not answer (")
     assert "Connection refused" in done.stderr and "farmflow server" in done.stderr
@@ -119,13 +137,16 @@ def test_run_names_a_url_that_is_not_a_prefect_api(tmp_path):
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         url = f"http://user:secret@127.0.0.1:{server.server_address[1]}"  # the /api suffix forgotten
-        done, _ = run_cli("demo", "--preset", "synthetic-micro", "--store", str(tmp_path / "store"), api_url=url,
-                          tmp_path=tmp_path)
+        done, _ = run_cli(
+            "demo", "--preset", "synthetic-micro", "--store", str(tmp_path / "store"), api_url=url, tmp_path=tmp_path
+        )
     finally:
         server.shutdown()
         server.server_close()
     assert done.returncode == 1 and "Traceback" not in done.stderr
     shown = f"http://***@127.0.0.1:{server.server_address[1]}"
-    assert done.stderr == f"error: PREFECT_API_URL={shown} answered HTTP 404 to GET /health; expected a Prefect API " \
-                          "URL, e.g. http://127.0.0.1:4200/api\n"
+    assert (
+        done.stderr == f"error: PREFECT_API_URL={shown} answered HTTP 404 to GET /health; expected a Prefect API "
+        "URL, e.g. http://127.0.0.1:4200/api\n"
+    )
     assert "secret" not in done.stderr + done.stdout

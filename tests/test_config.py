@@ -9,12 +9,19 @@ from typer.testing import CliRunner
 
 from farmflow.cli import app
 from farmflow.config import (
-    PRESETS, BestOfNConfig, ConfigError, FarmConfig, ModelConfig, OracleAnnotatorConfig, load_config, preset,
+    PRESETS,
+    BestOfNConfig,
+    ConfigError,
+    FarmConfig,
+    ModelConfig,
+    OracleAnnotatorConfig,
+    load_config,
+    preset,
     validate_config,
 )
 
-
 # ----------------------------------------------------------------------------- presets
+
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_presets_load_and_validate(name):
@@ -47,11 +54,15 @@ def test_unknown_preset_lists_known_presets():
     assert "'synthetic-huge'" in msg
     for name in PRESETS:
         assert name in msg
-    with pytest.raises(ConfigError, match="known presets: alpaca-small, alpacafarm-7b, smol-cpu, smol-micro, synthetic-micro, synthetic-tiny"):
+    with pytest.raises(
+        ConfigError,
+        match="known presets: alpaca-small, alpacafarm-7b, smol-cpu, smol-micro, synthetic-micro, synthetic-tiny",
+    ):
         load_config("nope")
 
 
 # ----------------------------------------------------------------------------- overrides
+
 
 def test_string_overrides_are_parsed_as_json():
     cfg = load_config("synthetic-micro", ["best_of_n.n=8", 'data.families=["sort", "reverse"]', "sft.lr=0.01"])
@@ -108,6 +119,7 @@ def test_partial_section_override_keeps_the_preset_values():
 
 
 # ----------------------------------------------------------------------------- errors
+
 
 @pytest.mark.parametrize(
     "overrides, field",
@@ -184,6 +196,7 @@ def test_validate_assignment_and_forbid_extra():
 
 # ----------------------------------------------------------------------------- descriptions
 
+
 def _models_in(annotation) -> list[type[BaseModel]]:
     """Pydantic model classes reachable from a field annotation (through list[...], X | None...)."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
@@ -208,8 +221,17 @@ def test_every_field_has_a_description():
     missing = [path for path, desc in fields if not (desc and desc.strip())]
     assert missing == []
     # the walk really reached the nested models (including the pool's list items)
-    assert {"data", "model", "sft", "annotation", "annotation.pool", "evaluation.annotator",
-            "evaluation.annotator.pool", "best_of_n", "store"} <= set(seen)
+    assert {
+        "data",
+        "model",
+        "sft",
+        "annotation",
+        "annotation.pool",
+        "evaluation.annotator",
+        "evaluation.annotator.pool",
+        "best_of_n",
+        "store",
+    } <= set(seen)
     assert seen["annotation.pool"] is OracleAnnotatorConfig
     assert "annotation.pool.sharpness" in dict(fields)
     assert len(fields) > 60
@@ -217,20 +239,24 @@ def test_every_field_has_a_description():
 
 # ----------------------------------------------------------------------------- a leaf package
 
+
 def test_the_config_package_is_a_leaf():
     # pydantic and the standard library only: the CLI validates a config without torch or Prefect, and no farmflow
     # module outside the package is loaded (nothing can import the config back into a cycle)
     import subprocess
     import sys
 
-    code = ("import sys, farmflow.config; print(' '.join(sorted(m for m in sys.modules "
-            "if m.startswith(('farmflow', 'torch', 'prefect', 'transformers', 'pyarrow')))))")
+    code = (
+        "import sys, farmflow.config; print(' '.join(sorted(m for m in sys.modules "
+        "if m.startswith(('farmflow', 'torch', 'prefect', 'transformers', 'pyarrow')))))"
+    )
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert "farmflow.config.presets" in loaded
     assert [m for m in loaded if not m.startswith("farmflow.config") and m != "farmflow"] == []
 
 
 # ----------------------------------------------------------------------------- CLI
+
 
 def test_cli_config_show_bad_override_exits_2():
     result = CliRunner().invoke(app, ["config", "show", "synthetic-micro", "--set", "sft.bogus=1"])
@@ -272,7 +298,9 @@ def test_config_diff_lists_what_a_preset_changes_from_the_paper_defaults():
     assert out.exit_code == 0, out.output
     assert "dpo.lr" in out.output and "1e-06" in out.output and "0.0001" in out.output
     assert "dpo.beta" not in out.output and "sft.lr" not in out.output  # unchanged; other section
-    everything = CliRunner().invoke(app, ["config", "diff", "synthetic-tiny", "--section", "dpo", "--all"], terminal_width=200)
+    everything = CliRunner().invoke(
+        app, ["config", "diff", "synthetic-tiny", "--section", "dpo", "--all"], terminal_width=200
+    )
     assert "dpo.beta" in everything.output
 
 
@@ -287,17 +315,27 @@ def test_config_diff_shows_an_annotator_preset_as_one_row_and_presets_one_line_e
     assert "annotation.preset" in out.output and "'p_sim_ann'" in out.output and "best_of_n.n" in out.output
     assert "api_pool" not in out.output
     listed = CliRunner().invoke(app, ["config", "presets"], terminal_width=200)
-    assert [ln.split(":")[0] for ln in listed.output.splitlines()[:-1]] == ["alpaca-small", "alpacafarm-7b", "smol-cpu", "smol-micro", "synthetic-micro", "synthetic-tiny"]
+    assert [ln.split(":")[0] for ln in listed.output.splitlines()[:-1]] == [
+        "alpaca-small",
+        "alpacafarm-7b",
+        "smol-cpu",
+        "smol-micro",
+        "synthetic-micro",
+        "synthetic-tiny",
+    ]
 
 
-@pytest.mark.parametrize("args, message", [
-    (["run", "nonexist"], "unknown flow 'nonexist'"),
-    (["run", "dpo", "--method", "ppo"], "--method only applies to the compare flow"),
-    (["run", "best-of-n", "--set", "sft.lrr=1"], "unknown field 'sft.lrr'"),
-    (["demo", "--method", "foo"], "unknown method(s) foo"),
-    (["demo", "--annotator", "nope"], "unknown annotator 'nope'"),
-    (["demo", "--preset", "nope"], "unknown preset"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["run", "nonexist"], "unknown flow 'nonexist'"),
+        (["run", "dpo", "--method", "ppo"], "--method only applies to the compare flow"),
+        (["run", "best-of-n", "--set", "sft.lrr=1"], "unknown field 'sft.lrr'"),
+        (["demo", "--method", "foo"], "unknown method(s) foo"),
+        (["demo", "--annotator", "nope"], "unknown annotator 'nope'"),
+        (["demo", "--preset", "nope"], "unknown preset"),
+    ],
+)
 def test_cli_refuses_bad_names_before_starting_prefect(monkeypatch, args, message):
     """A bad name is refused before Prefect's temporary API starts, so a typo is reported at once, not after ~15 s."""
     from typer.testing import CliRunner
@@ -310,7 +348,16 @@ def test_cli_refuses_bad_names_before_starting_prefect(monkeypatch, args, messag
     out = CliRunner().invoke(cli.app, args, terminal_width=200)
     assert out.exit_code == 2 and message in " ".join(out.output.split()), out.output
     assert not started
-    assert FLOW_NAMES == ("compare", "feedme", "reward-conditioning", "dpo", "best-of-n", "expert-iteration", "ppo", "quark")
+    assert FLOW_NAMES == (
+        "compare",
+        "feedme",
+        "reward-conditioning",
+        "dpo",
+        "best-of-n",
+        "expert-iteration",
+        "ppo",
+        "quark",
+    )
     assert len(METHODS) == 7
 
 
@@ -321,13 +368,18 @@ def test_flow_names_are_the_flows():
     assert set(FLOWS) == set(FLOW_NAMES) and len(FLOW_NAMES) == len(FLOWS)
 
 
-@pytest.mark.parametrize("override, field", [
-    ("store.uri=s3://AKIAEXAMPLE:SECRETVALUE@bucket/prefix", "store.uri"),
-    ("store.uri=s3://bucket/prefix?endpoint_url=http://admin:SECRETVALUE@127.0.0.1:9000", "store.uri"),
-    ("annotation.base_url=http://127.0.0.1:8000/v1?api_key=SECRETVALUE", "annotation.base_url"),
-    ('evaluation.annotator.api_pool=[{"name": "x", "model": "m", "base_url": "http://u:SECRETVALUE@127.0.0.1/v1"}]',
-     "evaluation.annotator.api_pool.0.base_url"),
-])
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ("store.uri=s3://AKIAEXAMPLE:SECRETVALUE@bucket/prefix", "store.uri"),
+        ("store.uri=s3://bucket/prefix?endpoint_url=http://admin:SECRETVALUE@127.0.0.1:9000", "store.uri"),
+        ("annotation.base_url=http://127.0.0.1:8000/v1?api_key=SECRETVALUE", "annotation.base_url"),
+        (
+            'evaluation.annotator.api_pool=[{"name": "x", "model": "m", "base_url": "http://u:SECRETVALUE@127.0.0.1/v1"}]',
+            "evaluation.annotator.api_pool.0.base_url",
+        ),
+    ],
+)
 def test_urls_with_credentials_are_refused_without_repeating_them(override, field):
     """A URL with credentials is refused at load time and the error names the field without the secret: a config
     value reaches errors, Prefect parameters and artifact records, so a secret must never be in one."""
@@ -339,11 +391,13 @@ def test_urls_with_credentials_are_refused_without_repeating_them(override, fiel
 
 def test_store_endpoint_and_direct_store_uris_with_credentials_are_refused(monkeypatch):
     from farmflow.annotators.cache import resolve_base_url
-    from farmflow.config import ApiAnnotatorConfig, AnnotatorConfig
+    from farmflow.config import AnnotatorConfig, ApiAnnotatorConfig
     from farmflow.storage import StoreError, open_store
 
     with pytest.raises(ConfigError, match="store.endpoint_url") as err:
-        load_config("synthetic-micro", ["store.uri=s3://bucket/p", "store.endpoint_url=http://admin:SECRETVALUE@127.0.0.1:9000"])
+        load_config(
+            "synthetic-micro", ["store.uri=s3://bucket/p", "store.endpoint_url=http://admin:SECRETVALUE@127.0.0.1:9000"]
+        )
     assert "SECRETVALUE" not in str(err.value)
     with pytest.raises(StoreError, match="must not carry credentials") as err:
         open_store("s3://AKIAEXAMPLE:SECRETVALUE@bucket/prefix")
@@ -353,7 +407,9 @@ def test_store_endpoint_and_direct_store_uris_with_credentials_are_refused(monke
         resolve_base_url(ApiAnnotatorConfig(name="x", model="m"), AnnotatorConfig())
     assert "SECRETVALUE" not in str(err.value)
     # plain endpoints still work
-    assert load_config("synthetic-micro", ["store.uri=s3://bucket/p?endpoint_url=http://127.0.0.1:9000"]).store.uri.startswith("s3://bucket/p")
+    assert load_config(
+        "synthetic-micro", ["store.uri=s3://bucket/p?endpoint_url=http://127.0.0.1:9000"]
+    ).store.uri.startswith("s3://bucket/p")
     monkeypatch.setenv("OPENAI_BASE_URL", "http://127.0.0.1:9/v1/")
     assert resolve_base_url(ApiAnnotatorConfig(name="x", model="m"), AnnotatorConfig()) == "http://127.0.0.1:9/v1"
 

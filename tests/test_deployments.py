@@ -23,11 +23,19 @@ def _defs(schema: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def deps():
-    return {f"{d.flow_name}/{d.name}": d for d in deployments(overrides=["dpo.beta=0.2"], nightly_cron="30 2 * * 1-5", timezone="Europe/Paris")}
+    return {
+        f"{d.flow_name}/{d.name}": d
+        for d in deployments(overrides=["dpo.beta=0.2"], nightly_cron="30 2 * * 1-5", timezone="Europe/Paris")
+    }
 
 
 def test_one_deployment_per_flow_plus_nightly_and_gpu_stage(deps):
-    expected = {f"{name}/farmflow" for name in FLOWS} | {"overoptimization/farmflow", "reward-report/farmflow", "compare/nightly-compare", "stage/gpu"}
+    expected = {f"{name}/farmflow" for name in FLOWS} | {
+        "overoptimization/farmflow",
+        "reward-report/farmflow",
+        "compare/nightly-compare",
+        "stage/gpu",
+    }
     assert set(deps) == expected
     for name, dep in deps.items():
         assert dep.work_pool_name == ("farmflow-gpu" if name == "stage/gpu" else "farmflow-cpu"), name
@@ -98,9 +106,28 @@ def test_farmflow_deploy_registers_everything_on_the_server(tmp_path):
     from farmflow.cli import app
 
     store = str(tmp_path / "store")
-    result = CliRunner().invoke(app, ["deploy", "--preset", "synthetic-micro", "--set", "execution.gpu_pool=test-gpu",
-                                      "--set", "execution.cpu_pool=test-cpu", "--store", store, "--gpu-slots", "2",
-                                      "--nightly-cron", "15 4 * * *", "--timezone", "America/New_York", "--nightly-method", "dpo,best-of-n"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "deploy",
+            "--preset",
+            "synthetic-micro",
+            "--set",
+            "execution.gpu_pool=test-gpu",
+            "--set",
+            "execution.cpu_pool=test-cpu",
+            "--store",
+            store,
+            "--gpu-slots",
+            "2",
+            "--nightly-cron",
+            "15 4 * * *",
+            "--timezone",
+            "America/New_York",
+            "--nightly-method",
+            "dpo,best-of-n",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "compare/nightly-compare" in result.output and "prefect worker start --pool test-gpu" in result.output
     with get_client(sync_client=True) as client:
@@ -114,7 +141,11 @@ def test_farmflow_deploy_registers_everything_on_the_server(tmp_path):
     (sched,) = nightly.schedules
     assert sched.schedule.cron == "15 4 * * *" and sched.schedule.timezone == "America/New_York"
     assert nightly.parameters["history"] is True and nightly.parameters["methods"] == ["dpo", "best_of_n"]
-    assert nightly.parameters["overrides"] == ["execution.gpu_pool=test-gpu", "execution.cpu_pool=test-cpu", f'store.uri="{store}"']
+    assert nightly.parameters["overrides"] == [
+        "execution.gpu_pool=test-gpu",
+        "execution.cpu_pool=test-cpu",
+        f'store.uri="{store}"',
+    ]
     # what the UI renders: the stored schema has the config fields with their descriptions
     farm = _defs(compare.parameter_openapi_schema)["FarmConfig"]
     assert "Supervised fine-tuning" in farm["properties"]["sft"]["description"]
@@ -135,11 +166,15 @@ def test_farmflow_deploy_registers_everything_on_the_server(tmp_path):
     (auto,) = automations()
     assert auto.trigger.within.total_seconds() == 300 and auto.trigger.posture == "Proactive"
     assert auto.actions[0].state == "CRASHED" and "prefect.tag.farmflow" in str(auto.trigger.match_related)
-    again = CliRunner().invoke(app, ["deploy", "--preset", "synthetic-micro", "--store", store, "--set", "execution.unresponsive_after_s=600"])
+    again = CliRunner().invoke(
+        app, ["deploy", "--preset", "synthetic-micro", "--store", store, "--set", "execution.unresponsive_after_s=600"]
+    )
     assert again.exit_code == 0 and "silent for 600 s" in again.output, again.output
     (updated,) = automations()
     assert updated.id == auto.id and updated.trigger.within.total_seconds() == 600
-    off = CliRunner().invoke(app, ["deploy", "--preset", "synthetic-micro", "--store", store, "--set", "execution.unresponsive_after_s=null"])
+    off = CliRunner().invoke(
+        app, ["deploy", "--preset", "synthetic-micro", "--store", store, "--set", "execution.unresponsive_after_s=null"]
+    )
     assert off.exit_code == 0 and automations() == [] and "silent for" not in off.output
 
 

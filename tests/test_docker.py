@@ -94,8 +94,15 @@ def test_one_torch_version_everywhere():
     assert cpu == gpu == make
 
 
-IGNORED = (".git/config", ".venv/bin/python", ".farmflow/store/sft", ".env", "docker/.env",
-           "src/farmflow/__pycache__/x.pyc", "data/alpaca.json")
+IGNORED = (
+    ".git/config",
+    ".venv/bin/python",
+    ".farmflow/store/sft",
+    ".env",
+    "docker/.env",
+    "src/farmflow/__pycache__/x.pyc",
+    "data/alpaca.json",
+)
 KEPT = ("src/farmflow/data/alpaca.py", "pyproject.toml", "constraints.txt", "README.md")
 
 
@@ -105,8 +112,10 @@ def test_dockerignore_keeps_secrets_and_local_state_out_of_the_build(path):
     patterns = [ln.strip() for ln in (ROOT / ".dockerignore").read_text().splitlines() if ln.strip() and ln[0] != "#"]
     parts = path.split("/")
     prefixes = ["/".join(parts[:n]) for n in range(1, len(parts) + 1)]
-    hit = any(any(fnmatch(p, pat[3:]) for p in parts) if pat.startswith("**/")
-              else any(fnmatch(p, pat) for p in prefixes) for pat in patterns)
+    hit = any(
+        any(fnmatch(p, pat[3:]) for p in parts) if pat.startswith("**/") else any(fnmatch(p, pat) for p in prefixes)
+        for pat in patterns
+    )
     assert hit == (path in IGNORED)
 
 
@@ -196,8 +205,10 @@ def test_farmflow_reads_the_variables_the_compose_file_sets(monkeypatch, s3_serv
     assert S3Store(f"s3://{s3_server.bucket()}/x?endpoint_url={s3_server.endpoint}").cache == Path(cache)
 
 
-PREFECT_VARIABLES = sorted({k for s in SERVICES for k in env(s) if k.startswith("PREFECT_")}
-                           | {k for d in IMAGES for k in image_env(d) if k.startswith("PREFECT_")})
+PREFECT_VARIABLES = sorted(
+    {k for s in SERVICES for k in env(s) if k.startswith("PREFECT_")}
+    | {k for d in IMAGES for k in image_env(d) if k.startswith("PREFECT_")}
+)
 
 
 @pytest.mark.parametrize("name", PREFECT_VARIABLES)

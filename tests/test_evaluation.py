@@ -10,8 +10,8 @@ from farmflow.data.synthetic import correct_output, sample_task, task_to_json
 from farmflow.evaluation import evaluate_outputs, win_rate_stats
 from farmflow.storage.schemas import SCHEMAS
 
-
 # ----------------------------------------------------------------------------- win_rate_stats
+
 
 def test_win_rate_hand_computed():
     stats = win_rate_stats([2, 1, 1.5, 2], ["ab", "abc", "abcd", "abcdefg"], [0.5, 1.0, None, 0.0])
@@ -93,8 +93,15 @@ def _eval_rows(n=3, seed=0):
     refs, base = [], []
     for i, t in enumerate(tasks):
         refs.append({"id": f"eval-{i:05d}", "output": correct_output(t)})
-        base.append({"id": f"eval-{i:05d}", "instruction": t.instruction, "input": t.input, "generator": "m",
-                     "task": task_to_json(t)})
+        base.append(
+            {
+                "id": f"eval-{i:05d}",
+                "instruction": t.instruction,
+                "input": t.input,
+                "generator": "m",
+                "task": task_to_json(t),
+            }
+        )
     return tasks, refs, base
 
 
@@ -144,12 +151,47 @@ def test_missing_reference_raises():
 
 # ----------------------------------------------------------------------------- leaderboards
 BOARD = [
-    {"method": "best_of_4", "win_rate": 57.2, "standard_error": 2.5, "discrete_win_rate": 57.0, "lc_win_rate": 55.1,
-     "lc_standard_error": 2.4, "mean_gold": 0.6, "gold_standard_error": 0.021, "avg_length": 26, "n": 400, "annotator": "oracle pool (5)", "reference": "refs"},
-    {"method": "sft", "win_rate": 54.2, "standard_error": 2.5, "discrete_win_rate": 54.0, "lc_win_rate": float("nan"),
-     "lc_standard_error": float("nan"), "mean_gold": None, "avg_length": 25, "n": 400, "annotator": "oracle pool (5)", "reference": "refs"},
-    {"method": "untrained", "win_rate": 11.8, "standard_error": float("nan"), "discrete_win_rate": 11.8, "lc_win_rate": 20.0,
-     "lc_standard_error": 3.0, "mean_gold": 0.004, "gold_standard_error": float("nan"), "avg_length": 144, "n": 400, "annotator": "oracle pool (5)", "reference": "refs"},
+    {
+        "method": "best_of_4",
+        "win_rate": 57.2,
+        "standard_error": 2.5,
+        "discrete_win_rate": 57.0,
+        "lc_win_rate": 55.1,
+        "lc_standard_error": 2.4,
+        "mean_gold": 0.6,
+        "gold_standard_error": 0.021,
+        "avg_length": 26,
+        "n": 400,
+        "annotator": "oracle pool (5)",
+        "reference": "refs",
+    },
+    {
+        "method": "sft",
+        "win_rate": 54.2,
+        "standard_error": 2.5,
+        "discrete_win_rate": 54.0,
+        "lc_win_rate": float("nan"),
+        "lc_standard_error": float("nan"),
+        "mean_gold": None,
+        "avg_length": 25,
+        "n": 400,
+        "annotator": "oracle pool (5)",
+        "reference": "refs",
+    },
+    {
+        "method": "untrained",
+        "win_rate": 11.8,
+        "standard_error": float("nan"),
+        "discrete_win_rate": 11.8,
+        "lc_win_rate": 20.0,
+        "lc_standard_error": 3.0,
+        "mean_gold": 0.004,
+        "gold_standard_error": float("nan"),
+        "avg_length": 144,
+        "n": 400,
+        "annotator": "oracle pool (5)",
+        "reference": "refs",
+    },
 ]
 
 
@@ -180,7 +222,12 @@ def test_leaderboard_plot_is_a_real_png(tmp_path):
     path = tmp_path / "board.png"
     plot_leaderboard(BOARD, str(path))
     _png_ok(path)
-    assert [method_family(m) for m in ("untrained", "sft", "best_of_16", "dpo")] == ["baseline", "sft", "reward model", "preferences"]
+    assert [method_family(m) for m in ("untrained", "sft", "best_of_16", "dpo")] == [
+        "baseline",
+        "sft",
+        "reward model",
+        "preferences",
+    ]
 
 
 def test_annotator_label():
@@ -201,12 +248,23 @@ def test_leaderboard_rows_pool_difficulty_and_sort():
     entries = []
     for method, outs in (("sft", good), ("untrained", bad)):
         table, stats = evaluate_outputs(outs, refs, SHARP)
-        entries.append({"method": method, "metrics": stats, "rows": table.to_pylist(), "group": "g", "annotator": "oracle sharp",
-                        "reference": "refs", "evaluation_key": method})
+        entries.append(
+            {
+                "method": method,
+                "metrics": stats,
+                "rows": table.to_pylist(),
+                "group": "g",
+                "annotator": "oracle sharp",
+                "reference": "refs",
+                "evaluation_key": method,
+            }
+        )
     rows = leaderboard_rows(entries)
     assert [r["method"] for r in rows] == ["sft", "untrained"]
     assert rows[0]["win_rate"] == 50.0 and rows[1]["win_rate"] == 0.0
-    assert rows[0]["lc_win_rate"] == 50.0 and rows[1]["lc_win_rate"] == 0.0  # nothing to adjust when every label is the same
+    assert (
+        rows[0]["lc_win_rate"] == 50.0 and rows[1]["lc_win_rate"] == 0.0
+    )  # nothing to adjust when every label is the same
     assert rows[0]["family"] == "sft" and rows[1]["family"] == "baseline" and rows[0]["n"] == 8
 
 
@@ -217,17 +275,25 @@ def test_leaderboard_task_writes_table_markdown_plot(tmp_path):
     store = open_store(str(tmp_path / "store"))
     tasks, refs, base = _eval_rows(12, seed=1)
     evaluations = {}
-    for i, (method, outs) in enumerate((
-        ("sft", [b | {"output": r["output"] + " ok"} for b, r in zip(base, refs)]),
-        ("best_of_4", [b | {"output": (r["output"] if j % 3 else "no")} for j, (b, r) in enumerate(zip(base, refs))]),
-        ("untrained", [b | {"output": "x" * (j + 1)} for j, b in enumerate(base)]),
-    )):
+    for i, (method, outs) in enumerate(
+        (
+            ("sft", [b | {"output": r["output"] + " ok"} for b, r in zip(base, refs)]),
+            (
+                "best_of_4",
+                [b | {"output": (r["output"] if j % 3 else "no")} for j, (b, r) in enumerate(zip(base, refs))],
+            ),
+            ("untrained", [b | {"output": "x" * (j + 1)} for j, b in enumerate(base)]),
+        )
+    ):
         table, stats = evaluate_outputs(outs, refs, AnnotatorConfig())
-        evaluations[method] = store.put_table("evaluate", f"k{i}", table, "evaluation", config=AnnotatorConfig(), inputs={"data": "d1"},
-                                              metrics=stats)
+        evaluations[method] = store.put_table(
+            "evaluate", f"k{i}", table, "evaluation", config=AnnotatorConfig(), inputs={"data": "d1"}, metrics=stats
+        )
     # a peer evaluation with the same judge and references enters the difficulty (and the key)
     table, stats = evaluate_outputs([b | {"output": "zz"} for b in base], refs, AnnotatorConfig())
-    store.put_table("evaluate", "peer", table, "evaluation", config=AnnotatorConfig(), inputs={"data": "d1"}, metrics=stats)
+    store.put_table(
+        "evaluate", "peer", table, "evaluation", config=AnnotatorConfig(), inputs={"data": "d1"}, metrics=stats
+    )
     ref = leaderboard_task.fn(str(tmp_path / "store"), evaluations, "Test board")
     assert ref.metrics["difficulty_peer_runs"] == 1.0
     rows = store.read_table(ref).to_pylist()
@@ -260,7 +326,20 @@ def test_leaderboard_task_writes_table_markdown_plot(tmp_path):
     d_c = data_task.fn(str(tmp_path / "store"), DataConfig(sft_size=4, **(small | {"eval_size": 3})))
     assert d_a.key != d_b.key and d_a.parts["eval"] == d_b.parts["eval"] != d_c.parts["eval"]
     for name, data in (("on-a", d_a), ("on-b", d_b), ("on-c", d_c)):
-        store.put_table("evaluate", name, table, "evaluation", config=AnnotatorConfig(), inputs={"data": data.key}, metrics=stats)
-    on_a = {"sft": store.put_table("evaluate", "board-a", table, "evaluation", config=AnnotatorConfig(), inputs={"data": d_a.key}, metrics=stats)}
-    assert leaderboard_task.fn(str(tmp_path / "store"), on_a, "Split board").metrics["difficulty_peer_runs"] == 2.0  # on-a, on-b
-
+        store.put_table(
+            "evaluate", name, table, "evaluation", config=AnnotatorConfig(), inputs={"data": data.key}, metrics=stats
+        )
+    on_a = {
+        "sft": store.put_table(
+            "evaluate",
+            "board-a",
+            table,
+            "evaluation",
+            config=AnnotatorConfig(),
+            inputs={"data": d_a.key},
+            metrics=stats,
+        )
+    }
+    assert (
+        leaderboard_task.fn(str(tmp_path / "store"), on_a, "Split board").metrics["difficulty_peer_runs"] == 2.0
+    )  # on-a, on-b

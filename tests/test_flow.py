@@ -22,7 +22,17 @@ from farmflow.flows import best_of_n_flow
 pytestmark = [pytest.mark.usefixtures("prefect_harness"), pytest.mark.slow]
 sys.path.insert(0, str(Path(__file__).parent))  # test_real_farm's tiny hub-style model
 
-ALL_STAGES = {"data", "base_model", "sft", "sample_pairs", "annotate", "train_reward", "generate", "best_of_n", "evaluate"}
+ALL_STAGES = {
+    "data",
+    "base_model",
+    "sft",
+    "sample_pairs",
+    "annotate",
+    "train_reward",
+    "generate",
+    "best_of_n",
+    "evaluate",
+}
 
 
 def _run(cfg):
@@ -71,11 +81,15 @@ def test_flow_end_to_end_then_fully_cached_then_only_best_of_n(micro_config):
     assert rerun == {"best_of_n", "evaluate best_of_3"}
 
     # batch sizes only: memory and speed, not results (every sample has its own random stream)
-    cfg = load_config("synthetic-micro", [f"store.uri={micro_config.store.uri}", "pairs.batch_size=5", "generation.batch_size=3"])
+    cfg = load_config(
+        "synthetic-micro", [f"store.uri={micro_config.store.uri}", "pairs.batch_size=5", "generation.batch_size=3"]
+    )
     resized, executed = _run(cfg)
     assert executed == {}
     same = lambda board: [(r["method"], r["win_rate"], r["mean_gold"], r["evaluation_key"]) for r in board]  # noqa: E731
-    assert same(resized["leaderboard"]) == same(summary["leaderboard"])  # (LC win rates now pool best_of_3's evaluation too)
+    assert same(resized["leaderboard"]) == same(
+        summary["leaderboard"]
+    )  # (LC win rates now pool best_of_3's evaluation too)
 
 
 def test_a_change_to_one_split_reruns_only_the_stages_that_read_it(micro_config, tmp_path):
@@ -92,7 +106,12 @@ def test_a_change_to_one_split_reruns_only_the_stages_that_read_it(micro_config,
     assert set(executed) == ALL_STAGES
     eval_size = micro_config.data.eval_size + 2
     changed, executed = _run(load_config("synthetic-micro", [*overrides, f"data.eval_size={eval_size}"]))
-    assert executed == {"data": 1, "generate": 2, "best_of_n": 1, "evaluate": 3}  # no SFT, pairs, labels or reward model
+    assert executed == {
+        "data": 1,
+        "generate": 2,
+        "best_of_n": 1,
+        "evaluate": 3,
+    }  # no SFT, pairs, labels or reward model
     assert all(r["n"] == eval_size for r in changed["leaderboard"])
     _, executed = _run(load_config("synthetic-micro", [*overrides, f"data.eval_size={eval_size}", "data.val_size=5"]))
     assert executed == {"data": 1, "sample_pairs": 1, "annotate": 1, "train_reward": 1, "best_of_n": 1, "evaluate": 1}
@@ -100,7 +119,9 @@ def test_a_change_to_one_split_reruns_only_the_stages_that_read_it(micro_config,
     assert executed["sft"] == 1 and "base_model" not in executed  # a pretrained base model reads no data
     # the synthetic farm's own tokenizer is trained on every split's text: a new evaluation set is a new base model
     _, executed = _run(micro_config)
-    _, executed = _run(load_config("synthetic-micro", [f"store.uri={micro_config.store.uri}", f"data.eval_size={eval_size}"]))
+    _, executed = _run(
+        load_config("synthetic-micro", [f"store.uri={micro_config.store.uri}", f"data.eval_size={eval_size}"])
+    )
     assert executed["base_model"] == 1 and executed["sft"] == 1
 
 
@@ -126,14 +147,20 @@ def test_demo_cli_runs_micro_and_prints_leaderboard(micro_config):
     assert latest.exit_code == 0, latest.output
     assert "best_of_4" in latest.output and "leaderboard.png" in latest.output
     as_json = json.loads(CliRunner().invoke(app, ["leaderboard", "--json", "--store", micro_config.store.uri]).output)
-    assert {r["method"] for r in as_json["leaderboard"]} >= {"untrained", "sft", "best_of_4"} and "/leaderboard/" in as_json["artifact"]
+    assert {r["method"] for r in as_json["leaderboard"]} >= {
+        "untrained",
+        "sft",
+        "best_of_4",
+    } and "/leaderboard/" in as_json["artifact"]
 
 
 def _fresh_prefect_env(tmp_path, **extra: str) -> dict:
     """A child process's environment with its own Prefect home and no API URL: it starts a temporary API."""
     from procs import python_env
 
-    env = python_env(PREFECT_HOME=str(tmp_path / "prefect"), PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="180", **extra)
+    env = python_env(
+        PREFECT_HOME=str(tmp_path / "prefect"), PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="180", **extra
+    )
     env.pop("PREFECT_API_URL", None)
     return env
 
@@ -147,7 +174,18 @@ def test_cli_in_a_fresh_process_starts_one_temporary_api_and_reuses_it(micro_con
 
     env = _fresh_prefect_env(tmp_path, PREFECT_LOGGING_LEVEL="INFO")
     cli = "from farmflow.cli import app; app()"
-    argv = [sys.executable, "-c", cli, "run", "best-of-n", "--preset", "synthetic-micro", "--store", micro_config.store.uri, "--json"]
+    argv = [
+        sys.executable,
+        "-c",
+        cli,
+        "run",
+        "best-of-n",
+        "--preset",
+        "synthetic-micro",
+        "--store",
+        micro_config.store.uri,
+        "--json",
+    ]
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(done.stdout)

@@ -16,9 +16,8 @@ from farmflow import tasks
 from farmflow.config import PRESETS, ConfigError, SampleConfig, load_config
 from farmflow.flows.distributed import stage_key_of
 from farmflow.generation import require_vllm, sample_texts, texts_from_vllm
-from farmflow.models import prompt_ids
 from farmflow.methods.best_of_n import pick_best
-from farmflow.models import decode_response, left_pad, load_policy, load_tokenizer, sample
+from farmflow.models import decode_response, left_pad, load_policy, load_tokenizer, prompt_ids, sample
 from farmflow.storage import open_store
 from farmflow.tasks.core import EXECUTED, key_config
 
@@ -75,7 +74,10 @@ def test_stage_keys_ignore_the_backend():
 @needs_no_vllm
 def test_selecting_vllm_without_vllm_is_one_clear_error(micro):
     cfg, uri, data, base = micro
-    with pytest.raises(ConfigError, match=r"^generation\.backend is 'vllm' but vLLM is not installed.*`pip install vllm`.*generation\.backend=hf"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^generation\.backend is 'vllm' but vLLM is not installed.*`pip install vllm`.*generation\.backend=hf",
+    ):
         require_vllm("generation.backend")
     store = open_store(uri)
     sample_cfg = SampleConfig(backend="vllm", max_new_tokens=4, seed=123)  # a key nothing else made
@@ -83,10 +85,17 @@ def test_selecting_vllm_without_vllm_is_one_clear_error(micro):
         tasks.generate_task.fn(uri, {"sample": sample_cfg, "generator": "g", "control": ""}, data, base)
     with pytest.raises(ConfigError, match=r"^pairs\.backend is 'vllm'.*pip install vllm"):
         tasks.sample_pairs_task.fn(uri, sample_cfg, data, base)
-    bon = {"best_of_n": cfg.best_of_n.model_copy(update={"seed": 123}), "max_new_tokens": 4, "split": "eval", "max_prompts": 2}
+    bon = {
+        "best_of_n": cfg.best_of_n.model_copy(update={"seed": 123}),
+        "max_new_tokens": 4,
+        "split": "eval",
+        "max_prompts": 2,
+    }
     with pytest.raises(ConfigError, match=r"^generation\.backend is 'vllm'.*pip install vllm"):
         tasks.best_of_n_task.fn(uri, bon, data, base, base, backend="vllm", batch_size=8)
-    assert not [r for r in store.records() if r["ref"]["stage"] in ("generate", "sample_pairs", "best_of_n")]  # nothing committed
+    assert not [
+        r for r in store.records() if r["ref"]["stage"] in ("generate", "sample_pairs", "best_of_n")
+    ]  # nothing committed
 
 
 def test_an_artifact_is_reused_whichever_backend_asks(micro):
@@ -97,7 +106,8 @@ def test_an_artifact_is_reused_whichever_backend_asks(micro):
     vllm = cfg.generation.model_copy(update={"backend": "vllm"})
     again = tasks.generate_task.fn(uri, {"sample": vllm, "generator": "untrained", "control": ""}, data, base)
     as_json = tasks.generate_task.fn(  # how a GPU worker receives it in distributed mode
-        uri, {"sample": vllm.model_dump(mode="json"), "generator": "untrained", "control": ""}, data, base)
+        uri, {"sample": vllm.model_dump(mode="json"), "generator": "untrained", "control": ""}, data, base
+    )
     assert again.key == as_json.key == ref.key and EXECUTED["generate"] == before + 1  # no vLLM needed: nothing sampled
 
 
@@ -105,7 +115,9 @@ def test_hf_backend_is_farmflows_sampler(micro):
     _, uri, _, base = micro
     folder = open_store(uri).model_dir(base)
     prompts = ["What is 2 + 3?", "Sort: 4 1 3", "Hi"]
-    got = sample_texts("hf", folder, prompts, n=2, temperature=1.0, top_p=0.9, max_new_tokens=6, batch_size=2, seed=7, field="x")
+    got = sample_texts(
+        "hf", folder, prompts, n=2, temperature=1.0, top_p=0.9, max_new_tokens=6, batch_size=2, seed=7, field="x"
+    )
     model, tok = load_policy(folder)
     assert got == sample(model, tok, prompts, n=2, temperature=1.0, top_p=0.9, max_new_tokens=6, batch_size=2, seed=7)
     assert [len(x) for x in got] == [2, 2, 2]
@@ -120,7 +132,9 @@ def test_prompt_encoding_matches_the_hf_sampler(tok):
     hi = tok("Hi", add_special_tokens=False)["input_ids"]
     assert prompt_ids(tok, ["Hi"], 64) == [[tok.bos_token_id] + hi]
     long = prompt_ids(tok, [prompts[2]], 5)[0]
-    assert len(long) == 5 and long == [tok.bos_token_id] + tok(prompts[2], add_special_tokens=False)["input_ids"][-4:]  # <s> kept
+    assert (
+        len(long) == 5 and long == [tok.bos_token_id] + tok(prompts[2], add_special_tokens=False)["input_ids"][-4:]
+    )  # <s> kept
 
 
 class _RecordingEngine:
@@ -149,16 +163,24 @@ def test_vllm_requests_one_seeded_sample_each_so_candidates_nest(micro, tok, mon
     prompts = ["What is 2 + 3?", "Hi", "Sort: 4 1 3"]
     four = vllm_sample(folder, prompts, n=4, temperature=1.0, top_p=0.9, max_new_tokens=6, seed=7)
     sent = _RecordingEngine.requests
-    assert len(sent) == 12 and all(p.n == 1 and p.temperature == 1.0 and p.top_p == 0.9 and p.max_tokens == 6 for _, p in sent)
-    assert [p.seed for _, p in sent] == [sample_seed(7, i, j) for i in range(3) for j in range(4)]  # the hf sampler's streams
+    assert len(sent) == 12 and all(
+        p.n == 1 and p.temperature == 1.0 and p.top_p == 0.9 and p.max_tokens == 6 for _, p in sent
+    )
+    assert [p.seed for _, p in sent] == [
+        sample_seed(7, i, j) for i in range(3) for j in range(4)
+    ]  # the hf sampler's streams
     assert [ids for ids, _ in sent] == [x for x in prompt_ids(tok, prompts, 128 - 6) for _ in range(4)]
     two = vllm_sample(folder, prompts, n=2, temperature=1.0, top_p=0.9, max_new_tokens=6, seed=7)
-    assert [len(c) for c in four] == [4, 4, 4] and two == [c[:2] for c in four]  # best-of-2's candidates are best-of-4's first two
+    assert [len(c) for c in four] == [4, 4, 4] and two == [
+        c[:2] for c in four
+    ]  # best-of-2's candidates are best-of-4's first two
     assert len({c for cs in four for c in cs}) > 3
 
 
 def _completion(index, token_ids, finish="stop"):
-    return SimpleNamespace(index=index, token_ids=token_ids, text="(vLLM's own detokenization, not used)", finish_reason=finish)
+    return SimpleNamespace(
+        index=index, token_ids=token_ids, text="(vLLM's own detokenization, not used)", finish_reason=finish
+    )
 
 
 def test_texts_from_vllm_outputs(tok):
@@ -166,8 +188,10 @@ def test_texts_from_vllm_outputs(tok):
     words = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
     one = lambda *args: SimpleNamespace(outputs=[_completion(0, *args)])  # noqa: E731
     requests = [  # one request per sample, in (prompt, sample) order
-        one(words("12 + 3") + [eos]), one(words(" 42") + [eos]),
-        one(words("1 2 3"), "length"), one([bos] + words("a") + [pad] + [eos]),
+        one(words("12 + 3") + [eos]),
+        one(words(" 42") + [eos]),
+        one(words("1 2 3"), "length"),
+        one([bos] + words("a") + [pad] + [eos]),
     ]
     decode = lambda ids: decode_response(tok, ids)  # noqa: E731
     assert texts_from_vllm(requests, 2, decode) == [["12 + 3", "42"], ["1 2 3", "a"]]
@@ -186,8 +210,14 @@ def test_pick_best_keeps_the_highest_reward_first_on_ties():
     with pytest.raises(ValueError, match="4 rewards for 5 candidates"):
         pick_best([["a", "b", "c"], ["d", "e"]], [0.1, 0.5, 0.5, -1.0])
     # best-of-k from best-of-N's candidates: only the first k of each prompt compete
-    assert pick_best([["a", "b", "c"], ["d", "e", "f"]], [0.1, -0.5, 0.9, -1.0, -2.0, 3.0], n=2) == (["a", "d"], [0.1, -1.0])
-    assert pick_best([["a", "b", "c"], ["d", "e", "f"]], [0.1, -0.5, 0.9, -1.0, -2.0, 3.0], n=1) == (["a", "d"], [0.1, -1.0])
+    assert pick_best([["a", "b", "c"], ["d", "e", "f"]], [0.1, -0.5, 0.9, -1.0, -2.0, 3.0], n=2) == (
+        ["a", "d"],
+        [0.1, -1.0],
+    )
+    assert pick_best([["a", "b", "c"], ["d", "e", "f"]], [0.1, -0.5, 0.9, -1.0, -2.0, 3.0], n=1) == (
+        ["a", "d"],
+        [0.1, -1.0],
+    )
     with pytest.raises(ValueError, match="n=4 but a prompt has 3 candidates"):
         pick_best([["a", "b", "c"]], [0.1, 0.2, 0.3], n=4)
 
@@ -217,7 +247,9 @@ def test_a_json_generate_config_keys_like_the_typed_one_under_a_launcher(micro):
     typed = {"sample": sample, "generator": "g77", "control": ""}
     as_json = {"sample": sample.model_dump(mode="json"), "generator": "g77", "control": ""}
     assert "backend" in as_json["sample"]
-    assert stage_key_of("generate", as_json, {"data": data, "policy": base}) == stage_key_of("generate", typed, {"data": data, "policy": base})
+    assert stage_key_of("generate", as_json, {"data": data, "policy": base}) == stage_key_of(
+        "generate", typed, {"data": data, "policy": base}
+    )
     with launching(ExecutionConfig(launcher="process")):
         ref = tasks.generate_task.fn(uri, as_json, data, base)  # runs in a child process, committed here
     assert ref.key == stage_key_of("generate", typed, {"data": data, "policy": base})

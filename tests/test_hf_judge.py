@@ -18,8 +18,10 @@ from farmflow.storage import open_store
 from farmflow.storage.schemas import SCHEMAS
 from farmflow.tasks.core import key_config
 
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 PAIRS = [
     ("Add 2 and 3.", "", "5", "The sum of 2 and 3 is 6."),
@@ -28,8 +30,12 @@ PAIRS = [
     ("List three fruits.", "", "1. apple\n2. pear\n3. plum", "apple, carrot, bread"),
     ("What is the capital of France?", "", "Paris is the capital of France.", "Lyon"),
     ("Reverse the word.", "stressed", "desserts", "stressed"),
-    ("Write a haiku about rain.", "", "Soft rain on the roof\nwhispers to the sleeping town\npuddles hold the sky",
-     "Rain is wet."),
+    (
+        "Write a haiku about rain.",
+        "",
+        "Soft rain on the roof\nwhispers to the sleeping town\npuddles hold the sky",
+        "Rain is wet.",
+    ),
     ("Sort the numbers.", "3, 1, 2", "1, 2, 3", "3, 2, 1"),
     ("Give a synonym of happy.", "", "joyful", "sad"),
 ]
@@ -39,17 +45,30 @@ def save_tiny_judge(folder: Path, chat: bool = False, seed: int = 0) -> Path:
     """A random 1-layer Llama and a BPE tokenizer trained on the judging prompt's words, saved like any hub model.
     A wide initialization makes its answers lean clearly to (a) or (b), and differ by order."""
     specials = ["<|im_start|>", "<|im_end|>"] if chat else []
-    texts = [hf.SYSTEM, hf.QUESTION, hf.ANSWER_LEAD + " (a) (b) ## Instruction ## Input ## Output",
-             *[" ".join(p) for p in PAIRS]]
+    texts = [
+        hf.SYSTEM,
+        hf.QUESTION,
+        hf.ANSWER_LEAD + " (a) (b) ## Instruction ## Input ## Output",
+        *[" ".join(p) for p in PAIRS],
+    ]
     tok = train_tokenizer(texts * 3, vocab_size=400)
     if chat:
         tok.add_special_tokens({"additional_special_tokens": specials})
         tok.chat_template = CHATML
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=1024,
-                         initializer_range=0.3, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
-                         eos_token_id=tok.eos_token_id)
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        initializer_range=0.3,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
     LlamaForCausalLM(config).save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder
@@ -70,8 +89,10 @@ def hf_config(judge_dir: Path, **kw) -> AnnotatorConfig:
 
 
 def rows_of(pairs) -> list[dict]:
-    return [{"id": f"r{i}", "split": "pref", "instruction": ins, "input": inp, "output_1": o1, "output_2": o2,
-             "task": None} for i, (ins, inp, o1, o2) in enumerate(pairs)]
+    return [
+        {"id": f"r{i}", "split": "pref", "instruction": ins, "input": inp, "output_1": o1, "output_2": o2, "task": None}
+        for i, (ins, inp, o1, o2) in enumerate(pairs)
+    ]
 
 
 def test_both_orders_are_judged_and_averaged(judge):
@@ -113,7 +134,7 @@ def test_the_answer_probability_by_hand(judge):
     assert text.endswith("## Question\n\n" + hf.QUESTION + "\n\n" + hf.ANSWER_LEAD)
     prompt = hf.encode(judge, text)
     full_a = judge.tokenizer(text + " (a)")["input_ids"]
-    assert full_a[:len(prompt.ids)] == prompt.ids and full_a[len(prompt.ids)] == prompt.answer_ids[0]
+    assert full_a[: len(prompt.ids)] == prompt.ids and full_a[len(prompt.ids)] == prompt.answer_ids[0]
     assert judge.tokenizer.decode(prompt.answer_ids[0]).strip(" (") == "a"
     assert judge.tokenizer.decode(prompt.answer_ids[1]).strip(" (") == "b"
     with torch.no_grad():
@@ -134,7 +155,8 @@ def test_the_chat_template_is_used_when_the_tokenizer_has_one(tmp_path):
     # a template without a system role (it raises, as Gemma's does): the guidance opens the user turn
     judge.tokenizer.chat_template = (
         "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system role') }}{% endif %}"
-        "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n")
+        "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n"
+    )
     assert hf.render(judge, *PAIRS[0]).startswith("<|im_start|>user\n" + hf.SYSTEM + "\n\n## Instruction")
 
 
@@ -150,9 +172,11 @@ def test_long_pairs_are_cut_in_the_middle_to_fit(judge_dir):
     # an instruction longer than the whole limit: still judged, within the limit, ending with the question
     (q12, _), cut2 = hf.fit(judge, "Say why. " * 300, "", "yes", "no")
     assert len(q12.ids) == 400 and cut2 > 0 and judge.tokenizer.decode(q12.ids).rstrip(" (").endswith(hf.ANSWER_LEAD)
-    table, metrics = annotate(rows_of([("List fruits.", "", long_1, long_2), PAIRS[0]]),
-                              AnnotatorConfig(kind="hf", hf=HFJudgeConfig(model=str(judge_dir), max_prompt_tokens=400)),
-                              str(judge_dir.parent / "store-cut"))
+    table, metrics = annotate(
+        rows_of([("List fruits.", "", long_1, long_2), PAIRS[0]]),
+        AnnotatorConfig(kind="hf", hf=HFJudgeConfig(model=str(judge_dir), max_prompt_tokens=400)),
+        str(judge_dir.parent / "store-cut"),
+    )
     assert metrics["truncated"] == 1 and metrics["judged"] == 2
     assert 1 <= table.column("preference")[0].as_py() <= 2
 
@@ -171,7 +195,8 @@ def test_annotate_gives_the_preferences_table_and_caches_every_row(judge_dir, tm
     for r, v in zip(got, expected):
         assert r["annotator"] == "hf:tiny-judge" and r["swapped"] is False and r["noised"] is False
         assert (r["preference"], r["p_1_shown_first"], r["p_1_shown_second"]) == pytest.approx(
-            (v.preference, v.p_1_shown_first, v.p_1_shown_second), abs=1e-5)
+            (v.preference, v.p_1_shown_first, v.p_1_shown_second), abs=1e-5
+        )
     log = open_store(tmp_path).read_rows(NAMESPACE, NAMESPACE).to_pylist()
     assert len(log) == len(PAIRS) and all(r["status"] == "ok" and r["p_1_shown_first"] is not None for r in log)
 
@@ -185,7 +210,8 @@ def test_annotate_gives_the_preferences_table_and_caches_every_row(judge_dir, tm
     for r, f in zip(got, flipped.to_pylist()):
         assert f["preference"] == pytest.approx(3 - r["preference"], abs=1e-12)
         assert (f["p_1_shown_first"], f["p_1_shown_second"]) == pytest.approx(
-            (1 - r["p_1_shown_second"], 1 - r["p_1_shown_first"]), abs=1e-12)
+            (1 - r["p_1_shown_second"], 1 - r["p_1_shown_first"]), abs=1e-12
+        )
     assert len(open_store(tmp_path).read_rows(NAMESPACE, NAMESPACE)) == len(PAIRS)
 
 
@@ -222,16 +248,19 @@ def test_the_annotate_and_evaluate_stages_run_with_the_hf_judge(judge_dir, tmp_p
     from farmflow.tasks import annotate_task
 
     store = open_store(tmp_path)
-    pairs = store.put_table("sample_pairs", "k1", pa.Table.from_pylist(rows_of(PAIRS), schema=SCHEMAS["pairs"]),
-                            "pairs")
+    pairs = store.put_table(
+        "sample_pairs", "k1", pa.Table.from_pylist(rows_of(PAIRS), schema=SCHEMAS["pairs"]), "pairs"
+    )
     ref = annotate_task.fn(str(tmp_path), hf_config(judge_dir), pairs)
     assert ref.rows == len(PAIRS) and ref.metrics["judged"] == len(PAIRS)
     ref2 = annotate_task.fn(str(tmp_path), hf_config(judge_dir, seed=1), pairs)  # another key, the same judged pairs
     assert ref2.key != ref.key and ref2.metrics["cached"] == len(PAIRS) and ref2.metrics["forward_passes"] == 0
     prefs = store.read_table(ref).column("preference").to_pylist()
 
-    outputs = [{"id": f"r{i}", "instruction": ins, "input": inp, "output": o2, "generator": "m", "task": None}
-               for i, (ins, inp, _, o2) in enumerate(PAIRS)]
+    outputs = [
+        {"id": f"r{i}", "instruction": ins, "input": inp, "output": o2, "generator": "m", "task": None}
+        for i, (ins, inp, _, o2) in enumerate(PAIRS)
+    ]
     references = [{"id": f"r{i}", "output": o1} for i, (_, _, o1, _) in enumerate(PAIRS)]
     table, stats = evaluate_outputs(outputs, references, hf_config(judge_dir), str(tmp_path))
     assert table.column("preference").to_pylist() == pytest.approx(prefs, abs=1e-12)  # the same pairs, from the cache
@@ -243,8 +272,11 @@ def test_a_judge_that_cannot_load_is_one_clear_error(tmp_path):
 
     (tmp_path / "empty").mkdir()
     with pytest.raises(AnnotationError, match=r"^annotation.hf.model: cannot load the judge .*empty") as err:
-        annotate(rows_of(PAIRS[:1]), AnnotatorConfig(kind="hf", hf=HFJudgeConfig(model=str(tmp_path / "empty"))),
-                 str(tmp_path))
+        annotate(
+            rows_of(PAIRS[:1]),
+            AnnotatorConfig(kind="hf", hf=HFJudgeConfig(model=str(tmp_path / "empty"))),
+            str(tmp_path),
+        )
     assert "\n" not in str(err.value)
     if not torch.cuda.is_available():
         with pytest.raises(AnnotationError, match=r"^annotation.hf.device: 'cuda' asked for"):

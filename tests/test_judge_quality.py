@@ -15,8 +15,17 @@ from farmflow.annotators.server import JudgeConfig, JudgeServer
 from farmflow.cli import app
 from farmflow.config import OracleAnnotatorConfig
 from farmflow.evaluation.judge_quality import (
-    Pair, agreement, choice, coin_choices, length_bias, longer_choices, parse_judge, position_bias, read_pairs,
-    summary, wilson,
+    Pair,
+    agreement,
+    choice,
+    coin_choices,
+    length_bias,
+    longer_choices,
+    parse_judge,
+    position_bias,
+    read_pairs,
+    summary,
+    wilson,
 )
 
 DATA = Path(__file__).resolve().parents[1] / "../shared/data/alpaca_eval_example"
@@ -53,20 +62,25 @@ def test_choice_and_agreement_hand_computed():
 
 def test_position_bias_hand_computed():
     verdicts = [
-        (0.9, 0.1),   # output_1 as (a) wins; output_1 as (b) loses, i.e. (a) wins again: slot (a) both times
-        (0.2, 0.8),   # (b) wins, then output_1 as (b) wins: slot (b) both times
-        (0.9, 0.7),   # output_1 both times: the content decides
-        (0.3, 0.2),   # output_2 both times
+        (0.9, 0.1),  # output_1 as (a) wins; output_1 as (b) loses, i.e. (a) wins again: slot (a) both times
+        (0.2, 0.8),  # (b) wins, then output_1 as (b) wins: slot (b) both times
+        (0.9, 0.7),  # output_1 both times: the content decides
+        (0.3, 0.2),  # output_2 both times
         (None, 0.3),  # one order unanswered: left out
     ]
     assert position_bias(verdicts) == pytest.approx(
-        {"position_bias": 2 / 4, "first_slot": 1 / 4, "second_slot": 1 / 4, "position_pairs": 4})
+        {"position_bias": 2 / 4, "first_slot": 1 / 4, "second_slot": 1 / 4, "position_pairs": 4}
+    )
     assert math.isnan(position_bias([(None, 0.5)])["position_bias"])
 
 
 def test_length_bias_and_the_baselines_hand_computed():
-    pairs = [pair("aaaa", "bb", 1.0, "q0"), pair("a", "bbb", 1.0, "q1"), pair("aa", "bb", 2.0, "q2"),
-             pair("aaa", "b", 2.0, "q3")]
+    pairs = [
+        pair("aaaa", "bb", 1.0, "q0"),
+        pair("a", "bbb", 1.0, "q1"),
+        pair("aa", "bb", 2.0, "q2"),
+        pair("aaa", "b", 2.0, "q3"),
+    ]
     longer = longer_choices(pairs)
     assert longer == [1.0, 2.0, 1.5, 1.0]
     # pairs of different length: 0 (longer = output_1), 1 (output_2), 3 (output_1)
@@ -83,8 +97,10 @@ def test_length_bias_and_the_baselines_hand_computed():
 
 
 def test_read_pairs_skips_ties_and_unreadable_preferences(tmp_path):
-    rows = [{"instruction": f"q{i}", "output_1": "a", "output_2": "bb", "preference": p, "annotator": "gpt4"}
-            for i, p in enumerate([1, 0, "1.7", "n/a", 1.5, 2, None, 1.2, 2])]
+    rows = [
+        {"instruction": f"q{i}", "output_1": "a", "output_2": "bb", "preference": p, "annotator": "gpt4"}
+        for i, p in enumerate([1, 0, "1.7", "n/a", 1.5, 2, None, 1.2, 2])
+    ]
     path = tmp_path / "ann.json"
     path.write_text(json.dumps(rows))
     pairs, info = read_pairs(path, limit=3)
@@ -112,15 +128,24 @@ def test_judge_specs():
     assert (hf.kind, hf.model, hf.hf_config().batch_size) == ("hf", "smollm2-135m-instruct", 4)
     api = parse_judge("api:http://127.0.0.1:8000/v1@org/model-1?temperature=0.7")
     a = api.api_annotator()
-    assert (api.base_url, a.model, a.temperature, a.prompt_format) == ("http://127.0.0.1:8000/v1", "org/model-1", 0.7,
-                                                                       "choice")
+    assert (api.base_url, a.model, a.temperature, a.prompt_format) == (
+        "http://127.0.0.1:8000/v1",
+        "org/model-1",
+        0.7,
+        "choice",
+    )
     assert parse_judge("api:http://h/v1@m").api_annotator().temperature == 0.0
     assert parse_judge("api:http://h/v1@m?format=logprobs").api_annotator().prompt_format == "logprobs"
     assert parse_judge("longer") is None and parse_judge("coin") is None
-    for bad, message in [("gpt-4", "expected hf:MODEL"), ("api:http://h/v1", "api:BASE_URL@MODEL"),
-                         ("hf:m?bogus=1", "unknown option"), ("api:http://h/v1@m?temperature=9", "temperature"),
-                         ("hf:m?batch_size=x", "batch_size"), ("api:http://user:s3cr3t@h/v1@m", "credentials"),
-                         ("api:http://h/v1@m?api_key=s3cr3t", "unknown option")]:
+    for bad, message in [
+        ("gpt-4", "expected hf:MODEL"),
+        ("api:http://h/v1", "api:BASE_URL@MODEL"),
+        ("hf:m?bogus=1", "unknown option"),
+        ("api:http://h/v1@m?temperature=9", "temperature"),
+        ("hf:m?batch_size=x", "batch_size"),
+        ("api:http://user:s3cr3t@h/v1@m", "credentials"),
+        ("api:http://h/v1@m?api_key=s3cr3t", "unknown option"),
+    ]:
         with pytest.raises(ValueError, match=message) as err:
             parse_judge(bad)
         assert "s3cr3t" not in str(err.value)  # an api judge's URL and options are never repeated
@@ -143,8 +168,18 @@ def test_cli_hf_judge_on_the_real_gpt4_annotations(tmp_path, one_torch_thread):
     store = str(tmp_path / "store")
     args = [str(GPT4), "--judge", f"hf:{model}", "--limit", "8", "--seed", "1", "--store", store]
     report = run_cli(*args)
-    assert {"file", "reference", "pairs", "skipped_ties", "skipped_invalid", "interval", "judges", "baselines",
-            "paper", "reference_prefers_longer"} <= set(report)
+    assert {
+        "file",
+        "reference",
+        "pairs",
+        "skipped_ties",
+        "skipped_invalid",
+        "interval",
+        "judges",
+        "baselines",
+        "paper",
+        "reference_prefers_longer",
+    } <= set(report)
     assert report["pairs"] == 8 and report["reference"] == "alpaca_eval_gpt4" and "Wilson" in report["interval"]
     (judge,) = report["judges"]
     check_row(judge, 8)
@@ -224,10 +259,12 @@ def test_cli_api_judge_counts_answers_that_do_not_parse(tmp_path, monkeypatch):
 
 def test_cli_refuses_bad_judge_arguments_in_one_line(tmp_path, monkeypatch):
     runner = CliRunner()
-    for args, message in [([str(GPT4), str(GPT4), "--judge", "coin"], "exactly one annotations FILE"),
-                          (["--oracle", "--judge", "coin"], "exactly one annotations FILE"),
-                          ([str(GPT4), "--judge", "gpt-4"], "expected hf:MODEL"),
-                          ([str(tmp_path / "missing.json"), "--judge", "coin"], "no such file")]:
+    for args, message in [
+        ([str(GPT4), str(GPT4), "--judge", "coin"], "exactly one annotations FILE"),
+        (["--oracle", "--judge", "coin"], "exactly one annotations FILE"),
+        ([str(GPT4), "--judge", "gpt-4"], "expected hf:MODEL"),
+        ([str(tmp_path / "missing.json"), "--judge", "coin"], "no such file"),
+    ]:
         result = runner.invoke(app, ["eval", "annotators", *args])
         assert result.exit_code == 2 and message in result.output, result.output
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
@@ -244,13 +281,21 @@ def test_cli_baselines_alone(tmp_path):
 def test_leaderboards_state_their_judges_measured_agreement():
     from farmflow.evaluation.leaderboard import judge_quality, leaderboard_markdown
 
-    row = {"method": "sft", "win_rate": 49.3, "standard_error": 0.7, "avg_length": 99, "n": 8,
-           "annotator": "hf judge smollm2-135m-instruct", "reference": "reference outputs of data 1234"}
+    row = {
+        "method": "sft",
+        "win_rate": 49.3,
+        "standard_error": 0.7,
+        "avg_length": 99,
+        "n": 8,
+        "annotator": "hf judge smollm2-135m-instruct",
+        "reference": "reference outputs of data 1234",
+    }
     md = leaderboard_markdown([row])
     assert "Annotator: hf judge smollm2-135m-instruct; reference: reference outputs of data 1234." in md
     assert "The judge agrees with GPT-4 on 54.0% (95% CI 47.1-60.8) of 200 AlpacaEval pairs" in md and "plumbing" in md
     assert judge_quality("hf judge /models/my-judge, noise 0.5") == (
-        "agreement with human or GPT-4 labels not measured: farmflow eval annotators --judge hf:/models/my-judge FILE")
+        "agreement with human or GPT-4 labels not measured: farmflow eval annotators --judge hf:/models/my-judge FILE"
+    )
     assert judge_quality("p_sim_eval") is None and judge_quality("oracle pool (5)") is None
     assert "The judge" not in leaderboard_markdown([row | {"annotator": "p_sim_eval"}])
 

@@ -48,9 +48,15 @@ def free_port() -> int:
 
 def write_pairs(path, n: int) -> list[dict]:
     """`n` pairs; in even ones output_1 sorts after output_2, so the canonical order flips half of them."""
-    pairs = [{"instruction": f"Task {i}: name a colour.", "input": "" if i % 3 else f"context {i}",
-              "output_1": f"{'zeta' if i % 2 == 0 else 'alpha'} answer {i}",
-              "output_2": f"{'alpha' if i % 2 == 0 else 'zeta'} answer {i}"} for i in range(n)]
+    pairs = [
+        {
+            "instruction": f"Task {i}: name a colour.",
+            "input": "" if i % 3 else f"context {i}",
+            "output_1": f"{'zeta' if i % 2 == 0 else 'alpha'} answer {i}",
+            "output_2": f"{'alpha' if i % 2 == 0 else 'zeta'} answer {i}",
+        }
+        for i in range(n)
+    ]
     path.write_text("".join(json.dumps(p) + "\n" for p in pairs))
     return pairs
 
@@ -77,9 +83,27 @@ def test_label_five_pairs_by_keyboard_undo_reload_and_resume(tmp_path):
     store_dir, port = tmp_path / "store", free_port()
     log = tmp_path / "serve.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-c", CLI, "label", "serve", "--pairs", str(tmp_path / "pairs.jsonl"),
-                                 "--labeler", "ann", "--port", str(port), "--store", str(store_dir)],
-                                env=python_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                CLI,
+                "label",
+                "serve",
+                "--pairs",
+                str(tmp_path / "pairs.jsonl"),
+                "--labeler",
+                "ann",
+                "--port",
+                str(port),
+                "--store",
+                str(store_dir),
+            ],
+            env=python_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     url = f"http://127.0.0.1:{port}/"
     try:
         deadline = time.monotonic() + 30
@@ -188,8 +212,23 @@ def test_export_then_import_round_trip(tmp_path, store, fmt):
         ann.label(ann.state()["pair"]["key"], key)
     out = tmp_path / f"ann.{fmt}"
     runner = CliRunner()
-    result = runner.invoke(app, ["label", "export", "--labeler", "ann", "--format", fmt, "-o", str(out),
-                                 "--pairs", str(tmp_path / "p.jsonl"), "--store", str(store.root)])
+    result = runner.invoke(
+        app,
+        [
+            "label",
+            "export",
+            "--labeler",
+            "ann",
+            "--format",
+            fmt,
+            "-o",
+            str(out),
+            "--pairs",
+            str(tmp_path / "p.jsonl"),
+            "--store",
+            str(store.root),
+        ],
+    )
     assert result.exit_code == 0, result.output
     exported = export_rows(store, "ann", pairs)
     assert [r["id"] for r in exported] == [f"p.jsonl:{i}" for i in range(4)]
@@ -205,20 +244,31 @@ def test_export_then_import_round_trip(tmp_path, store, fmt):
 
 
 def test_import_alpacafarm_layout_reads_0_as_a_tie(tmp_path, store):
-    rows = [{"instruction": "Say hi.", "input": "", "output_1": "hi", "output_2": "hello", "preference": p}
-            for p in (1, 2, 0)]
+    rows = [
+        {"instruction": "Say hi.", "input": "", "output_1": "hi", "output_2": "hello", "preference": p}
+        for p in (1, 2, 0)
+    ]
     rows[1]["instruction"], rows[2]["instruction"] = "Say hey.", "Say yo."
     (tmp_path / "human.json").write_text(json.dumps(rows))
     assert import_file(store, tmp_path / "human.json", "crowd") == 3
-    assert [r["preference"] for r in export_rows(store, "crowd", [r | {"id": str(i)} for i, r in enumerate(rows)])] \
-        == [1.0, 2.0, 1.5]
+    assert [r["preference"] for r in export_rows(store, "crowd", [r | {"id": str(i)} for i, r in enumerate(rows)])] == [
+        1.0,
+        2.0,
+        1.5,
+    ]
 
 
-@pytest.mark.parametrize("content, line", [
-    ('{"instruction": "a", "output_1": "x", "output_2": "y", "preference": 1}\n'
-     + '{"instruction": "b", "output_1": "x", "output_2": "y", "preference": 3}\n', "line 2: column 'preference' is 3"),
-    ('{"instruction": "a", "output_1": "x", "preference": 1}\n', "line 1: missing column 'output_2'"),
-])
+@pytest.mark.parametrize(
+    "content, line",
+    [
+        (
+            '{"instruction": "a", "output_1": "x", "output_2": "y", "preference": 1}\n'
+            + '{"instruction": "b", "output_1": "x", "output_2": "y", "preference": 3}\n',
+            "line 2: column 'preference' is 3",
+        ),
+        ('{"instruction": "a", "output_1": "x", "preference": 1}\n', "line 1: missing column 'output_2'"),
+    ],
+)
 def test_a_bad_file_is_one_error_line_naming_file_and_row_and_writes_nothing(tmp_path, store, content, line):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(content)
@@ -230,8 +280,9 @@ def test_a_bad_file_is_one_error_line_naming_file_and_row_and_writes_nothing(tmp
 def test_serve_refuses_a_bad_pairs_file_unknown_pairs_and_bad_labeler_names(tmp_path, store):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"instruction": "a", "output_1": "x", "output_2": "y"}\n{"instruction": "b", "output_1": "x"}\n')
-    result = CliRunner().invoke(app, ["label", "serve", "--pairs", str(bad), "--port", str(free_port()),
-                                      "--store", str(store.root)])
+    result = CliRunner().invoke(
+        app, ["label", "serve", "--pairs", str(bad), "--port", str(free_port()), "--store", str(store.root)]
+    )
     assert result.exit_code == 2 and result.stderr == f"error: {bad}: line 2: missing column 'output_2'\n"
     result = CliRunner().invoke(app, ["label", "serve", "--pairs", "nokey", "--store", str(store.root)])
     assert result.exit_code == 2
@@ -239,11 +290,13 @@ def test_serve_refuses_a_bad_pairs_file_unknown_pairs_and_bad_labeler_names(tmp_
     result = CliRunner().invoke(app, ["label", "export", "--labeler", "a b", "-o", "x.csv", "--store", str(store.root)])
     assert result.exit_code == 2 and "labeler name 'a b'" in result.stderr
     out = tmp_path / "no" / "x.csv"
-    result = CliRunner().invoke(app, ["label", "export", "--labeler", "ann", "-o", str(out),
-                                      "--store", str(store.root)])
+    result = CliRunner().invoke(
+        app, ["label", "export", "--labeler", "ann", "-o", str(out), "--store", str(store.root)]
+    )
     assert result.exit_code == 2 and result.stderr == f"error: {out}: cannot be written (No such file or directory)\n"
-    result = CliRunner().invoke(app, ["label", "import", str(tmp_path / "none.csv"), "--labeler", "ann",
-                                      "--store", str(store.root)])
+    result = CliRunner().invoke(
+        app, ["label", "import", str(tmp_path / "none.csv"), "--labeler", "ann", "--store", str(store.root)]
+    )
     assert result.exit_code == 2 and result.stderr == f"error: {tmp_path / 'none.csv'}: no such file\n"
 
 
@@ -253,12 +306,18 @@ def test_pairs_come_from_a_committed_artifact_by_key_prefix_or_stage_and_key(tmp
     rows = write_pairs(tmp_path / "p.jsonl", 3)
     table = pa.Table.from_pylist([r | {"id": f"pref-{i}", "split": "pref", "task": None} for i, r in enumerate(rows)])
     store.put_table("pairs", "ab12" + "0" * 60, table, "pairs")
-    store.put_table("outputs", "ab34" + "0" * 60, pa.Table.from_pylist(
-        [{"id": "0", "instruction": "x", "input": "", "output": "y", "generator": "g", "task": None, "score": 0.0}]),
-        "outputs")
+    store.put_table(
+        "outputs",
+        "ab34" + "0" * 60,
+        pa.Table.from_pylist(
+            [{"id": "0", "instruction": "x", "input": "", "output": "y", "generator": "g", "task": None, "score": 0.0}]
+        ),
+        "outputs",
+    )
     for key in ("ab12", "pairs/ab"):
-        assert [(p["id"], p["output_1"]) for p in load_pairs(store, key)] == [(f"pref-{i}", r["output_1"])
-                                                                          for i, r in enumerate(rows)]
+        assert [(p["id"], p["output_1"]) for p in load_pairs(store, key)] == [
+            (f"pref-{i}", r["output_1"]) for i, r in enumerate(rows)
+        ]
     with pytest.raises(ValueError, match="'ab': 2 artifacts match"):
         load_pairs(store, "ab")
     with pytest.raises(ValueError, match="holds outputs, not pairs"):
@@ -274,9 +333,11 @@ def test_the_api_answers_bad_requests_with_one_line_and_serves_labelers_by_name(
     client = TestClient(make_app(store, load_pairs(store, str(tmp_path / "p.jsonl")), "ann"))
     assert "<title>farmflow labeling</title>" in client.get("/").text
     key = client.get("/api/state").json()["pair"]["key"]
-    bad = [({"key": key, "label": "x"}, "label 'x': use 1, 2 or t (a tie)"),
-           ({"key": "nokey", "label": "1"}, "no pair with key 'nokey' in this list"),
-           ({"key": key, "label": "1", "labeler": "a b"}, "labeler name 'a b'")]
+    bad = [
+        ({"key": key, "label": "x"}, "label 'x': use 1, 2 or t (a tie)"),
+        ({"key": "nokey", "label": "1"}, "no pair with key 'nokey' in this list"),
+        ({"key": key, "label": "1", "labeler": "a b"}, "labeler name 'a b'"),
+    ]
     for body, error in bad:
         answer = client.post("/api/label", json=body)
         assert answer.status_code == 400 and answer.json()["error"].startswith(error)

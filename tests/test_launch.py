@@ -52,7 +52,9 @@ def test_process_launcher_commits_the_inline_artifact(tmp_path, cfg, caplog, mon
     # the child's progress and summary lines are repeated in the parent's log (in a flow: the run's Prefect logs)
     said = [r.getMessage() for r in caplog.records if r.name == "farmflow"]
     assert said[0] == "sft: running in a child process" and said[-1].startswith("sft: child finished in")
-    assert any(m.startswith("sft: 4/8 steps (50%)") for m in said) and any(m.startswith("sft: 8 steps in") for m in said)
+    assert any(m.startswith("sft: 4/8 steps (50%)") for m in said) and any(
+        m.startswith("sft: 8 steps in") for m in said
+    )
     assert any(m.startswith("sft: 8 steps, loss") for m in said)
     with launching(ExecutionConfig(launcher="process")):
         again = tasks.sft_task.fn(child_uri, cfg.sft, data=data_b, base=base_b)  # a cache hit starts no child
@@ -63,7 +65,10 @@ def test_process_launcher_commits_the_inline_artifact(tmp_path, cfg, caplog, mon
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     rec_a, rec_b = open_store(inline_uri).record(inline), open_store(child_uri).record(child)
     assert rec_a["config"] == rec_b["config"] and rec_a["inputs"] == rec_b["inputs"]
-    assert child.metrics["steps"] == inline.metrics["steps"] == 8 and child.metrics["train_loss_last"] == inline.metrics["train_loss_last"]
+    assert (
+        child.metrics["steps"] == inline.metrics["steps"] == 8
+        and child.metrics["train_loss_last"] == inline.metrics["train_loss_last"]
+    )
     # a table stage: same rows as inline
     pairs_inline = tasks.sample_pairs_task.fn(inline_uri, cfg.pairs, data=data_a, policy=inline)
     assert pairs_child.key == pairs_inline.key and pairs_child.rows == pairs_inline.rows == 144
@@ -102,12 +107,18 @@ def test_command_lines(tmp_path):
     ex = ExecutionConfig(launcher="accelerate", accelerate_config="configs/accelerate/fsdp.yaml", num_processes=4)
     argv = command("sft", spec, ex)
     assert argv[:3] == [sys.executable, "-m", "accelerate.commands.launch"] and argv[-3:] == child
-    assert argv[argv.index("--config_file") + 1] == str(CONFIGS / "fsdp.yaml") and argv[argv.index("--num_processes") + 1] == "4"
+    assert (
+        argv[argv.index("--config_file") + 1] == str(CONFIGS / "fsdp.yaml")
+        and argv[argv.index("--num_processes") + 1] == "4"
+    )
     assert int(argv[argv.index("--main_process_port") + 1]) > 0
     assert command("sample_pairs", spec, ex) == [sys.executable, *child]  # sampling, scoring: one process
     for rl_stage in ("ppo", "quark"):  # PPO and Quark split each rollout between the processes
         assert rl_stage in MULTI_PROCESS_STAGES and command(rl_stage, spec, ex)[:3] == argv[:3]
-    with pytest.raises(StageLaunchError, match="execution.accelerate_config: no file 'missing.yaml'.*deepspeed_zero3, fsdp, multi_gpu, single_gpu"):
+    with pytest.raises(
+        StageLaunchError,
+        match="execution.accelerate_config: no file 'missing.yaml'.*deepspeed_zero3, fsdp, multi_gpu, single_gpu",
+    ):
         command("dpo", spec, ExecutionConfig(launcher="accelerate", accelerate_config="missing.yaml"))
 
 
@@ -133,7 +144,10 @@ def test_launcher_settings_are_not_part_of_stage_keys():
     assert config_key(plain) == config_key(launched)
     assert stage_key_of("sft", plain.sft, {}) == stage_key_of("sft", launched.sft, {})
     seven = load_config("alpacafarm-7b")
-    assert seven.execution.launcher == "accelerate" and find_config(seven.execution.accelerate_config) == CONFIGS / "fsdp.yaml"
+    assert (
+        seven.execution.launcher == "accelerate"
+        and find_config(seven.execution.accelerate_config) == CONFIGS / "fsdp.yaml"
+    )
     assert load_config("synthetic-tiny").execution.launcher == "inline"
 
 
@@ -165,7 +179,9 @@ def test_fsdp_config_is_the_7b_recipe():
     c = fsdp["fsdp_config"]
     assert fsdp["distributed_type"] == "FSDP" and fsdp["mixed_precision"] == "bf16"
     assert c["fsdp_reshard_after_forward"] is True  # FULL_SHARD under FSDP2
-    assert c["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP" and hasattr(modeling_llama, c["fsdp_transformer_layer_cls_to_wrap"])
+    assert c["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP" and hasattr(
+        modeling_llama, c["fsdp_transformer_layer_cls_to_wrap"]
+    )
     assert c["fsdp_state_dict_type"] == "FULL_STATE_DICT"
     ds = yaml.safe_load((CONFIGS / "deepspeed_zero3.yaml").read_text())["deepspeed_config"]
     assert ds["zero_stage"] == 3 and ds["zero3_save_16bit_model"] is True
@@ -176,8 +192,19 @@ def test_fsdp_config_is_the_7b_recipe():
 def test_two_process_ddp_on_cpu_matches_one_process(tmp_path, cfg):
     """accelerate launch, 2 CPU processes (gloo): each takes half of every batch; the result is the one-process run's."""
     ddp = tmp_path / "cpu_ddp.yaml"
-    ddp.write_text(yaml.safe_dump({"compute_environment": "LOCAL_MACHINE", "distributed_type": "MULTI_GPU", "num_machines": 1,
-                                   "num_processes": 2, "machine_rank": 0, "mixed_precision": "no", "use_cpu": False}))
+    ddp.write_text(
+        yaml.safe_dump(
+            {
+                "compute_environment": "LOCAL_MACHINE",
+                "distributed_type": "MULTI_GPU",
+                "num_machines": 1,
+                "num_processes": 2,
+                "machine_rank": 0,
+                "mixed_precision": "no",
+                "use_cpu": False,
+            }
+        )
+    )
     inline_uri, ddp_uri = str(tmp_path / "inline"), str(tmp_path / "ddp")
     data_a, base_a = _upstream(inline_uri, cfg)
     data_b, base_b = _upstream(ddp_uri, cfg)
@@ -209,7 +236,9 @@ def test_the_flows_stage_runner_applies_the_launcher(tmp_path, cfg, prefect_harn
     base = run(tasks.base_model_task, cfg.model, data=data)
     pairs = run(tasks.sample_pairs_task, cfg.pairs, data=data, policy=base)
     assert started == ["sample_pairs"] and pairs.rows == 144
-    assert run(tasks.sample_pairs_task, cfg.pairs, data=data, policy=base).key == pairs.key and started == ["sample_pairs"]
+    assert run(tasks.sample_pairs_task, cfg.pairs, data=data, policy=base).key == pairs.key and started == [
+        "sample_pairs"
+    ]
 
 
 def test_distributed_stage_flow_applies_the_callers_launcher(tmp_path, cfg, prefect_harness, monkeypatch):
@@ -223,7 +252,12 @@ def test_distributed_stage_flow_applies_the_callers_launcher(tmp_path, cfg, pref
     uri = str(tmp_path / "store")
     data = tasks.data_task.fn(uri, cfg.data)
     base = tasks.base_model_task.fn(uri, cfg.model, data)
-    params = dict(stage="sample_pairs", store_uri=uri, config=cfg.pairs.model_dump(mode="json"), inputs={"data": data, "policy": base})
+    params = dict(
+        stage="sample_pairs",
+        store_uri=uri,
+        config=cfg.pairs.model_dump(mode="json"),
+        inputs={"data": data, "policy": base},
+    )
     ref = stage_flow(**params, launcher={"launcher": "process", "accelerate_config": None, "num_processes": None})
     assert started == ["sample_pairs"] and ref["rows"] == 144
     assert stage_flow(**params)["key"] == ref["key"] and started == ["sample_pairs"]  # cached; no launcher = inline
@@ -238,20 +272,33 @@ def test_a_child_stage_commits_its_extra_tables_and_files(tmp_path):
     from farmflow.tasks.launch import OutboxStore, commit_outbox
 
     real, out = open_store(str(tmp_path / "store")), tmp_path / "out"
-    outputs = pa.Table.from_pylist([{"id": "a", "instruction": "i", "input": "", "output": "o", "generator": "g", "task": "", "score": 0.5}],
-                                   schema=SCHEMAS["outputs"])
-    candidates = pa.Table.from_pylist([{"id": "a", "sample": s, "output": f"o{s}", "reward": float(s)} for s in range(3)],
-                                      schema=SCHEMAS["candidates"])
+    outputs = pa.Table.from_pylist(
+        [{"id": "a", "instruction": "i", "input": "", "output": "o", "generator": "g", "task": "", "score": 0.5}],
+        schema=SCHEMAS["outputs"],
+    )
+    candidates = pa.Table.from_pylist(
+        [{"id": "a", "sample": s, "output": f"o{s}", "reward": float(s)} for s in range(3)],
+        schema=SCHEMAS["candidates"],
+    )
     child = OutboxStore(real, out, writer=True)
-    made = child.put_table("best_of_n", "k1", outputs, "outputs", config={"n": 3}, extra_files={"notes.md": b"# hi"},
-                           extra_tables={"candidates.parquet": (candidates, "candidates")})
+    made = child.put_table(
+        "best_of_n",
+        "k1",
+        outputs,
+        "outputs",
+        config={"n": 3},
+        extra_files={"notes.md": b"# hi"},
+        extra_tables={"candidates.parquet": (candidates, "candidates")},
+    )
     assert made.rows == 1 and real.get("best_of_n", "k1") is None  # the child commits nothing itself
     (ref,) = commit_outbox(real, out)
     assert real.read_table(ref).equals(outputs)
     assert real.read_table(ref, "candidates.parquet", "candidates").equals(candidates)
     assert (Path(ref.uri) / "notes.md").read_bytes() == b"# hi"
     with pytest.raises(ValueError, match="candidates"):  # extra tables are validated in the child too
-        child.put_table("best_of_n", "k2", outputs, "outputs", extra_tables={"candidates.parquet": (outputs, "candidates")})
+        child.put_table(
+            "best_of_n", "k2", outputs, "outputs", extra_tables={"candidates.parquet": (outputs, "candidates")}
+        )
 
 
 WATCHED_CHILD = """
@@ -283,7 +330,9 @@ def test_a_launched_child_exits_when_its_flow_process_is_killed_and_its_folder_i
 
     from farmflow.tasks.launch import PARENT_FILE, alive, sweep_orphans
 
-    parent = subprocess.Popen([sys.executable, "-c", PARENT, WATCHED_CHILD], stdout=subprocess.PIPE, text=True, env=python_env())
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT, WATCHED_CHILD], stdout=subprocess.PIPE, text=True, env=python_env()
+    )
     try:
         child = int(parent.stdout.readline())
         assert alive(child)

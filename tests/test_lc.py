@@ -12,7 +12,13 @@ import pytest
 from typer.testing import CliRunner
 
 from farmflow.cli import app
-from farmflow.evaluation.lc import instruction_difficulty, lc_of_rows, length_controlled_winrate, length_feature, run_of_rows
+from farmflow.evaluation.lc import (
+    instruction_difficulty,
+    lc_of_rows,
+    length_controlled_winrate,
+    length_feature,
+    run_of_rows,
+)
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "shared" / "data" / "alpaca_eval_example"
 
@@ -56,7 +62,9 @@ def test_soft_labels_recover_coefficients_almost_exactly():
     d, prefs, _ = synthetic_run(rng, gamma, 0.3, -1.0, 0.7, length_shift=-100.0, soft=True)
     out = length_controlled_winrate(keys, prefs.astype(str).tolist(), d.tolist(), dict(zip(keys, gamma)))
     # only the weak L2 penalty (0.2 on 3000 rows) separates the fit from the truth
-    assert (out["lc_intercept"], out["lc_length_coef"], out["lc_difficulty_coef"]) == pytest.approx((0.3, -1.0, 0.7), abs=0.01)
+    assert (out["lc_intercept"], out["lc_length_coef"], out["lc_difficulty_coef"]) == pytest.approx(
+        (0.3, -1.0, 0.7), abs=0.01
+    )
 
 
 def test_instruction_difficulty_recovered_from_many_runs():
@@ -86,7 +94,9 @@ def test_delta_method_standard_error_matches_the_bootstrap():
     boots = []
     for _ in range(150):
         i = rng.integers(0, n, n)
-        boots.append(length_controlled_winrate([keys[j] for j in i], prefs[i].tolist(), d[i].tolist(), difficulty)["lc_win_rate"])
+        boots.append(
+            length_controlled_winrate([keys[j] for j in i], prefs[i].tolist(), d[i].tolist(), difficulty)["lc_win_rate"]
+        )
     assert se == pytest.approx(np.std(boots, ddof=1), rel=0.25)
 
 
@@ -106,10 +116,18 @@ def test_degenerate_runs():
         length_controlled_winrate(["a"], [None], [0])
 
 
-@pytest.mark.parametrize("annotations, row, ours, se", [
-    ("alpaca-7b_alpaca_eval_gpt4_annotations.json", "alpaca-7b_alpaca_eval_gpt4_leaderboard_row.csv", 25.73, 1.66),
-    ("alpaca-7b_weighted_alpaca_eval_gpt4_turbo_annotations.json", "alpaca-7b_weighted_alpaca_eval_gpt4_turbo_leaderboard_row.csv", 18.24, 3.80),
-])
+@pytest.mark.parametrize(
+    "annotations, row, ours, se",
+    [
+        ("alpaca-7b_alpaca_eval_gpt4_annotations.json", "alpaca-7b_alpaca_eval_gpt4_leaderboard_row.csv", 25.73, 1.66),
+        (
+            "alpaca-7b_weighted_alpaca_eval_gpt4_turbo_annotations.json",
+            "alpaca-7b_weighted_alpaca_eval_gpt4_turbo_leaderboard_row.csv",
+            18.24,
+            3.80,
+        ),
+    ],
+)
 def test_shared_example_lc_without_a_difficulty_table(annotations, row, ours, se):
     """One run and no other: the length term alone (docs/evaluation.md). AlpacaEval 1 lands within 1.5 points of
     the published LC; AlpacaEval 2 (a baseline 4x longer on 97% of instructions) does not without its table."""
@@ -146,22 +164,33 @@ def test_cli_winrate_reports_lc_and_uses_extra_files_for_difficulty(tmp_path):
     files = []
     for m, (theta, shift) in enumerate([(0.5, 200.0), (-0.5, -200.0), (0.0, 0.0)]):
         d, prefs, _ = synthetic_run(rng, gamma, theta, 1.0, -1.0, shift)
-        rows = [{"instruction": f"task {i}", "output_1": "r" * 500, "output_2": "o" * max(0, int(500 + d[i])),
-                 "preference": float(prefs[i])} for i in range(n)]
+        rows = [
+            {
+                "instruction": f"task {i}",
+                "output_1": "r" * 500,
+                "output_2": "o" * max(0, int(500 + d[i])),
+                "preference": float(prefs[i]),
+            }
+            for i in range(n)
+        ]
         files.append(tmp_path / f"m{m}.json")
         files[-1].write_text(json.dumps(rows))
     runner = CliRunner()
     alone = runner.invoke(app, ["eval", "winrate", str(files[0])])
     assert alone.exit_code == 0, alone.output
-    out = json.loads(alone.stdout[alone.stdout.index("{"):])
+    out = json.loads(alone.stdout[alone.stdout.index("{") :])
     assert {"win_rate", "lc_win_rate", "lc_standard_error"} <= set(out) and out["lc_difficulty_runs"] == 0
-    pooled = runner.invoke(app, ["eval", "winrate", str(files[0]), "--difficulty", str(files[1]), "--difficulty", str(files[2])])
+    pooled = runner.invoke(
+        app, ["eval", "winrate", str(files[0]), "--difficulty", str(files[1]), "--difficulty", str(files[2])]
+    )
     assert pooled.exit_code == 0, pooled.output
-    out2 = json.loads(pooled.stdout[pooled.stdout.index("{"):])
+    out2 = json.loads(pooled.stdout[pooled.stdout.index("{") :])
     assert out2["lc_difficulty_runs"] == 2 and out2["win_rate"] == out["win_rate"]
     assert out2["lc_win_rate"] != out["lc_win_rate"]
     # a --difficulty file without references is refused: its length differences would be whole outputs
     bare = tmp_path / "bare.json"
-    bare.write_text(json.dumps([{k: v for k, v in r.items() if k != "output_1"} for r in json.loads(files[1].read_text())]))
+    bare.write_text(
+        json.dumps([{k: v for k, v in r.items() if k != "output_1"} for r in json.loads(files[1].read_text())])
+    )
     refused = runner.invoke(app, ["eval", "winrate", str(files[0]), "--difficulty", str(bare)])
     assert refused.exit_code == 2 and "--difficulty files need 'output_1'" in " ".join(refused.output.split())

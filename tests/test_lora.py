@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_models import CFG, PROMPTS, RESPONSES
 from transformers import AutoModelForCausalLM
 
 from farmflow.config import DPOConfig, LoraConfig, ModelConfig, SFTConfig, load_config
@@ -11,8 +12,6 @@ from farmflow.methods import dpo, sft
 from farmflow.models import build_policy, load_policy, save, train_tokenizer
 from farmflow.models.runtime import Runtime
 from farmflow.tasks.core import key_config
-
-from test_models import CFG, PROMPTS, RESPONSES
 
 pytest.importorskip("peft")
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -89,8 +88,18 @@ def test_lora_dpo_trains_adapters_only(tok):
     model = _policy(tok)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     prefs = [1.0, 2.0] * 4
-    dpo.train_dpo(model, tok, PROMPTS[:8], RESPONSES[:8], [r[::-1] for r in RESPONSES[:8]], prefs, [-20.0] * 8, [-21.0] * 8,
-                  DPOConfig(epochs=1, batch_size=8, lr=1e-2, warmup_ratio=0.0), 128)
+    dpo.train_dpo(
+        model,
+        tok,
+        PROMPTS[:8],
+        RESPONSES[:8],
+        [r[::-1] for r in RESPONSES[:8]],
+        prefs,
+        [-20.0] * 8,
+        [-21.0] * 8,
+        DPOConfig(epochs=1, batch_size=8, lr=1e-2, warmup_ratio=0.0),
+        128,
+    )
     changed = {k for k, v in model.state_dict().items() if not torch.equal(v, before[k])}
     assert changed and all(_adapted(k) for k in changed)
 

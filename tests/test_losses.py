@@ -15,6 +15,7 @@ def log_sigmoid(x: float) -> float:
 
 # ----------------------------------------------------------------------------- Bradley-Terry
 
+
 def test_bradley_terry_hand_computed():
     # r1 = [0, 1], r2 = [1, -1], pref = [2, 1]
     # pair 0: output_2 preferred (target 1), d = r2 - r1 = 1   -> -log σ(1)
@@ -57,8 +58,9 @@ def test_bradley_terry_is_scalar_and_symmetric():
 
 
 def test_bradley_terry_integer_preference_with_float64_rewards():
-    loss = bradley_terry_loss(torch.tensor([0.0], dtype=torch.float64), torch.tensor([1.0], dtype=torch.float64),
-                              torch.tensor([2]))
+    loss = bradley_terry_loss(
+        torch.tensor([0.0], dtype=torch.float64), torch.tensor([1.0], dtype=torch.float64), torch.tensor([2])
+    )
     assert loss.dtype == torch.float64
     assert loss.item() == pytest.approx(-log_sigmoid(1.0), rel=1e-12)
 
@@ -83,6 +85,7 @@ def test_bradley_terry_gradient_sign():
 
 
 # ----------------------------------------------------------------------------- SFT
+
 
 def log_softmax(row: list[float], i: int) -> float:
     return row[i] - math.log(sum(math.exp(x) for x in row))
@@ -147,7 +150,7 @@ def test_heldout_accuracies_split_noised_and_gold():
 
     rows = [
         {"preference": 2.0, "noised": False, "gold_1": 0.0, "gold_2": 1.0},  # right on all three
-        {"preference": 1.0, "noised": True, "gold_1": 0.0, "gold_2": 1.0},   # coin flip says 1; gold says 2
+        {"preference": 1.0, "noised": True, "gold_1": 0.0, "gold_2": 1.0},  # coin flip says 1; gold says 2
         {"preference": 1.0, "noised": False, "gold_1": 0.5, "gold_2": 0.5},  # gold tie: not in gold accuracy
         {"preference": 2.0, "noised": False, "gold_1": 1.0, "gold_2": 0.0},  # annotator disagrees with gold
     ]

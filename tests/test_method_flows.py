@@ -60,7 +60,12 @@ def test_compare_runs_each_method_once_over_shared_upstream(micro_config):
     # DPO's stages, its point on the over-optimization curve, the curve; the leaderboard is always rebuilt
     assert executed == {"dpo": 1, "generate": 1, "evaluate": 1, "proxy_reward": 1, "overoptimization": 1}
     assert {s["stage"] for s in changed["stages"] if not s["cached"]} == {
-        "dpo", "generate dpo", "evaluate dpo", "proxy_reward dpo", "overoptimization"}
+        "dpo",
+        "generate dpo",
+        "evaluate dpo",
+        "proxy_reward dpo",
+        "overoptimization",
+    }
 
     # expert iteration, 2 rounds: round 1 comes from the cache; round 2 samples its candidates with its own seed
     # (a round that reused round 1's seed would redraw round 1's sample streams)

@@ -9,6 +9,8 @@ import textwrap
 
 import pytest
 import torch
+from procs import python_env, run_and_kill_when
+from test_models import CFG, PROMPTS, RESPONSES
 
 from farmflow.config import DPOConfig, RewardConditioningConfig, SFTConfig
 from farmflow.methods import dpo, feedme, reward_conditioning
@@ -16,9 +18,6 @@ from farmflow.methods.sft import train_sft
 from farmflow.models import build_policy, encode_examples, load_policy, save, train_tokenizer
 from farmflow.models.checkpoint import Checkpointer, load_state, save_state
 from farmflow.storage import LocalStore
-
-from procs import python_env, run_and_kill_when
-from test_models import CFG, PROMPTS, RESPONSES
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -35,7 +34,14 @@ def _model(tok, seed=0):
 
 def _rows(prefs):
     return [
-        {"id": f"p{i}", "instruction": f"Say something {i}.", "input": "", "output_1": f"first {i}", "output_2": f"second {i}", "preference": p}
+        {
+            "id": f"p{i}",
+            "instruction": f"Say something {i}.",
+            "input": "",
+            "output_1": f"first {i}",
+            "output_2": f"second {i}",
+            "preference": p,
+        }
         for i, p in enumerate(prefs)
     ]
 
@@ -99,14 +105,18 @@ def test_sequence_logps_sums_response_token_logprobs(tok):
     model = _model(tok).eval()
     prompts, responses = [PROMPTS[0], PROMPTS[1]], [RESPONSES[0], "x"]
     got = dpo.sequence_logps(model, tok, prompts, responses, 128)
-    mean = dpo.sequence_logps(model, tok, prompts, responses, 128, average=True)  # per token (the reward report's baseline)
+    mean = dpo.sequence_logps(
+        model, tok, prompts, responses, 128, average=True
+    )  # per token (the reward report's baseline)
     for i in range(2):
-        ids, mask, labels = encode_examples(tok, prompts[i:i + 1], responses[i:i + 1], 128)
+        ids, mask, labels = encode_examples(tok, prompts[i : i + 1], responses[i : i + 1], 128)
         logp = model(input_ids=ids, attention_mask=mask).logits[0].log_softmax(-1)
         terms = [logp[t - 1, labels[0, t]].item() for t in range(1, ids.shape[1]) if labels[0, t] != -100]
         assert got[i].item() == pytest.approx(sum(terms), abs=1e-4)
         assert mean[i].item() == pytest.approx(sum(terms) / len(terms), abs=1e-5)
-    assert len(tok("x")["input_ids"]) + 1 < len(tok(RESPONSES[0])["input_ids"]) + 1  # the two rows average over different counts
+    assert (
+        len(tok("x")["input_ids"]) + 1 < len(tok(RESPONSES[0])["input_ids"]) + 1
+    )  # the two rows average over different counts
 
 
 def test_dpo_raises_implicit_reward_accuracy_on_its_training_pairs(tok):
@@ -117,8 +127,18 @@ def test_dpo_raises_implicit_reward_accuracy_on_its_training_pairs(tok):
     out_2 = [("no no no " if i % 2 else "yes yes yes ") + RESPONSES[i] for i in range(32)]
     prefs = [1.0 if i % 2 else 2.0 for i in range(32)]  # "yes" always preferred
     ref_1, ref_2 = dpo.reference_logps(model, tok, prompts, out_1, out_2, 128, batch_size=16)
-    metrics = dpo.train_dpo(model, tok, prompts, out_1, out_2, prefs, ref_1, ref_2,
-                            DPOConfig(epochs=6, batch_size=8, lr=3e-3, warmup_ratio=0.0), 128)
+    metrics = dpo.train_dpo(
+        model,
+        tok,
+        prompts,
+        out_1,
+        out_2,
+        prefs,
+        ref_1,
+        ref_2,
+        DPOConfig(epochs=6, batch_size=8, lr=3e-3, warmup_ratio=0.0),
+        128,
+    )
     assert metrics["implicit_reward_accuracy_first"] < 0.75
     assert metrics["implicit_reward_accuracy_last"] == 1.0
     assert metrics["train_loss_first"] == pytest.approx(math.log(2), abs=0.05)  # pi = pi_ref at the start
@@ -141,13 +161,23 @@ def test_training_state_round_trip_restores_model_optimizer_schedule(tok, tmp_pa
     opt.step()
     sched.step()
     gen = torch.Generator().manual_seed(7)
-    save_state(tmp_path, step=1, modules={"m": model}, optimizers={"o": opt}, schedulers={"s": sched}, generators={"g": gen}, extra={"x": [1, 2]})
+    save_state(
+        tmp_path,
+        step=1,
+        modules={"m": model},
+        optimizers={"o": opt},
+        schedulers={"s": sched},
+        generators={"g": gen},
+        extra={"x": [1, 2]},
+    )
     assert not list(tmp_path.glob("*.pt")) and not list(tmp_path.glob("*.pkl"))
 
     other = _model(tok, seed=5)
     opt2, sched2 = optimizer_and_schedule(other, 1e-3, 0.0, 10, 0.1)
     gen2 = torch.Generator().manual_seed(0)
-    step, extra = load_state(tmp_path, modules={"m": other}, optimizers={"o": opt2}, schedulers={"s": sched2}, generators={"g": gen2})
+    step, extra = load_state(
+        tmp_path, modules={"m": other}, optimizers={"o": opt2}, schedulers={"s": sched2}, generators={"g": gen2}
+    )
     assert (step, extra) == (1, {"x": [1, 2]})
     for a, b in zip(model.parameters(), other.parameters()):
         assert torch.equal(a, b)
@@ -205,7 +235,7 @@ def test_a_switched_off_checkpointer_neither_saves_nor_restores(tmp_path):
     assert on.restore(modules={"m": module})[0] == 1
 
 
-RESUME_SCRIPT = textwrap.dedent('''
+RESUME_SCRIPT = textwrap.dedent("""
     import json, sys, torch
     torch.set_num_threads(1)
     from farmflow.config import DPOConfig
@@ -219,7 +249,7 @@ RESUME_SCRIPT = textwrap.dedent('''
     cfg = DPOConfig(epochs=40, batch_size=4, lr=1e-3)
     m = dpo.train_dpo(model, tok, data["prompts"], data["out_1"], data["out_2"], data["prefs"], data["ref_1"], data["ref_2"], cfg, 128, ckpt)
     print(json.dumps(m))
-''')
+""")
 
 
 def test_dpo_resumes_after_sigkill(tok, tmp_path):
@@ -229,14 +259,28 @@ def test_dpo_resumes_after_sigkill(tok, tmp_path):
     save(model, tok, tmp_path / "sft")
     prompts, out_1, out_2 = PROMPTS[:8], RESPONSES[:8], RESPONSES[8:16]
     ref_1, ref_2 = dpo.reference_logps(model, tok, prompts, out_1, out_2, 128)
-    (tmp_path / "data.json").write_text(json.dumps(
-        {"prompts": prompts, "out_1": out_1, "out_2": out_2, "prefs": [1.0, 2.0] * 4, "ref_1": ref_1, "ref_2": ref_2}))
+    (tmp_path / "data.json").write_text(
+        json.dumps(
+            {
+                "prompts": prompts,
+                "out_1": out_1,
+                "out_2": out_2,
+                "prefs": [1.0, 2.0] * 4,
+                "ref_1": ref_1,
+                "ref_2": ref_2,
+            }
+        )
+    )
     args = [RESUME_SCRIPT, str(tmp_path / "store"), str(tmp_path / "sft"), str(tmp_path / "data.json")]
     store = LocalStore(tmp_path / "store")
-    run_and_kill_when(args, lambda: (store.latest_checkpoint("dpo", "resume-test") or (0,))[0] >= 5, "DPO's 5th checkpoint")
+    run_and_kill_when(
+        args, lambda: (store.latest_checkpoint("dpo", "resume-test") or (0,))[0] >= 5, "DPO's 5th checkpoint"
+    )
     killed_at = store.latest_checkpoint("dpo", "resume-test")[0]
     assert 5 <= killed_at < 80
-    out = subprocess.run([sys.executable, "-c", *args], env=python_env(), capture_output=True, text=True, timeout=300, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", *args], env=python_env(), capture_output=True, text=True, timeout=300, check=True
+    )
     metrics = json.loads(out.stdout.strip().splitlines()[-1])
     assert metrics["steps"] == 80  # 40 epochs x 2 batches: the same count as an uninterrupted run
     assert metrics["resumed_from_step"] >= killed_at

@@ -19,13 +19,21 @@ from typer.testing import CliRunner
 from farmflow.cli import app
 from farmflow.config import ModelConfig
 from farmflow.modelcache import (
-    RECORD, ModelUnavailable, check_available, folder_digest, list_models, model_files_key, resolve_model,
+    RECORD,
+    ModelUnavailable,
+    check_available,
+    folder_digest,
+    list_models,
+    model_files_key,
+    resolve_model,
 )
 from farmflow.models import load_pretrained, train_tokenizer
 
 HIDDEN, FFN, HEADS, KV_HEADS = 32, 64, 4, 2
-CHAT = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
-        "{% if add_generation_prompt %}<s>assistant: {% endif %}")
+CHAT = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant: {% endif %}"
+)
 TEXTS = ["the cat sat on the mat", "hello world, how are you?", "What is the capital of France? Paris."] * 20
 
 
@@ -61,15 +69,25 @@ def write_tiny_gguf(path: Path) -> int:
     w.add_pad_token_id(tok.pad_token_id)
     w.add_chat_template(CHAT)
     rng = np.random.default_rng(0)
-    shapes = {"output_norm.weight": (HIDDEN,), "output.weight": (vocab, HIDDEN),
-              "blk.0.attn_norm.weight": (HIDDEN,), "blk.0.ffn_norm.weight": (HIDDEN,),
-              "blk.0.attn_q.weight": (HIDDEN, HIDDEN), "blk.0.attn_k.weight": (kv_dim, HIDDEN),
-              "blk.0.attn_v.weight": (kv_dim, HIDDEN), "blk.0.attn_output.weight": (HIDDEN, HIDDEN),
-              "blk.0.ffn_gate.weight": (FFN, HIDDEN), "blk.0.ffn_up.weight": (FFN, HIDDEN),
-              "blk.0.ffn_down.weight": (HIDDEN, FFN)}
+    shapes = {
+        "output_norm.weight": (HIDDEN,),
+        "output.weight": (vocab, HIDDEN),
+        "blk.0.attn_norm.weight": (HIDDEN,),
+        "blk.0.ffn_norm.weight": (HIDDEN,),
+        "blk.0.attn_q.weight": (HIDDEN, HIDDEN),
+        "blk.0.attn_k.weight": (kv_dim, HIDDEN),
+        "blk.0.attn_v.weight": (kv_dim, HIDDEN),
+        "blk.0.attn_output.weight": (HIDDEN, HIDDEN),
+        "blk.0.ffn_gate.weight": (FFN, HIDDEN),
+        "blk.0.ffn_up.weight": (FFN, HIDDEN),
+        "blk.0.ffn_down.weight": (HIDDEN, FFN),
+    }
     embedding = (rng.standard_normal((vocab, HIDDEN)) * 0.2).astype(np.float32)
-    w.add_tensor("token_embd.weight", gguf.quants.quantize(embedding, gguf.GGMLQuantizationType.Q8_0),
-                 raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    w.add_tensor(
+        "token_embd.weight",
+        gguf.quants.quantize(embedding, gguf.GGMLQuantizationType.Q8_0),
+        raw_dtype=gguf.GGMLQuantizationType.Q8_0,
+    )
     for name, shape in shapes.items():
         weights = np.ones(shape) if len(shape) == 1 else rng.standard_normal(shape) * 0.2  # norms: ones
         w.add_tensor(name, weights.astype(np.float32))
@@ -117,8 +135,10 @@ def test_import_gguf_is_a_plain_checkpoint_with_the_gguf_logits(cache, tiny_gguf
     assert torch.equal(plain(ids).logits, direct(ids).logits)
     greedy = dict(max_new_tokens=6, do_sample=False)
     assert torch.equal(plain.generate(ids, **greedy), direct.generate(ids, **greedy))
-    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False) == \
-        "<s>user: hi</s><s>assistant: "
+    assert (
+        tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+        == "<s>user: hi</s><s>assistant: "
+    )
     generation = GenerationConfig.from_pretrained(str(folder))
     assert (generation.do_sample, generation.temperature, generation.top_p) == (True, 1.0, 1.0)
     assert generation.eos_token_id == tok.eos_token_id
@@ -230,7 +250,7 @@ def test_smollm2_from_its_wheel_answers_through_its_chat_template(smollm2):
     prompt = tok.apply_chat_template(question, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     assert tok.decode(prompt["input_ids"][0]).endswith("<|im_start|>assistant\n")  # SmolLM2's ChatML template
     out = model.generate(**prompt, max_new_tokens=20, do_sample=False)
-    answer = tok.decode(out[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True)
+    answer = tok.decode(out[0, prompt["input_ids"].shape[1] :], skip_special_tokens=True)
     assert "Paris" in answer, answer
     assert GenerationConfig.from_pretrained(str(folder)).do_sample is True
     record = json.loads((folder / RECORD).read_text())

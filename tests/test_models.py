@@ -10,8 +10,25 @@ from farmflow.config import ModelConfig
 from farmflow.data.prompts import format_prompt
 from farmflow.data.synthetic import correct_output, sample_task
 from farmflow.models import (
-    BOS, EOS, IGNORE, PAD, batch_order, build_policy, encode_examples, load_policy, optimizer_and_schedule, reward_from_policy,
-    pack_examples, sample, sample_ids, sample_seed, sample_uniforms, save, score, tokenize_examples, train_tokenizer,
+    BOS,
+    EOS,
+    IGNORE,
+    PAD,
+    batch_order,
+    build_policy,
+    encode_examples,
+    load_policy,
+    optimizer_and_schedule,
+    pack_examples,
+    reward_from_policy,
+    sample,
+    sample_ids,
+    sample_seed,
+    sample_uniforms,
+    save,
+    score,
+    tokenize_examples,
+    train_tokenizer,
 )
 
 FAMILIES = ("arithmetic", "sort", "reverse", "list_items", "max_number")
@@ -36,7 +53,9 @@ def plain_sft(model, tok, cfg, n: int, device: str = "cpu") -> list[float]:
     opt, sched = optimizer_and_schedule(model, cfg.lr, cfg.weight_decay, steps, cfg.warmup_ratio)
     losses = []
     for idx in batch_order(n, cfg.batch_size, steps, cfg.seed):
-        ids, mask, labels = (t.to(device) for t in encode_examples(tok, [PROMPTS[i] for i in idx], [RESPONSES[i] for i in idx], 128))
+        ids, mask, labels = (
+            t.to(device) for t in encode_examples(tok, [PROMPTS[i] for i in idx], [RESPONSES[i] for i in idx], 128)
+        )
         loss = sft_loss(model(input_ids=ids, attention_mask=mask).logits, labels)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -99,6 +118,7 @@ def greedy_by_hand(model, tok, prompt, max_new_tokens=MAX_NEW):
 
 # ----------------------------------------------------------------------------- tokenizer
 
+
 def test_tokenizer_round_trip(tok):
     prompt = format_prompt("Sort the following numbers in ascending order.", "12, 85, 3")
     ids = tok(prompt, add_special_tokens=False)["input_ids"]
@@ -127,6 +147,7 @@ def test_tokenizer_is_deterministic(tok):
 
 
 # ----------------------------------------------------------------------------- encoding
+
 
 def test_encode_examples_masks_prompt_and_padding(tok):
     prompts, responses = ["What is 2 + 2?", "List 3 colors."], ["4", "red, blue, green"]
@@ -182,6 +203,7 @@ def test_encode_examples_truncates_the_response_end(tok):
 
 # ----------------------------------------------------------------------------- sampling
 
+
 def test_sample_shape_and_determinism(policy, tok):
     prompts = SAMPLE_PROMPTS[:3]
     out = sample(policy, tok, prompts, n=3, temperature=1.0, max_new_tokens=8, seed=0)
@@ -202,7 +224,10 @@ def test_samples_nest_across_n_and_ignore_batching(policy, tok):
     four = sample_ids(policy, tok, SAMPLE_PROMPTS, n=4, temperature=1.0, max_new_tokens=MAX_NEW, batch_size=64, seed=11)
     two = sample_ids(policy, tok, SAMPLE_PROMPTS, n=2, temperature=1.0, max_new_tokens=MAX_NEW, batch_size=2, seed=11)
     assert [per[:2] for per in four] == two
-    assert sample_ids(policy, tok, SAMPLE_PROMPTS, n=4, temperature=1.0, max_new_tokens=MAX_NEW, batch_size=1, seed=11) == four
+    assert (
+        sample_ids(policy, tok, SAMPLE_PROMPTS, n=4, temperature=1.0, max_new_tokens=MAX_NEW, batch_size=1, seed=11)
+        == four
+    )
     assert len({tuple(s) for per in four for s in per}) > len(SAMPLE_PROMPTS)  # the candidates of a prompt do differ
     # a prompt's samples depend on its index in the call, not on its neighbours
     alone = sample_ids(policy, tok, SAMPLE_PROMPTS[:1], n=4, temperature=1.0, max_new_tokens=MAX_NEW, seed=11)
@@ -257,7 +282,9 @@ def test_greedy_reference_is_well_conditioned(policy, tok):
 @pytest.mark.parametrize("batch_size", [64, 4, 1])
 def test_kv_cache_sampling_matches_full_forward_greedy(policy, tok, batch_size):
     expected = [greedy_by_hand(policy, tok, p)[0] for p in SAMPLE_PROMPTS]
-    batched = sample(policy, tok, SAMPLE_PROMPTS, temperature=1e-4, max_new_tokens=MAX_NEW, batch_size=batch_size, seed=3)
+    batched = sample(
+        policy, tok, SAMPLE_PROMPTS, temperature=1e-4, max_new_tokens=MAX_NEW, batch_size=batch_size, seed=3
+    )
     assert [o[0] for o in batched] == expected
     alone = [sample(policy, tok, [p], temperature=1e-4, max_new_tokens=MAX_NEW, seed=5)[0][0] for p in SAMPLE_PROMPTS]
     assert alone == expected
@@ -274,16 +301,28 @@ def _sample_without_dropping_rows(model, tok, prompts, n, temperature, max_new_t
     out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
     cache, logits = out.past_key_values, out.logits[:, -1]
     cache.batch_repeat_interleave(n)
-    mask, logits, nxt_pos = mask.repeat_interleave(n, 0), logits.repeat_interleave(n, 0), pos[:, -1].repeat_interleave(n, 0) + 1
+    mask, logits, nxt_pos = (
+        mask.repeat_interleave(n, 0),
+        logits.repeat_interleave(n, 0),
+        pos[:, -1].repeat_interleave(n, 0) + 1,
+    )
     done, tokens = torch.zeros(len(mask), dtype=torch.bool), []
     for step in range(max_new_tokens):
-        nxt = torch.where(done, torch.full((len(mask),), tok.pad_token_id), sample_next(logits, temperature, 1.0, uniforms[:, step]))
+        nxt = torch.where(
+            done, torch.full((len(mask),), tok.pad_token_id), sample_next(logits, temperature, 1.0, uniforms[:, step])
+        )
         tokens.append(nxt)
         done |= nxt == tok.eos_token_id
         if bool(done.all()):
             break
         mask = torch.cat([mask, torch.ones(len(mask), 1, dtype=mask.dtype)], dim=1)
-        out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=nxt_pos[:, None], past_key_values=cache, use_cache=True)
+        out = model(
+            input_ids=nxt[:, None],
+            attention_mask=mask,
+            position_ids=nxt_pos[:, None],
+            past_key_values=cache,
+            use_cache=True,
+        )
         cache, logits, nxt_pos = out.past_key_values, out.logits[:, -1], nxt_pos + 1
     rows = torch.stack(tokens, 1).tolist()
     result = [[] for _ in prompts]
@@ -299,7 +338,10 @@ def test_dropping_finished_rows_keeps_every_sample(policy, tok):
     expected = _sample_without_dropping_rows(policy, tok, SAMPLE_PROMPTS, 4, 1.0, MAX_NEW, seed=7)
     lengths = [len(s) for per in expected for s in per]
     assert min(lengths) < MAX_NEW // 2 and max(lengths) == MAX_NEW  # rows do finish early, others run to the end
-    assert sample_ids(policy, tok, SAMPLE_PROMPTS, n=4, temperature=1.0, max_new_tokens=MAX_NEW, batch_size=64, seed=7) == expected
+    assert (
+        sample_ids(policy, tok, SAMPLE_PROMPTS, n=4, temperature=1.0, max_new_tokens=MAX_NEW, batch_size=64, seed=7)
+        == expected
+    )
 
 
 def test_kv_cache_repeat_for_n_samples(policy, tok):
@@ -315,6 +357,7 @@ def test_tiny_top_p_is_greedy_at_temperature_one(policy, tok):
 
 
 # ----------------------------------------------------------------------------- reward scores
+
 
 @pytest.fixture(scope="module")
 def reward_model(policy, tok, tmp_path_factory):
@@ -362,6 +405,7 @@ def test_score_reads_the_last_non_pad_token(tok, reward_model):
 
 # ----------------------------------------------------------------------------- schedule
 
+
 def test_optimizer_and_schedule_warmup_then_cosine():
     model = torch.nn.Linear(2, 1)
     lr, total = 0.1, 20
@@ -385,7 +429,9 @@ def test_optimizer_and_schedule_warmup_then_cosine():
 
 
 def test_schedule_without_warmup_starts_at_peak():
-    opt, sched = optimizer_and_schedule(torch.nn.Linear(2, 1), lr=1.0, weight_decay=0.0, total_steps=10, warmup_ratio=0.0)
+    opt, sched = optimizer_and_schedule(
+        torch.nn.Linear(2, 1), lr=1.0, weight_decay=0.0, total_steps=10, warmup_ratio=0.0
+    )
     assert opt.param_groups[0]["lr"] == pytest.approx(1.0)
 
 
@@ -418,11 +464,16 @@ def test_sft_loss_on_the_response_window_equals_the_full_loss(policy, tok):
     from farmflow.methods.sft import sft_loss
     from farmflow.models import response_window
 
-    ids, mask, labels = encode_examples(tok, SAMPLE_PROMPTS, ["four", "a much longer answer than the others", "ok", "7", "4", "x y"], 64)
+    ids, mask, labels = encode_examples(
+        tok, SAMPLE_PROMPTS, ["four", "a much longer answer than the others", "ok", "7", "4", "x y"], 64
+    )
     full = sft_loss(policy(input_ids=ids, attention_mask=mask).logits, labels)
     l_ids, l_mask, l_labels, pos, keep = response_window(ids, mask, labels)
     assert keep < ids.shape[1] // 2 + 2  # most prompt positions need no logits
-    window = sft_loss(policy(input_ids=l_ids, attention_mask=l_mask, position_ids=pos, logits_to_keep=keep).logits, l_labels[:, -keep:])
+    window = sft_loss(
+        policy(input_ids=l_ids, attention_mask=l_mask, position_ids=pos, logits_to_keep=keep).logits,
+        l_labels[:, -keep:],
+    )
     assert window.item() == pytest.approx(full.item(), rel=1e-5)
 
 
@@ -444,9 +495,15 @@ def test_dpo_and_ppo_log_probs_on_the_response_window_equal_full_logits(policy, 
     prompt = torch.tensor([[0, 0, 1, 5, 6], [1, 7, 8, 9, 10]])
     tokens = torch.tensor([[11, 12, 2], [13, 2, 0]])
     attention = torch.cat([(prompt != 0).long(), torch.tensor([[1, 1, 1], [1, 1, 0]])], 1)
-    batch = {"input_ids": torch.cat([prompt, tokens], 1), "attention_mask": attention,
-             "position_ids": (attention.cumsum(-1) - 1).clamp(min=0), "tokens": tokens}
-    everything = policy(input_ids=batch["input_ids"], attention_mask=attention, position_ids=batch["position_ids"]).logits
+    batch = {
+        "input_ids": torch.cat([prompt, tokens], 1),
+        "attention_mask": attention,
+        "position_ids": (attention.cumsum(-1) - 1).clamp(min=0),
+        "tokens": tokens,
+    }
+    everything = policy(
+        input_ids=batch["input_ids"], attention_mask=attention, position_ids=batch["position_ids"]
+    ).logits
     assert torch.allclose(response_logits(policy, batch, 0.7), everything[:, 4:7].float() / 0.7, atol=1e-5)
 
 

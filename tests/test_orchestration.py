@@ -20,7 +20,14 @@ from typer.testing import CliRunner
 from farmflow import tasks
 from farmflow.annotators import AnnotationIncomplete
 from farmflow.annotators.api import AnnotationError
-from farmflow.config import AnnotatorConfig, ApiAnnotatorConfig, CheckpointConfig, ExecutionConfig, SFTConfig, load_config
+from farmflow.config import (
+    AnnotatorConfig,
+    ApiAnnotatorConfig,
+    CheckpointConfig,
+    ExecutionConfig,
+    SFTConfig,
+    load_config,
+)
 from farmflow.flows import StageRunner, compare_flow, retry_options, transient
 from farmflow.flows.distributed import stage_flow, stage_key_of, stage_tasks
 from farmflow.storage import ArtifactRef, LocalStore, StoreError
@@ -34,8 +41,21 @@ def test_distributed_sends_model_stages_to_the_gpu_pool_and_keeps_the_rest(tmp_p
     local = StageRunner(str(tmp_path), ExecutionConfig())
     assert not any(local.remote(s) for s in ("sft", "generate", "dpo", "annotate", "evaluate"))
     dist = StageRunner(str(tmp_path), ExecutionConfig(mode="distributed"))
-    for stage in ("sft", "sample_pairs", "train_reward", "generate", "best_of_n", "reference_logps", "proxy_reward",
-                  "feedme", "reward_conditioning", "dpo", "expert_iteration", "ppo", "quark"):
+    for stage in (
+        "sft",
+        "sample_pairs",
+        "train_reward",
+        "generate",
+        "best_of_n",
+        "reference_logps",
+        "proxy_reward",
+        "feedme",
+        "reward_conditioning",
+        "dpo",
+        "expert_iteration",
+        "ppo",
+        "quark",
+    ):
         assert dist.remote(stage), stage
     for stage in ("data", "base_model", "annotate", "evaluate", "overoptimization"):
         assert not dist.remote(stage), stage
@@ -55,10 +75,22 @@ def test_retries_with_backoff_only_where_the_network_is():
     assert retry_options("sft", SFTConfig(), "/data/store", ex) == {}
     assert retry_options("annotate", api, "/data/store", ExecutionConfig(retries=0)) == {}
     # what is worth a retry
-    assert transient(AnnotationIncomplete("annotation incomplete: 3 of 10 pairs failed (http_500: 3). Everything judged is in the row cache"))
-    assert not transient(AnnotationIncomplete("annotation incomplete: max_cost_usd=$1 reached after $1.01: 4 pairs not sent"))
-    assert transient(StoreError("s3://farm: endpoint unreachable")) and transient(ConnectionResetError()) and transient(TimeoutError())
-    assert not transient(AnnotationError("HTTP 401")) and not transient(ValueError("bad config")) and not transient(None)
+    assert transient(
+        AnnotationIncomplete(
+            "annotation incomplete: 3 of 10 pairs failed (http_500: 3). Everything judged is in the row cache"
+        )
+    )
+    assert not transient(
+        AnnotationIncomplete("annotation incomplete: max_cost_usd=$1 reached after $1.01: 4 pairs not sent")
+    )
+    assert (
+        transient(StoreError("s3://farm: endpoint unreachable"))
+        and transient(ConnectionResetError())
+        and transient(TimeoutError())
+    )
+    assert (
+        not transient(AnnotationError("HTTP 401")) and not transient(ValueError("bad config")) and not transient(None)
+    )
 
 
 # ------------------------------------------------------------- the GPU stage flow
@@ -69,24 +101,44 @@ def test_stage_flow_rebuilds_typed_configs_from_json_under_the_callers_key(micro
     data = stage_flow(stage="data", store_uri=store, config=to_jsonable_python(micro_config.data))
     assert data["key"] == stage_key_of("data", micro_config.data, {})
     data_ref = ArtifactRef.model_validate(data)
-    base = ArtifactRef.model_validate(stage_flow(stage="base_model", store_uri=store, config=to_jsonable_python(micro_config.model),
-                                                 inputs={"data": data}))
+    base = ArtifactRef.model_validate(
+        stage_flow(
+            stage="base_model", store_uri=store, config=to_jsonable_python(micro_config.model), inputs={"data": data}
+        )
+    )
     assert base.key == stage_key_of("base_model", micro_config.model, {"data": data_ref})
     # a dict config holding a pydantic section, and an option that is not part of the key
     config = {"sample": micro_config.generation, "generator": "untrained", "control": ""}
-    out = stage_flow(stage="generate", store_uri=store, config=to_jsonable_python(config), inputs={"data": data, "policy": base},
-                     label="generate untrained")
-    assert out["key"] == stage_key_of("generate", config, {"data": data_ref, "policy": base}) and out["rows"] == micro_config.data.eval_size
+    out = stage_flow(
+        stage="generate",
+        store_uri=store,
+        config=to_jsonable_python(config),
+        inputs={"data": data, "policy": base},
+        label="generate untrained",
+    )
+    assert (
+        out["key"] == stage_key_of("generate", config, {"data": data_ref, "policy": base})
+        and out["rows"] == micro_config.data.eval_size
+    )
     # an option that is not part of the key, typed again (CheckpointConfig)
     checkpoints = CheckpointConfig(every_steps=2, every_seconds=0)
-    sft = stage_flow(stage="sft", store_uri=store, config=to_jsonable_python(micro_config.sft), inputs={"data": data, "base": base},
-                     options={"checkpoints": to_jsonable_python(checkpoints)})
-    assert sft["key"] == stage_key_of("sft", micro_config.sft, {"data": data_ref, "base": base, "checkpoints": checkpoints})
+    sft = stage_flow(
+        stage="sft",
+        store_uri=store,
+        config=to_jsonable_python(micro_config.sft),
+        inputs={"data": data, "base": base},
+        options={"checkpoints": to_jsonable_python(checkpoints)},
+    )
+    assert sft["key"] == stage_key_of(
+        "sft", micro_config.sft, {"data": data_ref, "base": base, "checkpoints": checkpoints}
+    )
     assert sft["kind"] == "model" and LocalStore(store).get("sft", sft["key"]) is not None
     with pytest.raises(ValueError, match="unknown stage 'nope'"):
         stage_flow.fn(stage="nope", store_uri=store)
     with pytest.raises(ValueError, match=r"stage 'generate' takes no option\(s\) \['checkpoints'\]"):
-        stage_flow.fn(stage="generate", store_uri=store, config=to_jsonable_python(config), options={"checkpoints": None})
+        stage_flow.fn(
+            stage="generate", store_uri=store, config=to_jsonable_python(config), options={"checkpoints": None}
+        )
 
 
 @pytest.mark.usefixtures("prefect_harness")
@@ -94,16 +146,38 @@ def test_distributed_without_the_stage_deployment_is_a_clear_error(tmp_path):
     from farmflow.flows.distributed import StageRunError
     from farmflow.tasks import sft_task
 
-    fake = ArtifactRef(uri="", stage="data", key="k" * 32, kind="table", format="instructions", rows=1, created="2026-01-01T00:00:00+00:00")
-    runner = StageRunner(str(tmp_path), ExecutionConfig(mode="distributed", stage_deployment="stage/not-deployed"), "synthetic-micro")
-    with pytest.raises(StageRunError, match=r"stage sft: deployment 'stage/not-deployed' is not registered.*farmflow deploy"):
+    fake = ArtifactRef(
+        uri="",
+        stage="data",
+        key="k" * 32,
+        kind="table",
+        format="instructions",
+        rows=1,
+        created="2026-01-01T00:00:00+00:00",
+    )
+    runner = StageRunner(
+        str(tmp_path), ExecutionConfig(mode="distributed", stage_deployment="stage/not-deployed"), "synthetic-micro"
+    )
+    with pytest.raises(
+        StageRunError, match=r"stage sft: deployment 'stage/not-deployed' is not registered.*farmflow deploy"
+    ):
         runner(sft_task, SFTConfig(), data=fake, base=fake)
 
 
 # ------------------------------------------------------------------ retries, resume
 def _pairs(store: LocalStore, n: int) -> ArtifactRef:
-    rows = [{"id": f"p{i}", "split": "pref", "instruction": f"Name a color, question {i}.", "input": "", "output_1": "Blue.",
-             "output_2": "Red, a warm color.", "task": None} for i in range(n)]
+    rows = [
+        {
+            "id": f"p{i}",
+            "split": "pref",
+            "instruction": f"Name a color, question {i}.",
+            "input": "",
+            "output_1": "Blue.",
+            "output_2": "Red, a warm color.",
+            "task": None,
+        }
+        for i in range(n)
+    ]
     return store.put_table("sample_pairs", "hand-made", pa.Table.from_pylist(rows, schema=SCHEMAS["pairs"]), "pairs")
 
 
@@ -121,7 +195,10 @@ def test_api_annotation_is_retried_with_backoff_and_resumes_from_the_row_cache(t
     pairs = _pairs(store, 12)
     server = JudgeServer(JudgeConfig(fault_rate=1.0, faults=["500"]))
     with server as url:
-        def recover() -> None:  # once the first attempt's 3 requests (12 pairs, 4 per request) failed, the endpoint heals
+
+        def recover() -> (
+            None
+        ):  # once the first attempt's 3 requests (12 pairs, 4 per request) failed, the endpoint heals
             deadline = time.monotonic() + 60
             while server.state.stats["status_500"] < 3 and time.monotonic() < deadline:
                 time.sleep(0.01)
@@ -129,11 +206,18 @@ def test_api_annotation_is_retried_with_backoff_and_resumes_from_the_row_cache(t
 
         watcher = threading.Thread(target=recover, daemon=True)
         watcher.start()
-        cfg = AnnotatorConfig(kind="api", api_pool=[ApiAnnotatorConfig(name="judge", model="m", batch_size=4)], base_url=url, max_retries=0)
+        cfg = AnnotatorConfig(
+            kind="api",
+            api_pool=[ApiAnnotatorConfig(name="judge", model="m", batch_size=4)],
+            base_url=url,
+            max_retries=0,
+        )
 
         @flow(name="annotate-with-retries")
         def annotate_flow() -> ArtifactRef:
-            return StageRunner(str(store.root), ExecutionConfig(retries=2, retry_delay_s=1.0))(annotate_task, cfg, pairs=pairs)
+            return StageRunner(str(store.root), ExecutionConfig(retries=2, retry_delay_s=1.0))(
+                annotate_task, cfg, pairs=pairs
+            )
 
         tasks.EXECUTED.clear()
         started = time.perf_counter()
@@ -146,8 +230,12 @@ def test_api_annotation_is_retried_with_backoff_and_resumes_from_the_row_cache(t
     assert stats["status_500"] == 3 and stats["status_200"] == 3  # the retry asked only what had failed
     assert tasks.EXECUTED["annotate"] == 2 and seconds >= 1.0  # two attempts, the backoff delay in between
     with get_client(sync_client=True) as client:
-        (run,) = client.read_task_runs(task_run_filter=TaskRunFilter(
-            name=TaskRunFilterName(any_=["annotate"]), flow_run_id=TaskRunFilterFlowRunId(any_=[state.state_details.flow_run_id])))
+        (run,) = client.read_task_runs(
+            task_run_filter=TaskRunFilter(
+                name=TaskRunFilterName(any_=["annotate"]),
+                flow_run_id=TaskRunFilterFlowRunId(any_=[state.state_details.flow_run_id]),
+            )
+        )
     assert run.run_count == 2 and run.state.is_completed()
 
 
@@ -171,7 +259,14 @@ def test_failed_stage_resumes_from_cached_inputs_then_history_accumulates(micro_
     blocker.unlink()  # the fault is gone: the rerun starts at the reward model
     tasks.EXECUTED.clear()
     first = compare_flow(advanced=micro_config, methods=["best_of_n"], history=True)
-    assert dict(tasks.EXECUTED) == {"train_reward": 1, "generate": 2, "best_of_n": 1, "evaluate": 3, "proxy_reward": 2, "overoptimization": 1}
+    assert dict(tasks.EXECUTED) == {
+        "train_reward": 1,
+        "generate": 2,
+        "best_of_n": 1,
+        "evaluate": 3,
+        "proxy_reward": 2,
+        "overoptimization": 1,
+    }
     stages = {s["stage"]: s for s in first["stages"]}
     assert all(stages[s]["cached"] for s in ("data", "base_model", "sft", "sample_pairs", "annotate"))
     assert stages["evaluate best_of_4"]["rows"] == micro_config.data.eval_size and stages["sft"]["rows"] is None
@@ -186,11 +281,17 @@ def test_failed_stage_resumes_from_cached_inputs_then_history_accumulates(micro_
 
     # the history: two recorded runs (the failed one recorded nothing), queryable with DuckDB
     con = connect(LocalStore(root))
-    runs = con.sql("SELECT flow_run_id, count(*), any_value(preset) FROM leaderboard_history GROUP BY flow_run_id").fetchall()
+    runs = con.sql(
+        "SELECT flow_run_id, count(*), any_value(preset) FROM leaderboard_history GROUP BY flow_run_id"
+    ).fetchall()
     assert len(runs) == 2 and all(n == 3 and preset == "synthetic-micro" for _, n, preset in runs)
-    trend = con.sql("SELECT method, count(*), min(win_rate) = max(win_rate) FROM leaderboard_history GROUP BY method ORDER BY method").fetchall()
+    trend = con.sql(
+        "SELECT method, count(*), min(win_rate) = max(win_rate) FROM leaderboard_history GROUP BY method ORDER BY method"
+    ).fetchall()
     assert trend == [("best_of_4", 2, True), ("sft", 2, True), ("untrained", 2, True)]
-    out = CliRunner().invoke(app, ["sql", "SELECT count(*) AS n FROM leaderboard_history", "--store", str(root), "--format", "json"])
+    out = CliRunner().invoke(
+        app, ["sql", "SELECT count(*) AS n FROM leaderboard_history", "--store", str(root), "--format", "json"]
+    )
     assert out.exit_code == 0 and '"n": 6' in out.output
 
     # clear run names, Prefect artifacts, one log line per stage (rows, seconds, cache hit) without per-row spam
@@ -236,7 +337,9 @@ def test_stage_timings_separate_waiting_for_another_model_stage(tmp_path):
     from farmflow.tasks import base_model_task, data_task
 
     cfg = load_config("synthetic-micro", [f"store.uri={tmp_path / 'store'}"])
-    runner = StageRunner(cfg.store.uri, ExecutionConfig(gpu_stages=["base_model"]))  # a model stage that builds in a blink
+    runner = StageRunner(
+        cfg.store.uri, ExecutionConfig(gpu_stages=["base_model"])
+    )  # a model stage that builds in a blink
     held = threading.Event()
 
     def other_model_stage() -> None:  # another method's model stage, busy for 1 s
@@ -269,7 +372,12 @@ def test_a_full_config_from_the_ui_still_gets_the_deployments_overrides_and_oper
     assert (cfg.name, cfg.best_of_n.n, cfg.dpo.beta, cfg.store.uri) == ("synthetic-micro", 3, 0.2, "/data/farm")
     assert run_config(None, ui) is ui
     base = load_config("synthetic-micro")
-    for memory_only in (["generation.batch_size=7"], ["sft.micro_batch_size=2"], ["annotation.max_in_flight=3"], ["pairs.backend=vllm"]):
+    for memory_only in (
+        ["generation.batch_size=7"],
+        ["sft.micro_batch_size=2"],
+        ["annotation.max_in_flight=3"],
+        ["pairs.backend=vllm"],
+    ):
         assert config_key(load_config("synthetic-micro", memory_only)) == config_key(base), memory_only
     assert config_key(load_config("synthetic-micro", ["dpo.beta=0.2"])) != config_key(base)
 
@@ -303,8 +411,15 @@ def test_a_gpu_worker_runs_its_stage_with_the_calling_flows_retries_and_launcher
     retries, retry delay and gpu_stages fell back to the defaults on the worker."""
     from farmflow.flows.distributed import worker_execution
 
-    ex = ExecutionConfig(mode="distributed", launcher="accelerate", accelerate_config="fsdp", num_processes=4, retries=0,
-                         retry_delay_s=7.0, gpu_stages=["sft", "dpo"])
+    ex = ExecutionConfig(
+        mode="distributed",
+        launcher="accelerate",
+        accelerate_config="fsdp",
+        num_processes=4,
+        retries=0,
+        retry_delay_s=7.0,
+        gpu_stages=["sft", "dpo"],
+    )
     on_worker = ExecutionConfig.model_validate(worker_execution(ex))
     assert on_worker.mode == "local"  # the worker runs the stage itself
     for name in ("launcher", "accelerate_config", "num_processes", "retries", "retry_delay_s", "gpu_stages"):

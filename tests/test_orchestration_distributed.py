@@ -22,15 +22,34 @@ from farmflow.storage import LocalStore
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_harness")]
 
 CPU, GPU = "it-cpu", "it-gpu"
-FIRST = {"sft", "sample_pairs", "train_reward", "generate untrained", "generate sft", "best_of_n", "proxy_reward sft", "proxy_reward best_of_4"}
+FIRST = {
+    "sft",
+    "sample_pairs",
+    "train_reward",
+    "generate untrained",
+    "generate sft",
+    "best_of_n",
+    "proxy_reward sft",
+    "proxy_reward best_of_4",
+}
 SECOND = {"best_of_n", "proxy_reward best_of_3"}
 
 
 def _start_worker(pool: str, api_url: str, log: Path) -> subprocess.Popen:
-    env = os.environ | {"PREFECT_API_URL": api_url, "PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_LOGGING_LEVEL": "INFO"}
+    env = os.environ | {
+        "PREFECT_API_URL": api_url,
+        "PREFECT_WORKER_QUERY_SECONDS": "1",
+        "PREFECT_LOGGING_LEVEL": "INFO",
+    }
     prefect = str(Path(sys.executable).parent / "prefect")
-    return subprocess.Popen([prefect, "worker", "start", "--pool", pool, "--limit", "4"], env=env, cwd=log.parent,
-                            stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(
+        [prefect, "worker", "start", "--pool", pool, "--limit", "4"],
+        env=env,
+        cwd=log.parent,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -51,15 +70,21 @@ def _wait(client, flow_run_id, logs: list[Path], deadline_s: float = 480):
             return run
         if time.monotonic() > deadline:
             tails = "\n".join(f"--- {p.name}\n" + p.read_text()[-3000:] for p in logs)
-            pytest.fail(f"flow run {run.name} still {run.state.name if run.state else '?'} after {deadline_s}s\n{tails}")
+            pytest.fail(
+                f"flow run {run.name} still {run.state.name if run.state else '?'} after {deadline_s}s\n{tails}"
+            )
         time.sleep(1)
 
 
 def _stage_runs(client, stage_deployment_id, after) -> dict[str, object]:
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterDeploymentId, FlowRunFilterStartTime
 
-    runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
-        deployment_id=FlowRunFilterDeploymentId(any_=[stage_deployment_id]), start_time=FlowRunFilterStartTime(after_=after)))
+    runs = client.read_flow_runs(
+        flow_run_filter=FlowRunFilter(
+            deployment_id=FlowRunFilterDeploymentId(any_=[stage_deployment_id]),
+            start_time=FlowRunFilterStartTime(after_=after),
+        )
+    )
     return {r.parameters["label"]: r for r in runs}
 
 
@@ -72,11 +97,28 @@ def test_compare_runs_gpu_stages_on_the_gpu_pool_and_reruns_only_the_changed_met
 
     store = str(tmp_path / "store")
     api_url = get_current_settings().api.url
-    deployed = CliRunner().invoke(app, [
-        "deploy", "--preset", "synthetic-micro", "--store", store, "--gpu-slots", "4", "--set", "execution.mode=distributed",
-        "--set", "execution.poll_seconds=1", "--set", "execution.max_parallel_methods=3", "--set", f"execution.cpu_pool={CPU}",
-        "--set", f"execution.gpu_pool={GPU}",
-    ])
+    deployed = CliRunner().invoke(
+        app,
+        [
+            "deploy",
+            "--preset",
+            "synthetic-micro",
+            "--store",
+            store,
+            "--gpu-slots",
+            "4",
+            "--set",
+            "execution.mode=distributed",
+            "--set",
+            "execution.poll_seconds=1",
+            "--set",
+            "execution.max_parallel_methods=3",
+            "--set",
+            f"execution.cpu_pool={CPU}",
+            "--set",
+            f"execution.gpu_pool={GPU}",
+        ],
+    )
     assert deployed.exit_code == 0, deployed.output
     logs = [tmp_path / "cpu-worker.log", tmp_path / "gpu-worker.log"]
     workers = [_start_worker(CPU, api_url, logs[0]), _start_worker(GPU, api_url, logs[1])]
@@ -99,7 +141,9 @@ def test_compare_runs_gpu_stages_on_the_gpu_pool_and_reruns_only_the_changed_met
 
             # a changed method parameter, added to the deployment's overrides as in the UI form
             overrides = list(compare.parameters["overrides"]) + ["best_of_n.n=3"]
-            triggered = run_deployment("compare/farmflow", parameters={"methods": ["best_of_n"], "overrides": overrides}, timeout=0)
+            triggered = run_deployment(
+                "compare/farmflow", parameters={"methods": ["best_of_n"], "overrides": overrides}, timeout=0
+            )
             second = _wait(client, triggered.id, logs)
             assert second.state.is_completed(), second.state.message
             assert set(_stage_runs(client, stage.id, second.start_time)) == SECOND
@@ -118,7 +162,13 @@ def test_compare_runs_gpu_stages_on_the_gpu_pool_and_reruns_only_the_changed_met
 def _heartbeat_seen(api_url: str, flow_run_id) -> bool:
     import httpx
 
-    body = {"filter": {"event": {"name": ["prefect.flow-run.heartbeat"]}, "resource": {"id": [f"prefect.flow-run.{flow_run_id}"]}}, "limit": 1}
+    body = {
+        "filter": {
+            "event": {"name": ["prefect.flow-run.heartbeat"]},
+            "resource": {"id": [f"prefect.flow-run.{flow_run_id}"]},
+        },
+        "limit": 1,
+    }
     return bool(httpx.post(f"{api_url}/events/filter", json=body, timeout=10).json().get("events"))
 
 
@@ -135,7 +185,6 @@ def test_a_vanished_gpu_worker_is_marked_crashed_and_its_stage_retried(tmp_path)
     from types import SimpleNamespace
 
     import psutil  # accelerate's dependency
-
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterDeploymentId
     from prefect.settings import get_current_settings
@@ -146,19 +195,35 @@ def test_a_vanished_gpu_worker_is_marked_crashed_and_its_stage_retried(tmp_path)
     from farmflow.flows.distributed import run_remote
 
     store, pool = str(tmp_path / "store"), "it-gpu-vanish"
-    overrides = ["execution.mode=distributed", "execution.poll_seconds=1", f"execution.gpu_pool={pool}", "execution.heartbeat_s=30",
-                 "execution.unresponsive_after_s=45", "execution.retries=1", "execution.retry_delay_s=1", "sft.epochs=150"]
+    overrides = [
+        "execution.mode=distributed",
+        "execution.poll_seconds=1",
+        f"execution.gpu_pool={pool}",
+        "execution.heartbeat_s=30",
+        "execution.unresponsive_after_s=45",
+        "execution.retries=1",
+        "execution.retry_delay_s=1",
+        "sft.epochs=150",
+    ]
     api_url = get_current_settings().api.url
-    deployed = CliRunner().invoke(app, ["deploy", "--preset", "synthetic-micro", "--store", store, *[a for o in overrides for a in ("--set", o)]])
+    deployed = CliRunner().invoke(
+        app, ["deploy", "--preset", "synthetic-micro", "--store", store, *[a for o in overrides for a in ("--set", o)]]
+    )
     assert deployed.exit_code == 0, deployed.output
     assert UNRESPONSIVE in deployed.output
     cfg = load_config("synthetic-micro", [*overrides, f"store.uri={store}"])
     data = tasks.data_task.fn(store, cfg.data)
     base = tasks.base_model_task.fn(store, cfg.model, data=data)
-    runner = SimpleNamespace(execution=cfg.execution, store=LocalStore(store), store_uri=store, preset="synthetic-micro")
+    runner = SimpleNamespace(
+        execution=cfg.execution, store=LocalStore(store), store_uri=store, preset="synthetic-micro"
+    )
     result: list = []
-    wait_for_sft = lambda: result.append(run_remote(runner, tasks.sft_task, cfg.sft, "sft", {"data": data, "base": base}))  # noqa: E731
-    parent = threading.Thread(target=contextvars.copy_context().run, args=(wait_for_sft,), daemon=True)  # the harness's API settings
+    wait_for_sft = lambda: result.append(
+        run_remote(runner, tasks.sft_task, cfg.sft, "sft", {"data": data, "base": base})
+    )  # noqa: E731
+    parent = threading.Thread(
+        target=contextvars.copy_context().run, args=(wait_for_sft,), daemon=True
+    )  # the harness's API settings
     logs = [tmp_path / "gpu-a.log", tmp_path / "gpu-b.log"]
     first_worker = _start_worker(pool, api_url, logs[0])
     second_worker = None
@@ -166,17 +231,26 @@ def test_a_vanished_gpu_worker_is_marked_crashed_and_its_stage_retried(tmp_path)
         with get_client(sync_client=True) as client:
             stage = client.read_deployment_by_name("stage/gpu")
             assert stage.job_variables["env"]["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"] == "30"
-            all_runs = lambda: client.read_flow_runs(flow_run_filter=FlowRunFilter(deployment_id=FlowRunFilterDeploymentId(any_=[stage.id])))  # noqa: E731
+            all_runs = lambda: client.read_flow_runs(
+                flow_run_filter=FlowRunFilter(deployment_id=FlowRunFilterDeploymentId(any_=[stage.id]))
+            )  # noqa: E731
             earlier = {r.id for r in all_runs()}  # the session's server keeps other tests' stage runs
             runs = lambda: [r for r in all_runs() if r.id not in earlier]  # noqa: E731
             parent.start()
             deadline = time.monotonic() + 180
             # kill once the server has the run's first heartbeat (events are persisted every few seconds; SFT takes ~15 s here)
             while not any(r.state and r.state.is_running() and _heartbeat_seen(api_url, r.id) for r in runs()):
-                assert time.monotonic() < deadline and not any(r.state and r.state.is_final() for r in runs()), logs[0].read_text()[-3000:]
+                assert time.monotonic() < deadline and not any(r.state and r.state.is_final() for r in runs()), logs[
+                    0
+                ].read_text()[-3000:]
                 time.sleep(0.5)
-            gone = psutil.Process(first_worker.pid)  # the flow-run process has its own session: not in the worker's group
-            for proc in [gone, *gone.children(recursive=True)]:  # the machine vanishes: worker and flow-run process, no goodbye
+            gone = psutil.Process(
+                first_worker.pid
+            )  # the flow-run process has its own session: not in the worker's group
+            for proc in [
+                gone,
+                *gone.children(recursive=True),
+            ]:  # the machine vanishes: worker and flow-run process, no goodbye
                 proc.kill()
             first_worker.wait(timeout=10)
             killed_at = time.monotonic()

@@ -15,30 +15,73 @@ from farmflow.storage.schemas import SCHEMAS
 
 
 def _metrics(wr, gold):
-    return {"win_rate": wr, "standard_error": 2.0, "lc_win_rate": wr - 1, "mean_gold": gold, "avg_length": 30, "n_total": 100}
+    return {
+        "win_rate": wr,
+        "standard_error": 2.0,
+        "lc_win_rate": wr - 1,
+        "mean_gold": gold,
+        "avg_length": 30,
+        "n_total": 100,
+    }
 
 
 POINTS = [
-    {"label": f"best_of_{n}", "labeller": "p_sim^ann", "family": "best_of_n", "pressure": n, "outputs_key": f"o{n}", "proxy_reward": r,
-     "evaluations": {"p_sim^ann": {"key": f"a{n}", "metrics": _metrics(wa, g)}, "greedy": {"key": f"g{n}", "metrics": _metrics(wg, g)}}}
+    {
+        "label": f"best_of_{n}",
+        "labeller": "p_sim^ann",
+        "family": "best_of_n",
+        "pressure": n,
+        "outputs_key": f"o{n}",
+        "proxy_reward": r,
+        "evaluations": {
+            "p_sim^ann": {"key": f"a{n}", "metrics": _metrics(wa, g)},
+            "greedy": {"key": f"g{n}", "metrics": _metrics(wg, g)},
+        },
+    }
     for n, r, wa, wg, g in [(4, 0.9, 52.0, 60.0, 0.62), (1, 0.2, 50.0, 50.0, 0.55), (16, 1.6, 51.0, 55.0, 0.58)]
-] + [{"label": "ppo step 100", "labeller": "p_sim^ann", "family": "ppo", "pressure": 100, "outputs_key": "p", "proxy_reward": 1.1,
-      "evaluations": {"p_sim^ann": {"key": "pa", "metrics": _metrics(53.0, 0.6)}}},
-      # a second curve: a reward model trained on the greedy annotator's labels, judged by it
-      {"label": "best_of_2", "labeller": "greedy", "family": "best_of_n", "pressure": 2, "outputs_key": "q2", "proxy_reward": 0.4,
-       "evaluations": {"greedy": {"key": "q2g", "metrics": _metrics(57.0, 0.61)}}}]
+] + [
+    {
+        "label": "ppo step 100",
+        "labeller": "p_sim^ann",
+        "family": "ppo",
+        "pressure": 100,
+        "outputs_key": "p",
+        "proxy_reward": 1.1,
+        "evaluations": {"p_sim^ann": {"key": "pa", "metrics": _metrics(53.0, 0.6)}},
+    },
+    # a second curve: a reward model trained on the greedy annotator's labels, judged by it
+    {
+        "label": "best_of_2",
+        "labeller": "greedy",
+        "family": "best_of_n",
+        "pressure": 2,
+        "outputs_key": "q2",
+        "proxy_reward": 0.4,
+        "evaluations": {"greedy": {"key": "q2g", "metrics": _metrics(57.0, 0.61)}},
+    },
+]
 
 
 def test_curve_rows_sorted_by_labeller_family_and_pressure():
     rows = curve_rows(POINTS)
     assert len(rows) == 8  # 3 best-of-n points × 2 annotators + 1 PPO point × 1, and the greedy labeller's point
     assert [(r["labeller"], r["label"], r["annotator"]) for r in rows[:3]] == [
-        ("greedy", "best_of_2", "greedy"), ("p_sim^ann", "best_of_1", "greedy"), ("p_sim^ann", "best_of_1", "p_sim^ann")]
-    assert [(r["family"], r["pressure"]) for r in rows[1::2][:3]] == [("best_of_n", 1.0), ("best_of_n", 4.0), ("best_of_n", 16.0)]
+        ("greedy", "best_of_2", "greedy"),
+        ("p_sim^ann", "best_of_1", "greedy"),
+        ("p_sim^ann", "best_of_1", "p_sim^ann"),
+    ]
+    assert [(r["family"], r["pressure"]) for r in rows[1::2][:3]] == [
+        ("best_of_n", 1.0),
+        ("best_of_n", 4.0),
+        ("best_of_n", 16.0),
+    ]
     assert rows[-1]["label"] == "ppo step 100"
     assert set(rows[0]) == set(SCHEMAS["overoptimization"].names)
     md = curve_markdown(rows, "T")
-    assert "| labeller | point | pressure | proxy reward | mean gold | avg length | win rate (greedy) | win rate (p_sim^ann) |" in md
+    assert (
+        "| labeller | point | pressure | proxy reward | mean gold | avg length | win rate (greedy) | win rate (p_sim^ann) |"
+        in md
+    )
     assert "| greedy | best_of_2 | 2 | 0.400 | 0.610 | 30 | 57.0 ± 2.0 | — |" in md
     assert "| p_sim^ann | best_of_4 | 4 | 0.900 | 0.620 | 30 | 60.0 ± 2.0 | 52.0 ± 2.0 |" in md
     assert "| p_sim^ann | ppo step 100 | 100 | 1.100 | 0.600 | 30 | — | 53.0 ± 2.0 |" in md
@@ -64,11 +107,22 @@ def test_greedy_oracle_is_one_deterministic_annotator():
     from farmflow.annotators import annotate_pairs
     from farmflow.data.synthetic import correct_output, sample_task, task_to_json
 
-    assert isinstance(GREEDY_ORACLE, AnnotatorConfig) and len(GREEDY_ORACLE.pool) == 1 and GREEDY_ORACLE.label_noise == 0
+    assert (
+        isinstance(GREEDY_ORACLE, AnnotatorConfig) and len(GREEDY_ORACLE.pool) == 1 and GREEDY_ORACLE.label_noise == 0
+    )
     rng = random.Random(0)
     tasks = [sample_task("sort", rng) for _ in range(6)]
-    pairs = [{"id": str(i), "instruction": t.instruction, "input": t.input, "task": task_to_json(t),
-              "output_1": "no idea", "output_2": correct_output(t)} for i, t in enumerate(tasks)]
+    pairs = [
+        {
+            "id": str(i),
+            "instruction": t.instruction,
+            "input": t.input,
+            "task": task_to_json(t),
+            "output_1": "no idea",
+            "output_2": correct_output(t),
+        }
+        for i, t in enumerate(tasks)
+    ]
     # the better output (gold 1 vs 0) always wins, whatever order it is shown in or seed is used
     for seed in (0, 1, 2):
         prefs = annotate_pairs(pairs, GREEDY_ORACLE.model_copy(update={"seed": seed})).column("preference").to_pylist()
@@ -87,7 +141,8 @@ def test_overoptimization_flow_micro(micro_config):
     summary = overoptimization_flow(advanced=micro_config, ns=[1, 2, 4])
     rows = summary["curve"]
     assert [(r["labeller"], r["label"], r["annotator"]) for r in rows] == [
-        (lab, f"best_of_{n}", lab) for lab in ("greedy", "p_sim^ann") for n in (1, 2, 4)]
+        (lab, f"best_of_{n}", lab) for lab in ("greedy", "p_sim^ann") for n in (1, 2, 4)
+    ]
     for r in rows:
         assert 0 <= r["win_rate"] <= 100 and 0 <= r["mean_gold"] <= 1 and r["n"] == micro_config.data.eval_size
         assert math.isfinite(r["proxy_reward"])
@@ -118,7 +173,11 @@ def test_overoptimization_flow_micro(micro_config):
     assert tasks.EXECUTED["sft"] == 1 and tasks.EXECUTED["sample_pairs"] == 1
     assert tasks.EXECUTED["annotate"] == 2 and tasks.EXECUTED["train_reward"] == 2
     # best-of-4 sampled once (p_sim^ann's), rescored by greedy's reward model; best-of-1 and -2 are prefixes
-    assert tasks.EXECUTED["best_of_n"] == 1 and tasks.EXECUTED["best_of_n_rescore"] == 1 and tasks.EXECUTED["best_of_n_prefix"] == 4
+    assert (
+        tasks.EXECUTED["best_of_n"] == 1
+        and tasks.EXECUTED["best_of_n_rescore"] == 1
+        and tasks.EXECUTED["best_of_n_prefix"] == 4
+    )
     assert tasks.EXECUTED["proxy_reward"] == 6 and tasks.EXECUTED["evaluate"] == 6
     folder = summary["artifact"]
     assert pq.read_table(f"{folder}/data.parquet").num_rows == 6
@@ -131,12 +190,19 @@ def test_overoptimization_flow_micro(micro_config):
     from farmflow.tasks import best_of_n_task
 
     reward_ann = store.get("train_reward", models["p_sim^ann"]["reward_model"])
-    prefix = next(r for r in store.list() if r.stage == "best_of_n_prefix" and store.record(r)["config"] == {"n": 2}
-                  and store.record(r)["inputs"]["reward"] == reward_ann.key)
+    prefix = next(
+        r
+        for r in store.list()
+        if r.stage == "best_of_n_prefix"
+        and store.record(r)["config"] == {"n": 2}
+        and store.record(r)["inputs"]["reward"] == reward_ann.key
+    )
     bon4_rec = store.record(store.get("best_of_n", store.record(prefix)["inputs"]["best_of_n"]))
     direct_cfg = {**bon4_rec["config"], "best_of_n": {**bon4_rec["config"]["best_of_n"], "n": 2}}
     data_ref, sft_ref = store.get("data", bon4_rec["inputs"]["data"]), store.get("sft", bon4_rec["inputs"]["policy"])
-    direct = best_of_n_task.fn(micro_config.store.location, direct_cfg, data=data_ref, policy=sft_ref, reward=reward_ann, batch_size=5)
+    direct = best_of_n_task.fn(
+        micro_config.store.location, direct_cfg, data=data_ref, policy=sft_ref, reward=reward_ann, batch_size=5
+    )
     got, want = store.read_table(prefix).to_pylist(), store.read_table(direct).to_pylist()
     assert [r["output"] for r in got] == [r["output"] for r in want]
     assert [r["score"] for r in got] == pytest.approx([r["score"] for r in want], abs=1e-5)
@@ -144,11 +210,21 @@ def test_overoptimization_flow_micro(micro_config):
     reward_greedy = store.get("train_reward", models["greedy"]["reward_model"])
     rescored = next(r for r in store.list() if r.stage == "best_of_n_rescore")
     assert store.record(rescored)["inputs"]["reward"] == reward_greedy.key
-    direct4 = best_of_n_task.fn(micro_config.store.location, bon4_rec["config"], data=data_ref, policy=sft_ref, reward=reward_greedy,
-                                batch_size=7)
-    assert store.read_table(rescored).column("output").to_pylist() == store.read_table(direct4).column("output").to_pylist()
+    direct4 = best_of_n_task.fn(
+        micro_config.store.location,
+        bon4_rec["config"],
+        data=data_ref,
+        policy=sft_ref,
+        reward=reward_greedy,
+        batch_size=7,
+    )
+    assert (
+        store.read_table(rescored).column("output").to_pylist()
+        == store.read_table(direct4).column("output").to_pylist()
+    )
     assert store.read_table(rescored, "candidates.parquet", "candidates").column("reward").to_pylist() == pytest.approx(
-        store.read_table(direct4, "candidates.parquet", "candidates").column("reward").to_pylist(), abs=1e-5)
+        store.read_table(direct4, "candidates.parquet", "candidates").column("reward").to_pylist(), abs=1e-5
+    )
     cands = store.read_table(direct, "candidates.parquet", "candidates")
     assert cands.num_rows == 2 * len(want) and cands.column("sample").to_pylist()[:4] == [0, 1, 0, 1]
     from farmflow.tasks import best_of_n_prefix_task
@@ -156,8 +232,12 @@ def test_overoptimization_flow_micro(micro_config):
     with pytest.raises(ValueError, match="must be between 1 and the artifact's n=2"):
         best_of_n_prefix_task.fn(micro_config.store.location, {"n": 3}, best_of_n=direct, reward=reward_ann)
     with pytest.raises(ValueError, match="was scored by reward model"):
-        best_of_n_prefix_task.fn(micro_config.store.location, {"n": 1}, best_of_n=direct,
-                                 reward=store.get("train_reward", models["greedy"]["reward_model"]))
+        best_of_n_prefix_task.fn(
+            micro_config.store.location,
+            {"n": 1},
+            best_of_n=direct,
+            reward=store.get("train_reward", models["greedy"]["reward_model"]),
+        )
 
     # a rerun is fully cached
     tasks.EXECUTED.clear()
@@ -170,13 +250,22 @@ def test_overoptimization_flow_micro(micro_config):
     from farmflow.tasks.analysis import proxy_reward_task
 
     reward = store.get("train_reward", models["p_sim^ann"]["reward_model"])
-    bon4 = next(r for r in store.list() if r.stage == "best_of_n" and store.record(r)["config"]["best_of_n"]["n"] == 4
-                and store.record(r)["inputs"]["reward"] == reward.key)
+    bon4 = next(
+        r
+        for r in store.list()
+        if r.stage == "best_of_n"
+        and store.record(r)["config"]["best_of_n"]["n"] == 4
+        and store.record(r)["inputs"]["reward"] == reward.key
+    )
     unscored = store.read_table(bon4).to_pylist()
     import pyarrow as pa
 
-    ref = store.put_table("generate", "unscored-bon4", pa.Table.from_pylist([r | {"score": None, "generator": "ppo"} for r in unscored],
-                          schema=SCHEMAS["outputs"]), "outputs")
+    ref = store.put_table(
+        "generate",
+        "unscored-bon4",
+        pa.Table.from_pylist([r | {"score": None, "generator": "ppo"} for r in unscored], schema=SCHEMAS["outputs"]),
+        "outputs",
+    )
     scored = proxy_reward_task.fn(micro_config.store.location, {}, outputs=ref, reward=reward, batch_size=8)
     again_scores = store.read_table(scored).column("score").to_pylist()
     assert again_scores == pytest.approx([r["score"] for r in unscored], abs=1e-4)
@@ -185,8 +274,13 @@ def test_overoptimization_flow_micro(micro_config):
     # only their greedy evaluations and the extra point's are new. The extra point's proxy reward is
     # the one scored above: batch size is not part of its key, so the flow reuses it.
     tasks.EXECUTED.clear()
-    extra = overoptimization_flow(advanced=micro_config, ns=[1, 2, 4], labellers=["p_sim^ann"], annotators=["p_sim^ann", "greedy"],
-                                  extra_points=[CurvePoint(label="ppo step 0", family="ppo", pressure=0, outputs=ref)])
+    extra = overoptimization_flow(
+        advanced=micro_config,
+        ns=[1, 2, 4],
+        labellers=["p_sim^ann"],
+        annotators=["p_sim^ann", "greedy"],
+        extra_points=[CurvePoint(label="ppo step 0", family="ppo", pressure=0, outputs=ref)],
+    )
     assert {r["labeller"] for r in extra["curve"]} == {"p_sim^ann"} and len(extra["curve"]) == 8
     assert [r["label"] for r in extra["curve"]][-2:] == ["ppo step 0", "ppo step 0"]
     bon4_row = next(r for r in rows if r["labeller"] == "p_sim^ann" and r["label"] == "best_of_4")
@@ -228,7 +322,9 @@ def test_ppo_curve_reuses_the_comparisons_ppo_run(micro_config):
     ppo_key = next(s["key"] for s in compared["stages"] if s["stage"] == "ppo")
     assert tasks.EXECUTED["ppo"] == 1
     summary = overoptimization_flow(advanced=micro_config, ns=[1], labellers=["p_sim^ann"], ppo_every=2)
-    assert tasks.EXECUTED["ppo"] == 2 and [s["key"] for s in summary["stages"] if s["stage"].startswith("ppo")] == [ppo_key]
+    assert tasks.EXECUTED["ppo"] == 2 and [s["key"] for s in summary["stages"] if s["stage"].startswith("ppo")] == [
+        ppo_key
+    ]
     assert [r["pressure"] for r in summary["curve"] if r["family"] == "ppo"] == [0, 2, 4]
     overoptimization_flow(advanced=micro_config, ns=[1], labellers=["p_sim^ann"], ppo_every=2)
     assert tasks.EXECUTED["ppo"] == 2

@@ -8,6 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from rl_helpers import (
+    TOY_PROMPTS,
+    digit_reward,
+    kill_when_checkpointed,
+    micro_artifacts,
+    toy_models,
+    uninterrupted_history,
+)
 
 from farmflow import tasks
 from farmflow.config import PPOConfig
@@ -18,8 +26,6 @@ from farmflow.models import load_policy, value_from_reward
 from farmflow.storage import open_store
 from farmflow.tasks import rl
 from farmflow.tasks.stage import StageRun
-from rl_helpers import TOY_PROMPTS, digit_reward, kill_when_checkpointed, micro_artifacts, toy_models, uninterrupted_history
-
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -75,7 +81,9 @@ def test_ppo_loss_by_hand():
     old_values = torch.zeros(1, 4)
     returns = torch.tensor([[1.0, 1.0, -1.0, 0.0]])
     mask = torch.tensor([[1, 1, 1, 0]])
-    loss, stats = ppo.ppo_loss(logprobs, old, adv, values, old_values, returns, mask, clip_range=0.2, clip_range_value=0.2, vf_coef=0.1)
+    loss, stats = ppo.ppo_loss(
+        logprobs, old, adv, values, old_values, returns, mask, clip_range=0.2, clip_range_value=0.2, vf_coef=0.1
+    )
     policy_loss = (-1.2 + 0.8 - 2.2) / 3
     # values clipped to [-0.2, 0.2]: (0.2, -0.1, 0.2); squared errors unclipped (0.25, 1.21, 1.69), clipped (0.64, 1.21, 1.44)
     value_loss = 0.5 * (0.64 + 1.21 + 1.69) / 3
@@ -84,7 +92,9 @@ def test_ppo_loss_by_hand():
     assert loss.item() == pytest.approx(policy_loss + 0.1 * value_loss)
     assert stats["clipfrac"].item() == pytest.approx(2 / 3)
     assert stats["value_clipfrac"].item() == pytest.approx(1 / 3)
-    assert stats["approx_kl"].item() == pytest.approx(0.5 * (math.log(1.5) ** 2 + math.log(0.5) ** 2 + math.log(1.1) ** 2) / 3)
+    assert stats["approx_kl"].item() == pytest.approx(
+        0.5 * (math.log(1.5) ** 2 + math.log(0.5) ** 2 + math.log(1.1) ** 2) / 3
+    )
     loss.backward()
     # clipped tokens and padding pass no gradient; token 3: d/dlogp (-A * exp(logp)) / 3
     assert torch.allclose(logprobs.grad, torch.tensor([[0.0, 0.0, -2.0 * 1.1 / 3, 0.0]]))
@@ -119,14 +129,23 @@ def test_masked_whiten_uses_masked_entries_only():
     assert torch.allclose(out, torch.tensor([[-3.0, -1.0, 0.0], [1.0, 3.0, 0.0]]) / math.sqrt(5), atol=1e-5)
     # shift_mean=False keeps the mean (4) and scales the spread around it to unit variance
     scaled = rl_methods.masked_whiten(x, mask, shift_mean=False)
-    assert torch.allclose(scaled, (torch.tensor([[-3.0, -1.0, 0.0], [1.0, 3.0, 0.0]]) / math.sqrt(5) + 4) * mask, atol=1e-5)
+    assert torch.allclose(
+        scaled, (torch.tensor([[-3.0, -1.0, 0.0], [1.0, 3.0, 0.0]]) / math.sqrt(5) + 4) * mask, atol=1e-5
+    )
 
 
 # --------------------------------------------------------------- rollouts
 def test_rollout_logprobs_at_temperature_whole_batch_advantages_and_zero_initial_values():
     policy, ref, value, tok = toy_models()
-    cfg = PPOConfig(rollout_batch_size=24, step_batch_size=8, micro_batch_size=5, max_new_tokens=6, temperature=0.6,
-                    penalty_reward_value=None, kl_coef=0.1)
+    cfg = PPOConfig(
+        rollout_batch_size=24,
+        step_batch_size=8,
+        micro_batch_size=5,
+        max_new_tokens=6,
+        temperature=0.6,
+        penalty_reward_value=None,
+        kl_coef=0.1,
+    )
     prompts = TOY_PROMPTS[:24]
     batch, stats = ppo.rollout(policy, ref, value, digit_reward, tok, prompts, cfg, seed=3)
     mask = batch["response_mask"].float()
@@ -145,15 +164,33 @@ def test_rollout_logprobs_at_temperature_whole_batch_advantages_and_zero_initial
 
 def test_responses_without_eos_get_the_penalty():
     policy, _, _, tok = toy_models()
-    responses, scores, ended = rl_methods.sample_and_score(policy, tok, digit_reward, TOY_PROMPTS, temperature=1.0, max_new_tokens=3,
-                                                    penalty_reward_value=-7.0, batch_size=64, seed=0)
+    responses, scores, ended = rl_methods.sample_and_score(
+        policy,
+        tok,
+        digit_reward,
+        TOY_PROMPTS,
+        temperature=1.0,
+        max_new_tokens=3,
+        penalty_reward_value=-7.0,
+        batch_size=64,
+        seed=0,
+    )
     assert not ended.all() and len(responses) == len(TOY_PROMPTS)
     assert torch.all(scores[~ended] == -7.0)
     for r, s, e in zip(responses, scores, ended):
         assert e == (r[-1] == tok.eos_token_id)
         assert len(r) <= 3
-    _, unpenalized, _ = rl_methods.sample_and_score(policy, tok, digit_reward, TOY_PROMPTS, temperature=1.0, max_new_tokens=3,
-                                             penalty_reward_value=None, batch_size=64, seed=0)
+    _, unpenalized, _ = rl_methods.sample_and_score(
+        policy,
+        tok,
+        digit_reward,
+        TOY_PROMPTS,
+        temperature=1.0,
+        max_new_tokens=3,
+        penalty_reward_value=None,
+        batch_size=64,
+        seed=0,
+    )
     assert torch.all((unpenalized >= 0) & (unpenalized <= 1))
     assert torch.equal(unpenalized[ended], scores[ended])
 
@@ -169,8 +206,17 @@ def test_value_model_from_reward_model_starts_at_zero(micro):
 # ------------------------------------------------------------- toy reward
 def _toy_run(kl_coef: float):
     policy, ref, value, tok = toy_models()
-    cfg = PPOConfig(epochs=16, rollout_batch_size=60, step_batch_size=30, micro_batch_size=60, lr=3e-3, warmup_steps=0,
-                    kl_coef=kl_coef, max_new_tokens=8, penalty_reward_value=None)
+    cfg = PPOConfig(
+        epochs=16,
+        rollout_batch_size=60,
+        step_batch_size=30,
+        micro_batch_size=60,
+        lr=3e-3,
+        warmup_steps=0,
+        kl_coef=kl_coef,
+        max_new_tokens=8,
+        penalty_reward_value=None,
+    )
     return ppo.train_ppo(policy, ref, value, digit_reward, tok, TOY_PROMPTS, cfg)
 
 
@@ -190,10 +236,22 @@ def test_ppo_on_a_toy_reward_raises_the_reward_with_bounded_kl():
 def test_step_batch_larger_than_rollout_is_refused():
     policy, ref, value, tok = toy_models()
     with pytest.raises(ValueError, match="step_batch_size \\(64\\) must not exceed ppo.rollout_batch_size \\(32\\)"):
-        ppo.train_ppo(policy, ref, value, digit_reward, tok, TOY_PROMPTS, PPOConfig(rollout_batch_size=32, step_batch_size=64))
+        ppo.train_ppo(
+            policy, ref, value, digit_reward, tok, TOY_PROMPTS, PPOConfig(rollout_batch_size=32, step_batch_size=64)
+        )
     # fewer prompts than step_batch_size: a rollout too small for any update is refused up front, naming both numbers
-    with pytest.raises(ValueError, match=r"ppo.step_batch_size \(64\) is larger than a rollout: there are only 40 prompts"):
-        ppo.train_ppo(policy, ref, value, digit_reward, tok, TOY_PROMPTS[:40], PPOConfig(rollout_batch_size=128, step_batch_size=64, max_new_tokens=8))
+    with pytest.raises(
+        ValueError, match=r"ppo.step_batch_size \(64\) is larger than a rollout: there are only 40 prompts"
+    ):
+        ppo.train_ppo(
+            policy,
+            ref,
+            value,
+            digit_reward,
+            tok,
+            TOY_PROMPTS[:40],
+            PPOConfig(rollout_batch_size=128, step_batch_size=64, max_new_tokens=8),
+        )
 
 
 def test_ppo_trains_without_dropout_so_the_first_ratio_is_one():
@@ -204,16 +262,28 @@ def test_ppo_trains_without_dropout_so_the_first_ratio_is_one():
     policy.config.attention_dropout = 0.3
     for layer in policy.model.layers:
         layer.self_attn.attention_dropout = 0.3
-    cfg = PPOConfig(epochs=1, rollout_batch_size=30, step_batch_size=30, micro_batch_size=30, lr=1e-12, warmup_steps=0,
-                    ppo_epochs=1, max_new_tokens=6)
+    cfg = PPOConfig(
+        epochs=1,
+        rollout_batch_size=30,
+        step_batch_size=30,
+        micro_batch_size=30,
+        lr=1e-12,
+        warmup_steps=0,
+        ppo_epochs=1,
+        max_new_tokens=6,
+    )
     summary, history = ppo.train_ppo(policy, ref, value, digit_reward, tok, TOY_PROMPTS[:30], cfg)
-    assert history[0]["clipfrac"] == 0.0 and abs(history[0]["approx_kl"]) < 1e-6  # ratio 1 on the first (only) minibatch
+    assert (
+        history[0]["clipfrac"] == 0.0 and abs(history[0]["approx_kl"]) < 1e-6
+    )  # ratio 1 on the first (only) minibatch
     assert all(m.p == 0.0 for m in policy.modules() if isinstance(m, torch.nn.Dropout))
 
 
 def test_responses_longer_than_the_context_are_refused():
     policy, ref, value, tok = toy_models()
-    with pytest.raises(ValueError, match="ppo.max_new_tokens \\(64\\) must be smaller than the model's context \\(64 tokens\\)"):
+    with pytest.raises(
+        ValueError, match="ppo.max_new_tokens \\(64\\) must be smaller than the model's context \\(64 tokens\\)"
+    ):
         ppo.train_ppo(policy, ref, value, digit_reward, tok, TOY_PROMPTS, PPOConfig(max_new_tokens=64))
 
 
@@ -223,7 +293,15 @@ def micro(tmp_path_factory):
     return micro_artifacts(tmp_path_factory.mktemp("ppo-micro") / "store")
 
 
-MICRO = PPOConfig(epochs=1, rollout_batch_size=48, step_batch_size=24, micro_batch_size=24, lr=1e-4, max_new_tokens=12, snapshot_every=2)
+MICRO = PPOConfig(
+    epochs=1,
+    rollout_batch_size=48,
+    step_batch_size=24,
+    micro_batch_size=24,
+    lr=1e-4,
+    max_new_tokens=12,
+    snapshot_every=2,
+)
 
 
 def test_ppo_task_end_to_end_on_micro_with_snapshots(micro):
@@ -256,12 +334,16 @@ def test_snapshots_do_not_fork_the_ppo_run(micro):
     """
     first = rl.ppo_task.fn(micro["uri"], MICRO, micro["data"], micro["sft"], micro["reward"])  # snapshots at 2, 4
     runs = tasks.EXECUTED["ppo"]
-    plain = rl.ppo_task.fn(micro["uri"], MICRO.model_copy(update={"snapshot_every": 0}), micro["data"], micro["sft"], micro["reward"])
+    plain = rl.ppo_task.fn(
+        micro["uri"], MICRO.model_copy(update={"snapshot_every": 0}), micro["data"], micro["sft"], micro["reward"]
+    )
     assert plain == first and tasks.EXECUTED["ppo"] == runs  # a hit: nothing trained
     every_step = MICRO.model_copy(update={"snapshot_every": 1})
     assert not rl.snapshots_complete(open_store(micro["uri"]), first, every_step)
     again = rl.ppo_task.fn(micro["uri"], every_step, micro["data"], micro["sft"], micro["reward"])
-    assert again == first and tasks.EXECUTED["ppo"] == runs + 1  # trained again for steps 1, 3, 5; the policy stays the first commit
+    assert (
+        again == first and tasks.EXECUTED["ppo"] == runs + 1
+    )  # trained again for steps 1, 3, 5; the policy stays the first commit
     snaps = rl.ppo_snapshots(micro["uri"], first)
     assert sorted(snaps) == [1, 2, 3, 4, 5]
     # the same seed replays the same run: the last step's snapshot is the committed policy, bit for bit
@@ -293,7 +375,9 @@ def test_ppo_resumes_after_sigkill_with_the_same_step_count(micro):
     cfg = PPOConfig.model_validate({**MICRO.model_dump(), "epochs": 8, "snapshot_every": 0, "seed": 5})  # 40 steps
     killed_at = kill_when_checkpointed("ppo_task", cfg, micro, "ppo", min_step=3)
     assert 3 <= killed_at < 40
-    ref = rl.ppo_task.fn(micro["uri"], cfg, micro["data"], micro["sft"], micro["reward"], checkpoints=micro["cfg"].checkpoints)
+    ref = rl.ppo_task.fn(
+        micro["uri"], cfg, micro["data"], micro["sft"], micro["reward"], checkpoints=micro["cfg"].checkpoints
+    )
     assert ref.metrics["resumed_from_step"] == killed_at
     assert ref.metrics["steps"] == 40
     history = rl.read_history(micro["uri"], ref)

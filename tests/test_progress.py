@@ -4,13 +4,13 @@ import logging
 
 import pytest
 from prefect import flow, task
+from test_api_annotators import KEY, judge, make_rows, pool
 
 from farmflow import progress as progress_module
 from farmflow.annotators import annotate
 from farmflow.annotators.server import JudgeConfig, JudgeServer
 from farmflow.config import AnnotatorConfig
 from farmflow.progress import progress
-from test_api_annotators import KEY, judge, make_rows, pool
 
 
 class Clock:
@@ -86,7 +86,10 @@ def test_inside_a_task_run_the_lines_go_to_the_runs_prefect_logs(clock, caplog):
 
     one_stage()
     ours = [(r.name, r.getMessage()) for r in caplog.records if r.getMessage().startswith("dpo:")]
-    assert ours == [("prefect.task_runs", "dpo: 2/3 steps (67%), 0.1 steps/s, 0:20 left"), ("prefect.task_runs", "dpo: 3 steps in 60.0s (0.1 steps/s)")]
+    assert ours == [
+        ("prefect.task_runs", "dpo: 2/3 steps (67%), 0.1 steps/s, 0:20 left"),
+        ("prefect.task_runs", "dpo: 3 steps in 60.0s (0.1 steps/s)"),
+    ]
 
 
 def test_annotation_reports_every_pair_cached_asked_or_oracle(monkeypatch, tmp_path):

@@ -8,6 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from rl_helpers import (
+    TOY_PROMPTS,
+    digit_reward,
+    kill_when_checkpointed,
+    micro_artifacts,
+    toy_models,
+    uninterrupted_history,
+)
 
 from farmflow import tasks
 from farmflow.config import QuarkConfig
@@ -15,8 +23,6 @@ from farmflow.methods import quark
 from farmflow.models import load_policy
 from farmflow.storage import open_store
 from farmflow.tasks import rl
-from rl_helpers import TOY_PROMPTS, digit_reward, kill_when_checkpointed, micro_artifacts, toy_models, uninterrupted_history
-
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -52,7 +58,9 @@ def test_quark_loss_without_kl_is_the_nll_and_zero_kl_when_equal_to_reference():
     assert stats["kl"].item() == pytest.approx(0.0, abs=1e-6)
     # logits shifted by a constant are the same distribution: the KL term is 0 again
     shifted = logits.clone().requires_grad_()
-    loss_kl, _ = quark.quark_loss(shifted, logits + 1.0, tokens, mask, kl_coef=1.0)  # +1 on every logit: same distribution
+    loss_kl, _ = quark.quark_loss(
+        shifted, logits + 1.0, tokens, mask, kl_coef=1.0
+    )  # +1 on every logit: same distribution
     loss_nll, _ = quark.quark_loss(logits.clone().requires_grad_(), logits, tokens, mask, kl_coef=0.0)
     assert loss_kl.item() == pytest.approx(loss_nll.item(), rel=1e-5)
 
@@ -68,8 +76,18 @@ def test_top_quantile_keeps_the_best_fraction():
 # ------------------------------------------------------------------ toy reward
 def test_quark_on_a_toy_reward_improves():
     policy, ref, _, tok = toy_models()
-    cfg = QuarkConfig(epochs=16, rollout_batch_size=60, step_batch_size=30, grad_steps_per_rollout=2, micro_batch_size=60, lr=3e-3,
-                      warmup_steps=0, kl_coef=0.05, max_new_tokens=8, penalty_reward_value=None)
+    cfg = QuarkConfig(
+        epochs=16,
+        rollout_batch_size=60,
+        step_batch_size=30,
+        grad_steps_per_rollout=2,
+        micro_batch_size=60,
+        lr=3e-3,
+        warmup_steps=0,
+        kl_coef=0.05,
+        max_new_tokens=8,
+        penalty_reward_value=None,
+    )
     summary, history = quark.train_quark(policy, ref, digit_reward, tok, TOY_PROMPTS, cfg)
     assert summary["steps"] == len(history) == 32
     assert summary["reward_first"] < 0.12
@@ -108,7 +126,9 @@ def test_quark_resumes_after_sigkill_with_the_same_step_count(micro):
     cfg = QuarkConfig.model_validate({**MICRO.model_dump(), "epochs": 8, "seed": 3})  # 40 steps
     killed_at = kill_when_checkpointed("quark_task", cfg, micro, "quark", min_step=3)
     assert 3 <= killed_at < 40
-    ref = rl.quark_task.fn(micro["uri"], cfg, micro["data"], micro["sft"], micro["reward"], checkpoints=micro["cfg"].checkpoints)
+    ref = rl.quark_task.fn(
+        micro["uri"], cfg, micro["data"], micro["sft"], micro["reward"], checkpoints=micro["cfg"].checkpoints
+    )
     assert ref.metrics["resumed_from_step"] == killed_at
     assert ref.metrics["steps"] == 40
     history = rl.read_history(micro["uri"], ref)

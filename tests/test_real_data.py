@@ -37,7 +37,10 @@ def test_load_alpaca_and_eval_files():
     ev = load_eval(EVAL)
     assert len(ev) == 805 and {r["generator"] for r in ev} == {"text_davinci_003"}
     assert Counter(r["dataset"] for r in ev).keys() == {"helpful_base", "selfinstruct", "oasst", "koala", "vicuna"}
-    assert all(r["input"] == "" for r in ev) and [i for i, r in enumerate(ev) if not r["output"]] == [247, 504]  # Davinci003 said nothing twice
+    assert all(r["input"] == "" for r in ev) and [i for i, r in enumerate(ev) if not r["output"]] == [
+        247,
+        504,
+    ]  # Davinci003 said nothing twice
 
 
 @needs_data
@@ -51,7 +54,9 @@ def test_paper_proportions_sizes_determinism_disjointness():
     splits = {s: split_rows(table, s) for s in ("sft", "pref", "unlabeled", "val", "eval")}
     seen = [keyset(rows) for rows in splits.values()]
     assert sum(map(len, seen)) == len(set().union(*seen)) == 985 + 805  # disjoint, nothing repeated
-    assert all(r["output"] for r in splits["sft"]) and not any(r["output"] for r in splits["pref"] + splits["unlabeled"] + splits["val"])
+    assert all(r["output"] for r in splits["sft"]) and not any(
+        r["output"] for r in splits["pref"] + splits["unlabeled"] + splits["val"]
+    )
     assert all(r["task"] is None for r in table.to_pylist())  # no gold reward in the real farm
     assert {r["family"] for r in splits["sft"]} == {"alpaca"} and splits["eval"][0]["family"] == "helpful_base"
     again, _ = build_real_farm(local())
@@ -76,7 +81,12 @@ def test_split_sizes_any_total(total):
     assert sum(sizes.values()) == total
     for k, w in {"sft": 10, "pref": 10, "unlabeled": 20, "val": 2}.items():
         assert abs(sizes[k] - total * w / 42) < 1
-    assert split_sizes(42, {"sft": 10, "pref": 10, "unlabeled": 20, "val": 2}) == {"sft": 10, "pref": 10, "unlabeled": 20, "val": 2}
+    assert split_sizes(42, {"sft": 10, "pref": 10, "unlabeled": 20, "val": 2}) == {
+        "sft": 10,
+        "pref": 10,
+        "unlabeled": 20,
+        "val": 2,
+    }
 
 
 @needs_data
@@ -120,7 +130,10 @@ def test_formats_read_the_same(tmp_path, suffix):
 def test_split_files_and_edited_file_is_a_new_stage_key(tmp_path):
     from farmflow.tasks import data_task
 
-    files = {s: write(tmp_path / f"{s}.jsonl", ROWS[i * 3: i * 3 + 3]) for i, s in enumerate(("sft", "pref", "unlabeled", "val"))}
+    files = {
+        s: write(tmp_path / f"{s}.jsonl", ROWS[i * 3 : i * 3 + 3])
+        for i, s in enumerate(("sft", "pref", "unlabeled", "val"))
+    }
     ev = write(tmp_path / "eval.json", EVAL_ROWS)
     cfg = DataConfig(source="local", split_paths=files, eval_path=ev)
     store = str(tmp_path / "store")
@@ -129,9 +142,13 @@ def test_split_files_and_edited_file_is_a_new_stage_key(tmp_path):
     assert [r["instruction"] for r in split_rows(table, "pref")] == ["Say 3.", "Say 4.", "Say 5."]
     assert ref.metrics["rows_eval"] == 4 and ref.metrics["rows_sft"] == 3
     assert not any(k.endswith("_rows_unused") for k in ref.metrics)
-    smaller = data_task.fn(store, cfg.model_copy(update={"sft_size": 2}))  # rows a split leaves out are counted, not lost silently
+    smaller = data_task.fn(
+        store, cfg.model_copy(update={"sft_size": 2})
+    )  # rows a split leaves out are counted, not lost silently
     assert smaller.metrics["rows_sft"] == 2 and smaller.metrics["sft_rows_unused"] == 1
-    assert data_task.fn(store, DataConfig(source="local", split_paths=files, eval_path=ev)).key == ref.key  # same bytes: reused
+    assert (
+        data_task.fn(store, DataConfig(source="local", split_paths=files, eval_path=ev)).key == ref.key
+    )  # same bytes: reused
     write(tmp_path / "eval.json", EVAL_ROWS[:3])  # edit the file
     ref2 = data_task.fn(store, cfg)  # the same config object: stage keys re-validate it, so the file is hashed again
     assert ref2.key != ref.key and ref2.metrics["rows_eval"] == 3
@@ -139,15 +156,24 @@ def test_split_files_and_edited_file_is_a_new_stage_key(tmp_path):
 
 
 # ----------------------------------------------------------------- schema errors
-@pytest.mark.parametrize("rows, message", [
-    ([{"instruction": "a", "input": ""}], r"a\.json: row 0: missing column 'output'"),
-    ([{"instruction": "a", "input": "", "output": "x"}, {"instruction": "b", "input": 3, "output": "y"}], r"a\.json: row 1: column 'input' must be str, got int"),
-    ([{"instruction": "a", "input": "", "output": None}], r"a\.json: row 0: column 'output' is null"),
-    ([{"instruction": "a", "input": "", "output": "x", "preference": "1"}], r"row 0: column 'preference' must be int or float"),
-    ([], r"a\.json: the file has no rows"),
-    ([["a", "b"]], r"a\.json: row 0 is a list"),
-    ({"instruction": "a"}, r"a\.json: expected a JSON list of objects"),
-])
+@pytest.mark.parametrize(
+    "rows, message",
+    [
+        ([{"instruction": "a", "input": ""}], r"a\.json: row 0: missing column 'output'"),
+        (
+            [{"instruction": "a", "input": "", "output": "x"}, {"instruction": "b", "input": 3, "output": "y"}],
+            r"a\.json: row 1: column 'input' must be str, got int",
+        ),
+        ([{"instruction": "a", "input": "", "output": None}], r"a\.json: row 0: column 'output' is null"),
+        (
+            [{"instruction": "a", "input": "", "output": "x", "preference": "1"}],
+            r"row 0: column 'preference' must be int or float",
+        ),
+        ([], r"a\.json: the file has no rows"),
+        ([["a", "b"]], r"a\.json: row 0 is a list"),
+        ({"instruction": "a"}, r"a\.json: expected a JSON list of objects"),
+    ],
+)
 def test_schema_errors_name_file_column_row(tmp_path, rows, message):
     with pytest.raises(DataError, match=message):
         load_instructions(write(tmp_path / "a.json", rows))
@@ -157,18 +183,40 @@ ROW_JSON = '{"instruction": "a", "input": "", "output": "x"}'
 EVAL_JSON = '{"instruction": "q", "output": "r", "generator": "g", "dataset": "d"}'
 
 
-@pytest.mark.parametrize("name, content, loader, message", [
-    ("e.json", b"", load_instructions, r"e\.json: the file has no rows"),
-    ("b.jsonl", f"{ROW_JSON}\n{{oops\n".encode(), load_instructions, r"b\.jsonl: line 2 is not valid JSON"),
-    ("ev.json", json.dumps([EVAL_ROWS[0], {"instruction": "q", "output": "r", "dataset": "d"}]).encode(), load_eval,
-     r"row 1: missing column 'generator'"),
-    ("a.csv", json.dumps(ROWS).encode(), load_instructions, "unknown file type '.csv'"),
-    (None, None, load_instructions, "no such file"),
-    # a JSONL row error names the file's 1-based line, counting blank lines (not the row index)
-    ("a.jsonl", f'{ROW_JSON}\n\n{{"instruction": "b", "input": ""}}\n'.encode(), load_instructions, r"a\.jsonl: line 3: missing column 'output'"),
-    ("e.jsonl", f'{EVAL_JSON}\n{{"instruction": "q2", "output": 5}}\n'.encode(), load_eval, r"e\.jsonl: line 2: column 'output' must be str"),
-    ("latin1.json", '[{"instruction": "caf\u00e9", "input": "", "output": "x"}]'.encode("latin-1"), load_instructions, r"latin1\.json: .*utf-8"),
-])
+@pytest.mark.parametrize(
+    "name, content, loader, message",
+    [
+        ("e.json", b"", load_instructions, r"e\.json: the file has no rows"),
+        ("b.jsonl", f"{ROW_JSON}\n{{oops\n".encode(), load_instructions, r"b\.jsonl: line 2 is not valid JSON"),
+        (
+            "ev.json",
+            json.dumps([EVAL_ROWS[0], {"instruction": "q", "output": "r", "dataset": "d"}]).encode(),
+            load_eval,
+            r"row 1: missing column 'generator'",
+        ),
+        ("a.csv", json.dumps(ROWS).encode(), load_instructions, "unknown file type '.csv'"),
+        (None, None, load_instructions, "no such file"),
+        # a JSONL row error names the file's 1-based line, counting blank lines (not the row index)
+        (
+            "a.jsonl",
+            f'{ROW_JSON}\n\n{{"instruction": "b", "input": ""}}\n'.encode(),
+            load_instructions,
+            r"a\.jsonl: line 3: missing column 'output'",
+        ),
+        (
+            "e.jsonl",
+            f'{EVAL_JSON}\n{{"instruction": "q2", "output": 5}}\n'.encode(),
+            load_eval,
+            r"e\.jsonl: line 2: column 'output' must be str",
+        ),
+        (
+            "latin1.json",
+            '[{"instruction": "caf\u00e9", "input": "", "output": "x"}]'.encode("latin-1"),
+            load_instructions,
+            r"latin1\.json: .*utf-8",
+        ),
+    ],
+)
 def test_file_errors_name_the_file_and_line(tmp_path, name, content, loader, message):
     path = tmp_path / (name or "missing.json")
     if content is not None:
@@ -178,13 +226,23 @@ def test_file_errors_name_the_file_and_line(tmp_path, name, content, loader, mes
 
 
 def test_duplicate_instructions_across_splits(tmp_path):
-    files = {"sft": write(tmp_path / "sft.json", ROWS[:3]), "pref": write(tmp_path / "pref.json", ROWS[3:6]),
-             "unlabeled": write(tmp_path / "unlabeled.json", [ROWS[6]]), "val": write(tmp_path / "val.json", [ROWS[7], ROWS[1]])}
+    files = {
+        "sft": write(tmp_path / "sft.json", ROWS[:3]),
+        "pref": write(tmp_path / "pref.json", ROWS[3:6]),
+        "unlabeled": write(tmp_path / "unlabeled.json", [ROWS[6]]),
+        "val": write(tmp_path / "val.json", [ROWS[7], ROWS[1]]),
+    }
     cfg = DataConfig(source="local", split_paths=files, eval_path=write(tmp_path / "eval.json", EVAL_ROWS))
-    with pytest.raises(DataError, match=r"val\.json: row 1: column 'instruction' duplicates .*sft\.json row 1 \(splits 'sft' and 'val'"):
+    with pytest.raises(
+        DataError, match=r"val\.json: row 1: column 'instruction' duplicates .*sft\.json row 1 \(splits 'sft' and 'val'"
+    ):
         build_real_farm(cfg)
     files["val"] = write(tmp_path / "val.json", [ROWS[7]])
-    cfg = DataConfig(source="local", split_paths=files, eval_path=write(tmp_path / "eval.json", EVAL_ROWS + [{**ROWS[4], "generator": "g", "dataset": "d"}]))
+    cfg = DataConfig(
+        source="local",
+        split_paths=files,
+        eval_path=write(tmp_path / "eval.json", EVAL_ROWS + [{**ROWS[4], "generator": "g", "dataset": "d"}]),
+    )
     with pytest.raises(DataError, match=r"pref\.json: row 1: .*duplicates .*eval\.json row 4"):
         build_real_farm(cfg)
 
@@ -195,7 +253,9 @@ def test_config_errors():
     with pytest.raises(ConfigError, match="unknown split"):
         validate_config({"data": {"split_paths": {"train": "x.json"}}})
     four = {s: f"{s}.json" for s in ("sft", "pref", "unlabeled", "val")}
-    cfg = load_config("synthetic-micro", [f"data.split_paths={json.dumps(four)}"])  # a dict field set from the command line
+    cfg = load_config(
+        "synthetic-micro", [f"data.split_paths={json.dumps(four)}"]
+    )  # a dict field set from the command line
     assert cfg.data.split_paths == four
     # with only some splits given, the missing ones are an error (never silently empty)
     with pytest.raises(ConfigError, match=r"split_paths: no file for split\(s\) \['pref', 'unlabeled', 'val'\]"):
@@ -233,12 +293,16 @@ def test_alpaca_farm_repository_layout(tmp_path, eval_inside):
     farm = tmp_path / "alpaca_farm"
     (farm / "alpaca_instructions").mkdir(parents=True)
     for i, theirs in enumerate(("sft", "preference", "unlabeled", "val")):
-        write(farm / "alpaca_instructions" / f"{theirs}.json",
-              [r | {"datasplit": theirs} for r in ROWS[i * 3: i * 3 + 3]])
+        write(
+            farm / "alpaca_instructions" / f"{theirs}.json",
+            [r | {"datasplit": theirs} for r in ROWS[i * 3 : i * 3 + 3]],
+        )
     evals = [r | {"input": "", "datasplit": "eval", "sample_mode": "temperature=0.0"} for r in EVAL_ROWS]
     write((farm / "alpaca_instructions" if eval_inside else farm) / "alpaca_farm_evaluation.json", evals)
     cfg = load_config("synthetic-micro", ["data.source=local", f"data.farm_dir={farm}", "data.eval_size=4"]).data
-    assert cfg.split_paths["pref"].endswith("alpaca_instructions/preference.json") and cfg.eval_path.endswith("evaluation.json")
+    assert cfg.split_paths["pref"].endswith("alpaca_instructions/preference.json") and cfg.eval_path.endswith(
+        "evaluation.json"
+    )
     table, _ = build_real_farm(cfg)
     assert [r["instruction"] for r in split_rows(table, "pref")] == ["Say 3.", "Say 4.", "Say 5."]
     assert [r["instruction"] for r in split_rows(table, "unlabeled")] == ["Say 6.", "Say 7.", "Say 8."]

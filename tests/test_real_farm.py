@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -22,12 +21,27 @@ def tiny_llama_without_pad(folder: Path) -> Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(["Write a response that appropriately completes the request."] * 4, trainer=trainer)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                         num_key_value_heads=2, max_position_embeddings=512, bos_token_id=0, eos_token_id=1, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=0,
+        eos_token_id=1,
+        tie_word_embeddings=False,
+    )
     LlamaForCausalLM(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
@@ -41,7 +55,9 @@ def test_pretrained_by_path_adds_pad_and_keeps_working(tmp_path):
     assert tokenizer.pad_token == "<pad>" and tokenizer.pad_token_id == before.shape[0]  # one new row
     emb = model.get_input_embeddings().weight
     assert emb.shape[0] == before.shape[0] + 1 and emb.dtype == torch.bfloat16
-    assert torch.allclose(emb[-1].float(), before.mean(0).to(torch.bfloat16).float(), atol=1e-2)  # the new row is the mean
+    assert torch.allclose(
+        emb[-1].float(), before.mean(0).to(torch.bfloat16).float(), atol=1e-2
+    )  # the new row is the mean
     assert model.config.max_position_embeddings == 96 and model.config.pad_token_id == tokenizer.pad_token_id
     assert model.config._attn_implementation == "sdpa"
     ids, mask, labels = encode_examples(tokenizer, ["Write a"], ["response that"], 96)
@@ -49,7 +65,11 @@ def test_pretrained_by_path_adds_pad_and_keeps_working(tmp_path):
     model.save_pretrained(tmp_path / "saved")
     tokenizer.save_pretrained(tmp_path / "saved")
     again, tok2 = load_policy(tmp_path / "saved")  # what every later stage does
-    assert again.dtype == torch.bfloat16 and again.is_activation_checkpointing and tok2.pad_token_id == tokenizer.pad_token_id
+    assert (
+        again.dtype == torch.bfloat16
+        and again.is_activation_checkpointing
+        and tok2.pad_token_id == tokenizer.pad_token_id
+    )
     out = sample(again.float(), tok2, ["Write a", "Write a response that appropriately"], n=2, max_new_tokens=5, seed=0)
     assert len(out) == 2 and all(len(o) == 2 for o in out)
 
@@ -86,11 +106,16 @@ def test_a_pad_token_that_is_also_eos_gets_a_token_of_its_own(tmp_path):
     tok.save_pretrained(path)
     model, tokenizer = load_pretrained(ModelConfig(pretrained=str(path), max_seq_len=96))
     assert tokenizer.pad_token == "<pad>" and tokenizer.pad_token_id != tokenizer.eos_token_id
-    assert model.get_input_embeddings().weight.shape[0] == len(tokenizer) and model.config.pad_token_id == tokenizer.pad_token_id
+    assert (
+        model.get_input_embeddings().weight.shape[0] == len(tokenizer)
+        and model.config.pad_token_id == tokenizer.pad_token_id
+    )
     from farmflow.models import sample_ids
 
     eos = tokenizer.eos_token_id
-    model.lm_head.register_forward_hook(lambda m, i, out: out.index_fill(-1, torch.tensor([eos]), 100.0))  # EOS every time
+    model.lm_head.register_forward_hook(
+        lambda m, i, out: out.index_fill(-1, torch.tensor([eos]), 100.0)
+    )  # EOS every time
     out = sample_ids(model, tokenizer, ["Write a"], n=2, max_new_tokens=4, seed=0)
     assert out[0] == [[eos], [eos]]  # kept: sampling drops only padding
 
@@ -104,6 +129,12 @@ def test_base_model_task_dispatches_on_pretrained(tmp_path):
     data = data_task.fn(store, DataConfig(sft_size=8, pref_size=8, unlabeled_size=0, val_size=2, eval_size=2))
     ref = base_model_task.fn(store, ModelConfig(pretrained=str(path), max_seq_len=128), data)
     model, tokenizer = load_policy(open_store(store).model_dir(ref))
-    assert model.config.hidden_size == 32 and tokenizer.pad_token == "<pad>" and ref.metrics["parameters"] == sum(p.numel() for p in model.parameters())
-    scratch = base_model_task.fn(store, ModelConfig(hidden_size=16, num_heads=2, num_layers=1, intermediate_size=32, vocab_size=300), data)
+    assert (
+        model.config.hidden_size == 32
+        and tokenizer.pad_token == "<pad>"
+        and ref.metrics["parameters"] == sum(p.numel() for p in model.parameters())
+    )
+    scratch = base_model_task.fn(
+        store, ModelConfig(hidden_size=16, num_heads=2, num_layers=1, intermediate_size=32, vocab_size=300), data
+    )
     assert scratch.key != ref.key and load_policy(open_store(store).model_dir(scratch))[0].config.hidden_size == 16

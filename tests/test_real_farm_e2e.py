@@ -41,13 +41,21 @@ needs_data = pytest.mark.skipif(not (ALPACA.is_file() and EVAL.is_file()), reaso
 
 def real_micro_overrides(judge_url: str, store: str) -> list[str]:
     """`--set` overrides of synthetic-micro for the real-format run (docs/real-farm.md, "Try it on CPU")."""
-    data = {"source": "local", "instructions_path": str(ALPACA), "eval_path": str(EVAL), "sft_size": SIZES["sft"],
-            "pref_size": SIZES["pref"], "unlabeled_size": 0, "val_size": SIZES["val"], "eval_size": SIZES["eval"]}
+    data = {
+        "source": "local",
+        "instructions_path": str(ALPACA),
+        "eval_path": str(EVAL),
+        "sft_size": SIZES["sft"],
+        "pref_size": SIZES["pref"],
+        "unlabeled_size": 0,
+        "val_size": SIZES["val"],
+        "eval_size": SIZES["eval"],
+    }
     return [
         f"data={json.dumps(data)}",
         "sft.epochs=4",
-        f'annotation={json.dumps({"preset": "p_sim_ann", "base_url": judge_url})}',
-        f'evaluation.annotator={json.dumps({"preset": "p_sim_eval", "base_url": judge_url})}',
+        f"annotation={json.dumps({'preset': 'p_sim_ann', 'base_url': judge_url})}",
+        f"evaluation.annotator={json.dumps({'preset': 'p_sim_eval', 'base_url': judge_url})}",
         f"store.uri={store}",
     ]
 
@@ -60,7 +68,11 @@ def judge_label(state: JudgeState, annotators: dict, row: dict, swapped: bool) -
     first, second = (row["output_2"], row["output_1"]) if swapped else (row["output_1"], row["output_2"])
     item = Item(row["instruction"], row["input"], first, second)
     p = state.p_second(a.model, item)
-    shown = 1.0 + p if a.prompt_format == "logprobs" else (2.0 if state.choose(a.model, a.temperature, item, p) == "b" else 1.0)
+    shown = (
+        1.0 + p
+        if a.prompt_format == "logprobs"
+        else (2.0 if state.choose(a.model, a.temperature, item, p) == "b" else 1.0)
+    )
     return 3.0 - shown if swapped else shown
 
 
@@ -91,11 +103,18 @@ def board_json(rows: list[dict]) -> str:
 
 def test_reference_label_names_the_evaluation_set():
     key = "0123456789abcdef"
-    assert reference_label(key) == reference_label(key, {"source": "synthetic"}) == "reference outputs of data 0123456789ab"
+    assert (
+        reference_label(key)
+        == reference_label(key, {"source": "synthetic"})
+        == "reference outputs of data 0123456789ab"
+    )
     local = {"source": "local", "eval_path": "/data/alpaca_eval_davinci003_outputs.json"}
     assert reference_label(key, local) == "reference outputs of data 0123456789ab (alpaca_eval_davinci003_outputs.json)"
     hub = {"source": "hub", "hub_name": "tatsu-lab/alpaca_farm"}
-    assert reference_label(key, hub) == "reference outputs of data 0123456789ab (tatsu-lab/alpaca_farm: alpaca_farm_evaluation)"
+    assert (
+        reference_label(key, hub)
+        == "reference outputs of data 0123456789ab (tatsu-lab/alpaca_farm: alpaca_farm_evaluation)"
+    )
 
 
 @pytest.mark.slow
@@ -113,8 +132,17 @@ def test_real_format_micro_run_through_the_flow(prefect_harness, one_torch_threa
         requests_after_first = server.state.stats["requests"]
 
         # ---- every stage ran, once per artifact it makes
-        assert executed == {"data": 1, "base_model": 1, "sft": 1, "sample_pairs": 1, "annotate": 1, "train_reward": 1,
-                            "generate": 2, "best_of_n": 1, "evaluate": 3}
+        assert executed == {
+            "data": 1,
+            "base_model": 1,
+            "sft": 1,
+            "sample_pairs": 1,
+            "annotate": 1,
+            "train_reward": 1,
+            "generate": 2,
+            "best_of_n": 1,
+            "evaluate": 3,
+        }
         assert not any(s["cached"] for s in summary["stages"])
         store = open_store(store_uri)
         refs = by_stage(store)
@@ -128,7 +156,9 @@ def test_real_format_micro_run_through_the_flow(prefect_harness, one_torch_threa
         alpaca = {(r["instruction"], r["input"]): r["output"] for r in load_instructions(ALPACA)}
         assert all(alpaca[(r["instruction"], r["input"])] == r["output"] for r in split["sft"])  # real demonstrations
         davinci = load_eval(EVAL)[: SIZES["eval"]]
-        assert [(r["instruction"], r["output"]) for r in split["eval"]] == [(r["instruction"], r["output"]) for r in davinci]
+        assert [(r["instruction"], r["output"]) for r in split["eval"]] == [
+            (r["instruction"], r["output"]) for r in davinci
+        ]
         reference = {r["instruction"]: r["output"] for r in davinci}
         (sft,) = refs["sft"]
         assert sft.metrics["steps"] == 4 * SIZES["sft"] / cfg.sft.batch_size  # 4 epochs of 64 examples, batches of 16
@@ -144,7 +174,9 @@ def test_real_format_micro_run_through_the_flow(prefect_harness, one_torch_threa
         assert len(prefs) == m["pairs"] == pairs and m["judged"] + m["noised"] + m["ties"] == pairs
         assert m["failed"] == m["unsent"] == m["cached"] == 0 and m["requests"] > 0 and m["cost_usd"] > 0
         assert sorted(r["id"] for r in prefs) == sorted(r["id"] for r in split["pref"] + split["val"])
-        assert all(task_from_text(r["instruction"], r["input"]) is None for r in prefs)  # the judge sees no task: biases only
+        assert all(
+            task_from_text(r["instruction"], r["input"]) is None for r in prefs
+        )  # the judge sees no task: biases only
         assert all(r["gold_1"] is None and r["gold_2"] is None for r in prefs)
         noised = [r for r in prefs if r["noised"]]
         assert {r["preference"] for r in noised} <= {1.0, 2.0} and len(noised) == m["noised"]
@@ -170,13 +202,19 @@ def test_real_format_micro_run_through_the_flow(prefect_harness, one_torch_threa
         # ---- evaluation against the Davinci003 references: output_1 = reference, output_2 = the method's output
         evaluations = {store.read_table(e).column("generator")[0].as_py(): e for e in refs["evaluate"]}
         assert set(evaluations) == {"untrained", "sft", "best_of_4"}
-        outputs = {r.stage + ":" + store.read_table(r).column("generator")[0].as_py(): store.read_table(r).to_pylist()
-                   for r in refs["generate"] + refs["best_of_n"]}
+        outputs = {
+            r.stage + ":" + store.read_table(r).column("generator")[0].as_py(): store.read_table(r).to_pylist()
+            for r in refs["generate"] + refs["best_of_n"]
+        }
         board = {r["method"]: r for r in summary["leaderboard"]}
         assert set(board) == {"untrained", "sft", "best_of_4"}
-        cache = {(c["annotator"], c["instruction"], c["output_1"], c["output_2"]): c
-                 for c in store.read_rows("annotations", "annotations").to_pylist()}
-        assert all(c["status"] == "ok" for c in cache.values()) and len(cache) == len(answered)  # one judgement per pair asked
+        cache = {
+            (c["annotator"], c["instruction"], c["output_1"], c["output_2"]): c
+            for c in store.read_rows("annotations", "annotations").to_pylist()
+        }
+        assert all(c["status"] == "ok" for c in cache.values()) and len(cache) == len(
+            answered
+        )  # one judgement per pair asked
         for method, ev in evaluations.items():
             rows = store.read_table(ev).to_pylist()
             produced = outputs[("best_of_n:" if method == "best_of_4" else "generate:") + method]
@@ -185,7 +223,10 @@ def test_real_format_micro_run_through_the_flow(prefect_harness, one_torch_threa
             assert all(r["gold_1"] is None and r["gold_2"] is None for r in rows)
             for r in rows:  # p_sim_eval: no label noise, every label is the judge's
                 swapped = r["output_1"] != r["output_2"] and shown_swapped(cache, r)
-                assert r["preference"] == pytest.approx(judge_label(judge, annotators, r, swapped), abs=1e-9), (method, r["id"])
+                assert r["preference"] == pytest.approx(judge_label(judge, annotators, r, swapped), abs=1e-9), (
+                    method,
+                    r["id"],
+                )
             wins = [r["preference"] - 1 for r in rows]
             mean = sum(wins) / len(wins)
             sd = math.sqrt(sum((w - mean) ** 2 for w in wins) / (len(wins) - 1))
@@ -201,10 +242,14 @@ def test_real_format_micro_run_through_the_flow(prefect_harness, one_torch_threa
         # ---- every table artifact is Parquet with its documented schema; models are safetensors folders
         for ref in store.list():
             if ref.kind == "table":
-                assert pq.read_schema(Path(ref.uri) / "data.parquet").remove_metadata().equals(SCHEMAS[ref.format]), ref.stage
+                assert pq.read_schema(Path(ref.uri) / "data.parquet").remove_metadata().equals(SCHEMAS[ref.format]), (
+                    ref.stage
+                )
             else:
                 files = store.files(ref)
-                assert any(f.endswith(".safetensors") for f in files) and not any(f.endswith((".bin", ".pkl", ".pt")) for f in files)
+                assert any(f.endswith(".safetensors") for f in files) and not any(
+                    f.endswith((".bin", ".pkl", ".pt")) for f in files
+                )
         leaderboard = pq.read_table(Path(summary["artifacts"]["leaderboard"]) / "data.parquet").to_pylist()
         assert {r["method"] for r in leaderboard} == set(board) and all(math.isnan(r["mean_gold"]) for r in leaderboard)
 

@@ -18,8 +18,14 @@ from farmflow.storage.schemas import SCHEMAS
 A, B = '{"family": "arithmetic"}', '{"family": "sort"}'
 ROWS = [
     {"preference": 2.0, "noised": False, "gold_1": 0.0, "gold_2": 1.0, "task": A},  # right on all three targets
-    {"preference": 1.0, "noised": True, "gold_1": 0.0, "gold_2": 1.0, "task": A},   # a coin flip says 1; gold says 2
-    {"preference": 1.0, "noised": False, "gold_1": 0.5, "gold_2": 0.5, "task": B},  # gold tie: left out of the gold target
+    {"preference": 1.0, "noised": True, "gold_1": 0.0, "gold_2": 1.0, "task": A},  # a coin flip says 1; gold says 2
+    {
+        "preference": 1.0,
+        "noised": False,
+        "gold_1": 0.5,
+        "gold_2": 0.5,
+        "task": B,
+    },  # gold tie: left out of the gold target
     {"preference": 2.0, "noised": False, "gold_1": 1.0, "gold_2": 0.0, "task": B},  # the annotator disagrees with gold
 ]
 SCORES = ([0.0, 0.0, 1.0, 0.0], [1.0, 1.0, 0.0, 1.0])  # prefers output_2 except on row 2
@@ -54,13 +60,14 @@ def test_gold_ties_target_is_the_judged_labels_on_pairs_of_equal_gold():
     rows = [
         {"preference": 2.0, "noised": False, "gold_1": 0.5, "gold_2": 0.5, "task": A},  # judged tie of gold: counted
         {"preference": 1.0, "noised": False, "gold_1": 0.2, "gold_2": 0.2, "task": A},  # judged tie of gold: counted
-        {"preference": 2.0, "noised": True, "gold_1": 0.5, "gold_2": 0.5, "task": A},   # a coin flip: left out
+        {"preference": 2.0, "noised": True, "gold_1": 0.5, "gold_2": 0.5, "task": A},  # a coin flip: left out
         {"preference": 1.0, "noised": False, "gold_1": 0.0, "gold_2": 1.0, "task": A},  # gold differs: left out
         {"preference": 1.5, "noised": False, "gold_1": 1.0, "gold_2": 1.0, "task": A},  # the annotator tied: left out
     ]
     longer = ([1.0, 1.0, 1.0, 1.0, 1.0], [2.0, 2.0, 2.0, 2.0, 2.0])  # always output_2
     assert _cell(report_rows(rows, {"longer": longer}, by_family=False), "longer", "all", "gold_ties") == pytest.approx(
-        (0.5, math.sqrt(0.25 / 2), 2))
+        (0.5, math.sqrt(0.25 / 2), 2)
+    )
 
 
 def test_report_rows_on_real_data_has_no_gold_target_and_no_families():
@@ -75,12 +82,27 @@ def test_report_rows_on_real_data_has_no_gold_target_and_no_families():
 def test_pool_preference_averages_annotators_and_shown_orders():
     task = sample_task("arithmetic", random.Random(3))
     right = correct_output(task)
-    wrong = right.replace(str(task.params["a"] + task.params["b"] if task.params["op"] == "+" else task.params["a"] - task.params["b"]), "99")
-    row = {"instruction": task.instruction, "input": task.input, "task": task_to_json(task), "output_1": wrong, "output_2": right}
+    wrong = right.replace(
+        str(task.params["a"] + task.params["b"] if task.params["op"] == "+" else task.params["a"] - task.params["b"]),
+        "99",
+    )
+    row = {
+        "instruction": task.instruction,
+        "input": task.input,
+        "task": task_to_json(task),
+        "output_1": wrong,
+        "output_2": right,
+    }
     delta = gold_reward(row["task"], right) - gold_reward(row["task"], wrong)
     assert delta > 0
-    pool = build_pool(AnnotatorConfig(pool=[OracleAnnotatorConfig(name="a", sharpness=2.0, position_bias=0.5),
-                                            OracleAnnotatorConfig(name="b", sharpness=1.0)]))
+    pool = build_pool(
+        AnnotatorConfig(
+            pool=[
+                OracleAnnotatorConfig(name="a", sharpness=2.0, position_bias=0.5),
+                OracleAnnotatorConfig(name="b", sharpness=1.0),
+            ]
+        )
+    )
     # "a" shown (wrong, right): sigmoid(2Δ − 0.5); shown (right, wrong): 1 − sigmoid(−2Δ − 0.5) = sigmoid(2Δ + 0.5); "b": sigmoid(Δ)
     expected = (sigmoid(2 * delta - 0.5) + sigmoid(2 * delta + 0.5) + 2 * sigmoid(delta)) / 4
     assert pool_preference(pool, row) == pytest.approx(expected, rel=1e-12)
@@ -103,17 +125,26 @@ def test_reward_report_flow_micro(micro_config):
     (rm_ref,) = [r for r in store.list() if r.stage == "train_reward"]
     # the report's reward-model row is the same measurement train_reward logged
     assert _cell(rows, "reward_model", "all", "labels")[0] == pytest.approx(rm_ref.metrics["heldout_accuracy"])
-    assert _cell(rows, "reward_model", "all", "unnoised")[0] == pytest.approx(rm_ref.metrics["heldout_accuracy_unnoised"])
+    assert _cell(rows, "reward_model", "all", "unnoised")[0] == pytest.approx(
+        rm_ref.metrics["heldout_accuracy_unnoised"]
+    )
     assert _cell(rows, "gold", "all", "gold")[:1] == (1.0,)
     bayes, _, n = _cell(rows, "pool_bayes", "all", "unnoised")
-    assert n > 0 and bayes >= _cell(rows, "gold", "all", "unnoised")[0] - 0.1  # the optimum is not worse than gold by much
+    assert (
+        n > 0 and bayes >= _cell(rows, "gold", "all", "unnoised")[0] - 0.1
+    )  # the optimum is not worse than gold by much
     assert {r["family"] for r in rows} >= {"all", "arithmetic"}
     assert "| reward_model |" in summary["markdown"] and summary["artifact"].endswith(summary["stages"][-1]["key"])
     from farmflow.storage.sql import connect
 
     con = connect(store)  # DuckDB: the reward_report view holds the same rows
     assert con.execute("SELECT count(*) FROM reward_report").fetchone()[0] == len(rows)
-    assert con.execute("SELECT accuracy FROM reward_report WHERE scorer = 'gold' AND family = 'all' AND target = 'gold'").fetchone()[0] == 1.0
+    assert (
+        con.execute(
+            "SELECT accuracy FROM reward_report WHERE scorer = 'gold' AND family = 'all' AND target = 'gold'"
+        ).fetchone()[0]
+        == 1.0
+    )
     # real-farm preferences (no task, no gold): the reward model and the two model-free baselines, no families
     import pyarrow as pa
 
@@ -121,17 +152,29 @@ def test_reward_report_flow_micro(micro_config):
 
     prefs = store.get("annotate", store.record(rm_ref)["inputs"]["preferences"])
     real = [r | {"task": "", "gold_1": None, "gold_2": None} for r in store.read_table(prefs).to_pylist()]
-    real_ref = store.put_table("annotate", "real-like", pa.Table.from_pylist(real, schema=SCHEMAS["preferences"]), "preferences")
+    real_ref = store.put_table(
+        "annotate", "real-like", pa.Table.from_pylist(real, schema=SCHEMAS["preferences"]), "preferences"
+    )
     sft_ref = store.get("sft", store.record(rm_ref)["inputs"]["sft"])
-    report = reward_report_task.fn(micro_config.store.location, {"annotation": micro_config.annotation.model_dump(mode="json")},
-                                   preferences=real_ref, sft=sft_ref, reward=rm_ref, batch_size=7)
+    report = reward_report_task.fn(
+        micro_config.store.location,
+        {"annotation": micro_config.annotation.model_dump(mode="json")},
+        preferences=real_ref,
+        sft=sft_ref,
+        reward=rm_ref,
+        batch_size=7,
+    )
     real_rows = store.read_table(report).to_pylist()
     assert {r["scorer"] for r in real_rows} == {"reward_model", "longer_output", "policy_loglik"}
     assert {(r["family"], r["target"]) for r in real_rows} == {("all", "labels"), ("all", "unnoised")}
     assert _cell(real_rows, "reward_model", "all", "labels")[0] == pytest.approx(rm_ref.metrics["heldout_accuracy"])
     before = dict(EXECUTED)
     again = reward_report_flow(advanced=micro_config)
-    assert dict(EXECUTED) == before and repr(again["report"]) == repr(rows)  # all cached: nothing executes a second time (repr: NaN cells)
+    assert dict(EXECUTED) == before and repr(again["report"]) == repr(
+        rows
+    )  # all cached: nothing executes a second time (repr: NaN cells)
     # the report's key leaves out the annotation section's operational fields, so changing them does not rerun it
-    ops = micro_config.model_copy(update={"annotation": micro_config.annotation.model_copy(update={"max_in_flight": 3, "timeout_s": 5.0})})
+    ops = micro_config.model_copy(
+        update={"annotation": micro_config.annotation.model_copy(update={"max_in_flight": 3, "timeout_s": 5.0})}
+    )
     assert reward_report_flow(advanced=ops)["artifact"] == summary["artifact"] and dict(EXECUTED) == before

@@ -35,18 +35,45 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 # fixed tensors split between the processes: rows 0-2 are rank 0's, rows 3-5 rank 1's (4 columns wide: its last is padding)
 GEN = torch.Generator().manual_seed(0)
 X = torch.randn(6, 5, generator=GEN)
-MASK = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 1, 1, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0]]).float()
-SCORES = torch.tensor([0.3, -0.2, 0.9, 0.1, 0.9, 0.5, -1.0, 0.7, 0.4, 0.8])  # 5 per process; 0.9 twice (a tie across ranks)
+MASK = torch.tensor(
+    [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 1, 1, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0]]
+).float()
+SCORES = torch.tensor(
+    [0.3, -0.2, 0.9, 0.1, 0.9, 0.5, -1.0, 0.7, 0.4, 0.8]
+)  # 5 per process; 0.9 twice (a tie across ranks)
 
-TOY_PPO = PPOConfig(epochs=0.8, rollout_batch_size=24, step_batch_size=12, micro_batch_size=5, lr=3e-3, warmup_steps=0,
-                    kl_coef=0.05, max_new_tokens=6, penalty_reward_value=None, seed=1)
-TOY_QUARK = QuarkConfig(epochs=0.8, rollout_batch_size=40, step_batch_size=7, micro_batch_size=3, grad_steps_per_rollout=2, lr=3e-3,
-                        warmup_steps=0, max_new_tokens=6, seed=1)  # pool 40 // 5 = 8, 7 rows per step: 4 + 3 and one padding row
+TOY_PPO = PPOConfig(
+    epochs=0.8,
+    rollout_batch_size=24,
+    step_batch_size=12,
+    micro_batch_size=5,
+    lr=3e-3,
+    warmup_steps=0,
+    kl_coef=0.05,
+    max_new_tokens=6,
+    penalty_reward_value=None,
+    seed=1,
+)
+TOY_QUARK = QuarkConfig(
+    epochs=0.8,
+    rollout_batch_size=40,
+    step_batch_size=7,
+    micro_batch_size=3,
+    grad_steps_per_rollout=2,
+    lr=3e-3,
+    warmup_steps=0,
+    max_new_tokens=6,
+    seed=1,
+)  # pool 40 // 5 = 8, 7 rows per step: 4 + 3 and one padding row
 
 
 ROLLOUT_KEYS = ("tokens", "response_mask", "logprobs", "values", "advantages", "returns")
-ONE_STEP_PPO = TOY_PPO.model_copy(update={"step_batch_size": 24, "ppo_epochs": 1, "micro_batch_size": 1})  # the whole rollout
-ONE_STEP_QUARK = TOY_QUARK.model_copy(update={"grad_steps_per_rollout": 1, "micro_batch_size": 4})  # 7 of a pool of 8: rows 0-3, 4-6
+ONE_STEP_PPO = TOY_PPO.model_copy(
+    update={"step_batch_size": 24, "ppo_epochs": 1, "micro_batch_size": 1}
+)  # the whole rollout
+ONE_STEP_QUARK = TOY_QUARK.model_copy(
+    update={"grad_steps_per_rollout": 1, "micro_batch_size": 4}
+)  # 7 of a pool of 8: rows 0-3, 4-6
 
 
 def one_ppo_update(batch: dict[str, torch.Tensor]) -> list[torch.nn.Module]:
@@ -66,7 +93,9 @@ def fixed_pool() -> dict[str, torch.Tensor]:
     """8 (prompt, response) rows with fixed random responses: a Quark pool."""
     _, _, _, tok = toy_models()
     gen = torch.Generator().manual_seed(5)
-    responses = [torch.randint(5, 300, (int(n),), generator=gen).tolist() for n in torch.randint(1, 7, (8,), generator=gen)]
+    responses = [
+        torch.randint(5, 300, (int(n),), generator=gen).tolist() for n in torch.randint(1, 7, (8,), generator=gen)
+    ]
     return rl_methods.pack(tok, TOY_PROMPTS[:8], responses, 64 - ONE_STEP_QUARK.max_new_tokens)
 
 
@@ -91,7 +120,10 @@ def _share(t: torch.Tensor, rank: int) -> torch.Tensor:
 def _save_weights(path: Path, *modules: torch.nn.Module) -> None:
     from safetensors.torch import save_file
 
-    save_file({f"{i}.{k}": v.detach().clone().contiguous() for i, m in enumerate(modules) for k, v in m.state_dict().items()}, str(path))
+    save_file(
+        {f"{i}.{k}": v.detach().clone().contiguous() for i, m in enumerate(modules) for k, v in m.state_dict().items()},
+        str(path),
+    )
 
 
 def worker(out: Path) -> None:
@@ -106,11 +138,27 @@ def worker(out: Path) -> None:
     seen["whiten_keep_mean"] = rl_methods.masked_whiten(x, mask, shift_mean=False).tolist()
     seen["row_mean"] = rl_methods.global_mean(x.sum(1)).item()
     responses = [[rank, i] for i in range(5)]
-    got, scores, ended = rl_methods.gather_rollout(responses, SCORES[5 * rank: 5 * rank + 5], torch.tensor([rank == 0] * 5))
-    seen["gathered"] = {"responses": got, "scores": scores.tolist(), "ended": ended.tolist(), "keep": quark.top_quantile(scores, 3).tolist()}
+    got, scores, ended = rl_methods.gather_rollout(
+        responses, SCORES[5 * rank : 5 * rank + 5], torch.tensor([rank == 0] * 5)
+    )
+    seen["gathered"] = {
+        "responses": got,
+        "scores": scores.tolist(),
+        "ended": ended.tolist(),
+        "keep": quark.top_quantile(scores, 3).tolist(),
+    }
 
     policy, ref, value, tok = toy_models()
-    batch, stats = ppo.rollout(policy, ref, value, digit_reward, tok, TOY_PROMPTS[12 * rank: 12 * rank + 12], TOY_PPO, seed=rl_methods.share_seed(7, rank))
+    batch, stats = ppo.rollout(
+        policy,
+        ref,
+        value,
+        digit_reward,
+        tok,
+        TOY_PROMPTS[12 * rank : 12 * rank + 12],
+        TOY_PPO,
+        seed=rl_methods.share_seed(7, rank),
+    )
     seen["rollout"] = {"stats": stats, **{k: batch[k].tolist() for k in ROLLOUT_KEYS}}
     _save_weights(out / f"rank{rank}-ppo-step.safetensors", *one_ppo_update(batch))
     _save_weights(out / f"rank{rank}-quark-step.safetensors", *one_quark_update(fixed_pool()))
@@ -126,9 +174,11 @@ def worker(out: Path) -> None:
     _save_weights(out / f"rank{rank}-quark.safetensors", policy)
 
     errors = {}
-    for name, train, cfg in [("ppo_rollout", ppo.train_ppo, PPOConfig(rollout_batch_size=23, step_batch_size=12, max_new_tokens=6)),
-                             ("ppo_step", ppo.train_ppo, PPOConfig(rollout_batch_size=24, step_batch_size=11, max_new_tokens=6)),
-                             ("quark_rollout", quark.train_quark, QuarkConfig(rollout_batch_size=23, max_new_tokens=6))]:
+    for name, train, cfg in [
+        ("ppo_rollout", ppo.train_ppo, PPOConfig(rollout_batch_size=23, step_batch_size=12, max_new_tokens=6)),
+        ("ppo_step", ppo.train_ppo, PPOConfig(rollout_batch_size=24, step_batch_size=11, max_new_tokens=6)),
+        ("quark_rollout", quark.train_quark, QuarkConfig(rollout_batch_size=23, max_new_tokens=6)),
+    ]:
         policy, ref, value, tok = toy_models()
         try:
             train(policy, ref, *([value] if train is ppo.train_ppo else []), digit_reward, tok, TOY_PROMPTS, cfg)
@@ -140,7 +190,9 @@ def worker(out: Path) -> None:
 
 # -------------------------------------------------------------------- one process (fast)
 def test_in_one_process_the_helpers_are_the_local_computation():
-    assert torch.equal(rl_methods.global_mean(X), X.mean()) and torch.equal(rl_methods.global_mean(X, MASK), rl_methods.masked_mean(X, MASK))
+    assert torch.equal(rl_methods.global_mean(X), X.mean()) and torch.equal(
+        rl_methods.global_mean(X, MASK), rl_methods.masked_mean(X, MASK)
+    )
     responses, ended = [[1, 2], [3]], torch.tensor([True, False])
     got = rl_methods.gather_rollout(responses, SCORES[:2], ended)
     assert got[0] is responses and torch.equal(got[1], SCORES[:2]) and torch.equal(got[2], ended)
@@ -151,7 +203,9 @@ def test_in_one_process_the_helpers_are_the_local_computation():
 
 def test_a_batch_that_does_not_split_names_the_field():
     rl_methods.check_shares("ppo", 8, rollout_batch_size=512, step_batch_size=256)
-    with pytest.raises(ValueError, match=r"^quark.rollout_batch_size \(100\) does not divide evenly between the 8 processes"):
+    with pytest.raises(
+        ValueError, match=r"^quark.rollout_batch_size \(100\) does not divide evenly between the 8 processes"
+    ):
         rl_methods.check_shares("quark", 8, rollout_batch_size=100)
 
 
@@ -160,15 +214,30 @@ def test_local_micro_batches_are_the_share_counted_from_zero():
 
     policy = toy_models()[0]
     rt = Runtime(policy, 12, 5, "ppo")
-    assert rt.processes == 1 and rt.local_micro_batches() == rt.micro_batches() == [slice(0, 5), slice(5, 10), slice(10, 12)]
+    assert rt.processes == 1 and rt.local_micro_batches() == rt.micro_batches() == [
+        slice(0, 5),
+        slice(5, 10),
+        slice(10, 12),
+    ]
     assert Runtime(policy, 12, None, "ppo").local_micro_batches() == [slice(0, 12)]
 
 
 # ------------------------------------------------------------------ two processes (slow)
 def _ddp_config(folder: Path) -> Path:
     path = folder / "cpu_ddp.yaml"
-    path.write_text(yaml.safe_dump({"compute_environment": "LOCAL_MACHINE", "distributed_type": "MULTI_GPU", "num_machines": 1,
-                                    "num_processes": 2, "machine_rank": 0, "mixed_precision": "no", "use_cpu": False}))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "compute_environment": "LOCAL_MACHINE",
+                "distributed_type": "MULTI_GPU",
+                "num_machines": 1,
+                "num_processes": 2,
+                "machine_rank": 0,
+                "mixed_precision": "no",
+                "use_cpu": False,
+            }
+        )
+    )
     return path
 
 
@@ -177,8 +246,18 @@ def ranks(tmp_path_factory) -> tuple[list[dict], Path]:
     from farmflow.tasks.launch import free_port
 
     out = tmp_path_factory.mktemp("rl-distributed")
-    argv = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(_ddp_config(out)), "--main_process_port",
-            str(free_port()), __file__, "worker", str(out)]
+    argv = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(_ddp_config(out)),
+        "--main_process_port",
+        str(free_port()),
+        __file__,
+        "worker",
+        str(out),
+    ]
     src = str(TESTS.parent / "src")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
@@ -195,10 +274,15 @@ def test_whitening_and_means_span_both_processes(ranks):
     got = torch.cat([torch.tensor(seen[0]["whiten"]), torch.nn.functional.pad(torch.tensor(seen[1]["whiten"]), (0, 1))])
     assert torch.allclose(got, union, atol=1e-5)
     assert rl_methods.masked_mean(got, MASK).item() == pytest.approx(0.0, abs=1e-6)
-    assert rl_methods.masked_mean(got ** 2, MASK).item() == pytest.approx(1.0, abs=1e-4)
+    assert rl_methods.masked_mean(got**2, MASK).item() == pytest.approx(1.0, abs=1e-4)
     local = rl_methods.masked_whiten(X[:3], MASK[:3])  # what whitening rank 0's share alone would give: not that
     assert (local - got[:3]).abs().max() > 0.1
-    kept = torch.cat([torch.tensor(seen[0]["whiten_keep_mean"]), torch.nn.functional.pad(torch.tensor(seen[1]["whiten_keep_mean"]), (0, 1))])
+    kept = torch.cat(
+        [
+            torch.tensor(seen[0]["whiten_keep_mean"]),
+            torch.nn.functional.pad(torch.tensor(seen[1]["whiten_keep_mean"]), (0, 1)),
+        ]
+    )
     assert torch.allclose(kept, rl_methods.masked_whiten(X, MASK, shift_mean=False), atol=1e-5)
     # by hand: the mean of the 6 row sums the two processes hold (rank 1's rows are 4 columns wide)
     row_sums = torch.cat([X[:3].sum(1), X[3:, :4].sum(1)])
@@ -235,7 +319,9 @@ def test_ppo_rollout_statistics_are_those_of_the_union(ranks):
     # advantages are whitened over both shares together
     adv = [a for r in (r0, r1) for row, m in zip(r["advantages"], r["response_mask"]) for a, k in zip(row, m) if k]
     mean = sum(adv) / len(adv)
-    assert mean == pytest.approx(0.0, abs=1e-5) and sum((a - mean) ** 2 for a in adv) / len(adv) == pytest.approx(1.0, abs=1e-3)
+    assert mean == pytest.approx(0.0, abs=1e-5) and sum((a - mean) ** 2 for a in adv) / len(adv) == pytest.approx(
+        1.0, abs=1e-3
+    )
     # the two shares sampled different responses (their own seeds)
     assert r0["tokens"] != r1["tokens"]
 
@@ -249,7 +335,9 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
 def _union_batch(shares: list[dict]) -> dict[str, torch.Tensor]:
     """The two processes' rollout shares as one batch: packed again (prompts, responses), response columns padded right."""
     _, _, _, tok = toy_models()
-    responses = [[t for t, m in zip(row, mask) if m] for s in shares for row, mask in zip(s["tokens"], s["response_mask"])]
+    responses = [
+        [t for t, m in zip(row, mask) if m] for s in shares for row, mask in zip(s["tokens"], s["response_mask"])
+    ]
     batch = rl_methods.pack(tok, TOY_PROMPTS[:24], responses, 64 - TOY_PPO.max_new_tokens)
     width = batch["tokens"].shape[1]
     for k in ROLLOUT_KEYS[2:]:
@@ -265,7 +353,9 @@ def test_one_ppo_update_on_two_processes_equals_one_process_on_the_union(ranks):
     a, b = _weights(out / "rank0-ppo-step.safetensors"), _weights(out / "rank1-ppo-step.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
     batch = _union_batch([seen[0]["rollout"], seen[1]["rollout"]])
-    assert torch.equal(batch["response_mask"].sum(1), torch.tensor([sum(m) for s in seen for m in s["rollout"]["response_mask"]]))
+    assert torch.equal(
+        batch["response_mask"].sum(1), torch.tensor([sum(m) for s in seen for m in s["rollout"]["response_mask"]])
+    )
     one = {f"{i}.{k}": v for i, m in enumerate(one_ppo_update(batch)) for k, v in m.state_dict().items()}
     start = {f"{i}.{k}": v for i, m in enumerate(toy_models()[::2][:2]) for k, v in m.state_dict().items()}
     moved = 0
@@ -312,11 +402,11 @@ def test_a_batch_that_does_not_split_between_the_processes_is_one_clear_error(ra
     for s in seen:
         assert s["errors"] == {
             "ppo_rollout": "ppo.rollout_batch_size (23) does not divide evenly between the 2 processes (execution.num_processes): "
-                           "every process takes an equal share of each batch",
+            "every process takes an equal share of each batch",
             "ppo_step": "ppo.step_batch_size (11) does not divide evenly between the 2 processes (execution.num_processes): "
-                        "every process takes an equal share of each batch",
+            "every process takes an equal share of each batch",
             "quark_rollout": "quark.rollout_batch_size (23) does not divide evenly between the 2 processes (execution.num_processes): "
-                             "every process takes an equal share of each batch",
+            "every process takes an equal share of each batch",
         }
 
 
@@ -329,8 +419,11 @@ def micro(tmp_path_factory):
 def _stage(method: str, micro: dict):
     from farmflow.tasks import rl
 
-    task, config = (rl.ppo_task, micro["cfg"].ppo.model_copy(update={"snapshot_every": 2})) if method == "ppo" else \
-        (rl.quark_task, micro["cfg"].quark)
+    task, config = (
+        (rl.ppo_task, micro["cfg"].ppo.model_copy(update={"snapshot_every": 2}))
+        if method == "ppo"
+        else (rl.quark_task, micro["cfg"].quark)
+    )
     return task, config, dict(data=micro["data"], sft=micro["sft"], reward=micro["reward"])
 
 
@@ -374,13 +467,17 @@ def test_a_rollout_that_does_not_split_is_one_clear_launch_error(micro, tmp_path
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     task, config, inputs = _stage("ppo", micro)
     bad = config.model_copy(update={"rollout_batch_size": 45})
-    with launching(ExecutionConfig(launcher="accelerate", accelerate_config=str(_ddp_config(tmp_path)))), \
-            pytest.raises(StageLaunchError) as err:
+    with (
+        launching(ExecutionConfig(launcher="accelerate", accelerate_config=str(_ddp_config(tmp_path)))),
+        pytest.raises(StageLaunchError) as err,
+    ):
         task.fn(micro["uri"], bad, **inputs)
     message = str(err.value)
     assert message.startswith("stage ppo: accelerate launch exited with code 1; the last lines of its log:")
-    assert message.splitlines()[-1] == ("ValueError: ppo.rollout_batch_size (45) does not divide evenly between the 2 processes "
-                                        "(execution.num_processes): every process takes an equal share of each batch")
+    assert message.splitlines()[-1] == (
+        "ValueError: ppo.rollout_batch_size (45) does not divide evenly between the 2 processes "
+        "(execution.num_processes): every process takes an equal share of each batch"
+    )
     assert err.value.__cause__ is None and err.value.__context__ is None
     from farmflow.tasks.core import lookup
 

@@ -69,8 +69,22 @@ def test_knobs_override_advanced_and_overrides():
     edited = advanced_of(PRESET, data__eval_size=10, data__pref_size=50, dpo__seed=5)
     cfg = run_config(PRESET, edited, ["data.eval_size=11", "sft.seed=4"], seed=7, eval_size=12)
     assert (cfg.data.eval_size, cfg.data.pref_size) == (12, 50)  # the knob beats advanced and overrides; unset keeps
-    seeds = {name: getattr(cfg, name).seed for name in ("model", "sft", "pairs", "annotation", "reward", "best_of_n", "dpo",
-                                                      "expert_iteration", "ppo", "quark", "generation")}
+    seeds = {
+        name: getattr(cfg, name).seed
+        for name in (
+            "model",
+            "sft",
+            "pairs",
+            "annotation",
+            "reward",
+            "best_of_n",
+            "dpo",
+            "expert_iteration",
+            "ppo",
+            "quark",
+            "generation",
+        )
+    }
     assert set(seeds.values()) == {7} and cfg.data.seed == 0, seeds  # one replicate: every seed but the data's
     assert cfg.expert_iteration.train.seed == cfg.reward_conditioning.train.seed == cfg.evaluation.annotator.seed == 7
     assert run_config(PRESET, edited, pref_size=30).data.pref_size == 30
@@ -118,13 +132,22 @@ def test_the_server_offers_the_common_fields_first_and_the_presets_config_as_adv
     assert props["preset"]["anyOf"][0]["enum"][:2] == ["synthetic-tiny", PRESET] and compare.enforce_parameter_schema
     expected = preset(PRESET).model_dump(mode="json")
     del expected["store"]["uri"]  # the worker's default store (or a --set store.uri override)
-    assert compare.parameters == {"preset": PRESET, "methods": None, "seed": None, "eval_size": None, "pref_size": None,
-                                  "history": False, "overrides": ["execution.unresponsive_after_s=null"], "advanced": expected}
+    assert compare.parameters == {
+        "preset": PRESET,
+        "methods": None,
+        "seed": None,
+        "eval_size": None,
+        "pref_size": None,
+        "history": False,
+        "overrides": ["execution.unresponsive_after_s=null"],
+        "advanced": expected,
+    }
     dpo = _deployment(api_url, "dpo/farmflow")
     module, _, attr = dpo.entrypoint.rpartition(".")
     assert dpo.entrypoint == "farmflow.flows.dpo_flow" and getattr(importlib.import_module(module), attr).name == "dpo"
-    assert [k for k, _ in sorted(dpo.parameter_openapi_schema["properties"].items(), key=lambda kv: kv[1]["position"])] == [
-        "preset", "seed", "eval_size", "pref_size", "overrides", "advanced"]
+    assert [
+        k for k, _ in sorted(dpo.parameter_openapi_schema["properties"].items(), key=lambda kv: kv[1]["position"])
+    ] == ["preset", "seed", "eval_size", "pref_size", "overrides", "advanced"]
     with temporary_settings({PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
         run = client.create_flow_run_from_deployment(compare.id)  # no parameter changed
     assert run.parameters == compare.parameters

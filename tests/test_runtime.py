@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_models import CFG, PROMPTS, RESPONSES, plain_sft
 
 from farmflow.config import DPOConfig, RewardConfig, SFTConfig
 from farmflow.methods import dpo, reward, sft
 from farmflow.models import build_policy, encode_examples, reward_from_policy, save, train_tokenizer
 from farmflow.models.runtime import Runtime
 from farmflow.tasks.core import key_config
-
-from test_models import CFG, PROMPTS, RESPONSES, plain_sft
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -98,10 +97,14 @@ def test_cpu_runtime_is_the_plain_loop_bit_for_bit_without_autocast(tok):
     cfg = SFTConfig(epochs=1, batch_size=8, lr=3e-3, warmup_ratio=0.25)
     model = _policy(tok)
     autocast_seen = []
-    model.register_forward_pre_hook(lambda *_: autocast_seen.append(torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled()))
+    model.register_forward_pre_hook(
+        lambda *_: autocast_seen.append(torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled())
+    )
     sft.train_sft(model, tok, PROMPTS[:N], RESPONSES[:N], cfg, 128)
     assert autocast_seen and not any(autocast_seen)
-    assert {p.dtype for p in model.parameters()} == {torch.float32} and {p.device.type for p in model.parameters()} == {"cpu"}
+    assert {p.dtype for p in model.parameters()} == {torch.float32} and {p.device.type for p in model.parameters()} == {
+        "cpu"
+    }
 
     plain = _policy(tok)  # what the loop did before the runtime
     plain_sft(plain, tok, cfg, N)
@@ -123,7 +126,6 @@ def test_micro_batch_size_is_operational():
         assert key_config(section(micro_batch_size=2)) == key_config(section())
         assert "micro_batch_size" not in key_config(section())
     assert key_config(SFTConfig(batch_size=64)) != key_config(SFTConfig())
-
 
 
 def test_unwrap_keeps_autocast_on_the_model_being_trained(tok):

@@ -20,12 +20,18 @@ from farmflow.storage.s3 import S3Store
 from farmflow.storage.schemas import SCHEMAS
 
 
-
 def pairs_table(n=3, tag="a"):
-    return pa.table({
-        "id": [f"pref-{i:05d}" for i in range(n)], "split": ["pref"] * n, "instruction": [f"Sort {tag}{i}." for i in range(n)],
-        "input": ["3, 1, 2"] * n, "output_1": [f"1, 2, 3 {tag}"] * n, "output_2": ["3, 2, 1"] * n, "task": [None] * n,
-    })
+    return pa.table(
+        {
+            "id": [f"pref-{i:05d}" for i in range(n)],
+            "split": ["pref"] * n,
+            "instruction": [f"Sort {tag}{i}." for i in range(n)],
+            "input": ["3, 1, 2"] * n,
+            "output_1": [f"1, 2, 3 {tag}"] * n,
+            "output_2": ["3, 2, 1"] * n,
+            "task": [None] * n,
+        }
+    )
 
 
 def bucket_of(uri: str) -> str:
@@ -42,13 +48,29 @@ def with_cache(uri: str, cache: Path) -> str:
 
 # ----------------------------------------------------------------------------- tables
 
+
 def test_s3_table_round_trip_and_layout(s3_server, s3_uri):
     store = open_store(s3_uri)
     assert isinstance(store, S3Store) and store.root == f"s3://{bucket_of(s3_uri)}/farm"
     assert store.get("pairs", "k1") is None and store.list() == []
-    ref = store.put_table("pairs", "k1", pairs_table(), "pairs", config={"n": 2}, inputs={"data": "abc"}, metrics={"s": 1.5},
-                          extra_files={"note.md": b"# hi"})
-    assert (ref.stage, ref.key, ref.kind, ref.format, ref.rows, ref.metrics) == ("pairs", "k1", "table", "pairs", 3, {"s": 1.5})
+    ref = store.put_table(
+        "pairs",
+        "k1",
+        pairs_table(),
+        "pairs",
+        config={"n": 2},
+        inputs={"data": "abc"},
+        metrics={"s": 1.5},
+        extra_files={"note.md": b"# hi"},
+    )
+    assert (ref.stage, ref.key, ref.kind, ref.format, ref.rows, ref.metrics) == (
+        "pairs",
+        "k1",
+        "table",
+        "pairs",
+        3,
+        {"s": 1.5},
+    )
     assert store.get("pairs", "k1") == ref and store.exists(ref) and store.list() == [ref]
     assert store.read_table(ref).to_pylist() == pairs_table().to_pylist()
     assert store.read_file(ref, "note.md") == b"# hi"
@@ -58,7 +80,9 @@ def test_s3_table_round_trip_and_layout(s3_server, s3_uri):
     # one commit record at <stage>/<key>/, the data in the attempt folder it names
     keys = keys_under(s3_server, s3_uri, "farm/pairs/k1/")
     attempt = record["data"]
-    assert keys == sorted([f"farm/pairs/k1/{COMMIT_FILE}", f"farm/pairs/k1/{attempt}/data.parquet", f"farm/pairs/k1/{attempt}/note.md"])
+    assert keys == sorted(
+        [f"farm/pairs/k1/{COMMIT_FILE}", f"farm/pairs/k1/{attempt}/data.parquet", f"farm/pairs/k1/{attempt}/note.md"]
+    )
     assert ref.uri == f"s3://{bucket_of(s3_uri)}/farm/pairs/k1/{attempt}"
     assert store.files(ref) == {"data.parquet": pytest.approx(store.files(ref)["data.parquet"]), "note.md": 4}
 
@@ -109,8 +133,16 @@ RACE_SCRIPT = textwrap.dedent("""
 
 def test_two_processes_racing_on_one_key_end_with_one_valid_artifact(s3_server, s3_uri, tmp_path):
     go = tmp_path / "go"
-    procs = [subprocess.Popen([sys.executable, "-c", RACE_SCRIPT, s3_uri, f"w{i}", str(go)], env=python_env(),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in (1, 2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", RACE_SCRIPT, s3_uri, f"w{i}", str(go)],
+            env=python_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in (1, 2)
+    ]
     time.sleep(1.0)
     go.touch()
     outs = [p.communicate(timeout=120) for p in procs]
@@ -125,7 +157,9 @@ def test_two_processes_racing_on_one_key_end_with_one_valid_artifact(s3_server, 
     assert len(rows) == 20000 and {r["instruction"] for r in rows} == {writer}  # one writer's complete table
     # the loser deleted its attempt: one commit record and one data object remain
     record = store.record(committed)
-    assert keys_under(s3_server, s3_uri, "farm/pairs/race/") == sorted([f"farm/pairs/race/{COMMIT_FILE}", f"farm/pairs/race/{record['data']}/data.parquet"])
+    assert keys_under(s3_server, s3_uri, "farm/pairs/race/") == sorted(
+        [f"farm/pairs/race/{COMMIT_FILE}", f"farm/pairs/race/{record['data']}/data.parquet"]
+    )
 
 
 KILL_SCRIPT = textwrap.dedent("""
@@ -153,8 +187,12 @@ def test_a_lost_commit_race_in_any_phrasing_returns_the_winner(s3_server, s3_uri
     def conditional_put(path, data, mode="overwrite", **kw):
         if mode == "create" and path.endswith(COMMIT_FILE):  # what such a server answers: the object exists
             raise OSError(f"conditional PUT refused ({status})") from ClientError(
-                {"Error": {"Code": code, "Message": "At least one of the pre-conditions you specified did not hold"},
-                 "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject")
+                {
+                    "Error": {"Code": code, "Message": "At least one of the pre-conditions you specified did not hold"},
+                    "ResponseMetadata": {"HTTPStatusCode": status},
+                },
+                "PutObject",
+            )
         return real_pipe(path, data, mode=mode, **kw)
 
     monkeypatch.setattr(loser.fs, "pipe_file", conditional_put)
@@ -178,6 +216,7 @@ def test_writer_killed_before_its_commit_leaves_nothing_visible(s3_server, s3_ur
 
 # ----------------------------------------------------------------------------- models
 
+
 def test_model_upload_and_download_once_per_artifact(s3_server, s3_uri, tmp_path):
     store = open_store(s3_uri)
     with store.put_model("sft", "m1", "policy", config={"lr": 1}) as (folder, metrics):
@@ -195,9 +234,13 @@ def test_model_upload_and_download_once_per_artifact(s3_server, s3_uri, tmp_path
     worker = open_store(with_cache(s3_uri, tmp_path / "worker-cache"))
     local = worker.model_dir(ref)
     assert local.is_relative_to(tmp_path / "worker-cache") and ref.key in str(local)
-    assert (local / "model.safetensors").read_bytes() == b"w" * 1000 and (local / "tok" / "vocab.json").read_text() == "{}"
+    assert (local / "model.safetensors").read_bytes() == b"w" * 1000 and (
+        local / "tok" / "vocab.json"
+    ).read_text() == "{}"
     # fetched once: with the remote weights gone, the cached copy still serves
-    s3_server.client().delete_object(Bucket=bucket_of(s3_uri), Key=f"farm/sft/m1/{store.record(ref)['data']}/model/model.safetensors")
+    s3_server.client().delete_object(
+        Bucket=bucket_of(s3_uri), Key=f"farm/sft/m1/{store.record(ref)['data']}/model/model.safetensors"
+    )
     assert open_store(with_cache(s3_uri, tmp_path / "worker-cache")).model_dir(ref) == local
     assert (local / "model.safetensors").read_bytes() == b"w" * 1000
     # the writer kept its upload as its cached copy (no download at all)
@@ -221,12 +264,19 @@ def test_s3_checkpoints_keep_latest_and_download(s3_server, s3_uri, tmp_path):
     assert sorted({k.split("/")[4] for k in remote}) == ["step-000000020", "step-000000030"]  # the newest two
     worker = open_store(with_cache(s3_uri, tmp_path / "worker"))
     step, local = worker.latest_checkpoint("sft", "k")
-    assert step == 30 and json.loads((local / "state.json").read_text()) == {"step": 30} and local.is_relative_to(tmp_path / "worker")
+    assert (
+        step == 30
+        and json.loads((local / "state.json").read_text()) == {"step": 30}
+        and local.is_relative_to(tmp_path / "worker")
+    )
     assert sorted(p.name for p in local.iterdir()) == ["state.json"]
     # a checkpoint of a step saved again is downloaded again, never served stale
     (tmp_path / "c30" / "state.json").write_text(json.dumps({"step": 30, "again": True}))
     store.save_checkpoint("sft", "k", 30, tmp_path / "c30")
-    assert json.loads((worker.latest_checkpoint("sft", "k")[1] / "state.json").read_text()) == {"step": 30, "again": True}
+    assert json.loads((worker.latest_checkpoint("sft", "k")[1] / "state.json").read_text()) == {
+        "step": 30,
+        "again": True,
+    }
     # a re-save whose old files cannot be removed stops with an error, so the two checkpoints' files never mix
     (tmp_path / "c30" / "other.json").write_text("{}")
     real_rm = store.fs.rm
@@ -234,7 +284,9 @@ def test_s3_checkpoints_keep_latest_and_download(s3_server, s3_uri, tmp_path):
     with pytest.raises(StoreError, match="access denied"):
         store.save_checkpoint("sft", "k", 30, tmp_path / "c30")
     store.fs.rm = real_rm
-    assert "other.json" not in {k.rsplit("/", 1)[1] for k in keys_under(s3_server, s3_uri, "farm/_checkpoints/sft/k/step-000000030/")}
+    assert "other.json" not in {
+        k.rsplit("/", 1)[1] for k in keys_under(s3_server, s3_uri, "farm/_checkpoints/sft/k/step-000000030/")
+    }
     worker.clear_checkpoints("sft", "k")
     assert store.latest_checkpoint("sft", "k") is None and keys_under(s3_server, s3_uri, "farm/_checkpoints/") == []
     assert not local.exists()
@@ -245,7 +297,11 @@ def test_s3_row_log(s3_server, s3_uri):
     assert store.read_rows("annotations/x", "outputs").num_rows == 0
     row = {"id": "a", "instruction": "i", "input": "", "output": "o", "generator": "g", "task": None, "score": 1.0}
     for i in range(3):
-        store.append_rows("annotations/x", pa.Table.from_pylist([{**row, "id": str(i)}] * (i + 1), schema=SCHEMAS["outputs"]), "outputs")
+        store.append_rows(
+            "annotations/x",
+            pa.Table.from_pylist([{**row, "id": str(i)}] * (i + 1), schema=SCHEMAS["outputs"]),
+            "outputs",
+        )
     assert store.read_rows("annotations/x", "outputs").column("id").to_pylist() == ["0", "1", "1", "2", "2", "2"]
     assert len(keys_under(s3_server, s3_uri, "farm/_rows/annotations/x/")) == 3
     with pytest.raises(ValueError, match="namespace"):
@@ -253,6 +309,7 @@ def test_s3_row_log(s3_server, s3_uri):
 
 
 # ----------------------------------------------------------------------------- errors
+
 
 def assert_one_clear_error(err: pytest.ExceptionInfo, *must: str, secret: str = "farmflow-test-secret") -> str:
     message = str(err.value)
@@ -307,7 +364,9 @@ def test_bad_options_are_named(s3_server):
         open_store(f"s3://farm/x?endpoint_url={s3_server.endpoint}&max_attempts=0")
 
 
-def test_bad_credentials_are_one_clear_error_and_a_profile_or_credentials_block_works(s3_server, monkeypatch, prefect_harness, tmp_path):
+def test_bad_credentials_are_one_clear_error_and_a_profile_or_credentials_block_works(
+    s3_server, monkeypatch, prefect_harness, tmp_path
+):
     from prefect.blocks.system import Secret
 
     bucket = s3_server.bucket()
@@ -318,7 +377,9 @@ def test_bad_credentials_are_one_clear_error_and_a_profile_or_credentials_block_
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "WRONG-secret-c0ffee")
         with pytest.raises(StoreError) as err:
             open_store(uri)
-        assert_one_clear_error(err, s3_server.endpoint, f"bucket {bucket!r}", "access denied", secret="WRONG-secret-c0ffee")
+        assert_one_clear_error(
+            err, s3_server.endpoint, f"bucket {bucket!r}", "access denied", secret="WRONG-secret-c0ffee"
+        )
         assert secret not in str(err.value)
         # an unknown key id
         monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIANOSUCHKEY0000000")
@@ -335,7 +396,9 @@ def test_bad_credentials_are_one_clear_error_and_a_profile_or_credentials_block_
         monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIANOSUCHKEY0000000")
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "WRONG-secret-c0ffee")
         # the right credentials from a Prefect Secret block win over the environment
-        Secret(value={"aws_access_key_id": key_id, "aws_secret_access_key": secret}).save("farm-s3-creds", overwrite=True)
+        Secret(value={"aws_access_key_id": key_id, "aws_secret_access_key": secret}).save(
+            "farm-s3-creds", overwrite=True
+        )
         store = open_store(uri + "&credentials_block=farm-s3-creds")
         ref = store.put_table("pairs", "k", pairs_table(), "pairs")
         assert store.read_table(ref).num_rows == 3
@@ -361,9 +424,15 @@ def test_cli_reports_store_errors_in_one_line(s3_server):
 
     from farmflow.cli import app
 
-    result = CliRunner().invoke(app, ["artifacts", "ls", "--store", f"s3://no-such-bucket/x?endpoint_url={s3_server.endpoint}"])
+    result = CliRunner().invoke(
+        app, ["artifacts", "ls", "--store", f"s3://no-such-bucket/x?endpoint_url={s3_server.endpoint}"]
+    )
     assert result.exit_code == 2
-    assert "does not exist" in result.output and "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
+    assert (
+        "does not exist" in result.output
+        and "Traceback" not in result.output
+        and len(result.output.strip().splitlines()) == 1
+    )
 
 
 def test_transient_errors_are_retried_then_reported_once(s3_server):
@@ -386,12 +455,17 @@ def test_transient_errors_are_retried_then_reported_once(s3_server):
 
 # ----------------------------------------------------------------------------- config
 
+
 def test_store_config_folds_s3_fields_into_the_location(s3_server):
     from farmflow.config import ConfigError, StoreConfig, load_config
 
     cfg = StoreConfig(uri="s3://b/p?region=eu-west-1", endpoint_url=s3_server.endpoint, max_attempts=3)
     bucket, prefix, options = __import__("farmflow.storage.s3", fromlist=["x"]).parse_s3_uri(cfg.location)
-    assert (bucket, prefix) == ("b", "p") and options == {"region": "eu-west-1", "endpoint_url": s3_server.endpoint, "max_attempts": "3"}
+    assert (bucket, prefix) == ("b", "p") and options == {
+        "region": "eu-west-1",
+        "endpoint_url": s3_server.endpoint,
+        "max_attempts": "3",
+    }
     assert StoreConfig(uri="/tmp/x").location == "/tmp/x"
     with pytest.raises(ConfigError, match="endpoint_url only apply to an s3:// store"):
         load_config("synthetic-micro", ["store.uri=/tmp/x", "store.endpoint_url=http://x"])
@@ -425,7 +499,12 @@ def _run_flow(cfg):
 
 @pytest.mark.slow
 def test_flow_on_s3_then_reused_from_the_bucket_then_deleted_artifact_recomputed(
-    s3_server, prefect_harness, tmp_path, monkeypatch, caplog, capfd,
+    s3_server,
+    prefect_harness,
+    tmp_path,
+    monkeypatch,
+    caplog,
+    capfd,
 ):
     import logging
 
@@ -438,11 +517,19 @@ def test_flow_on_s3_then_reused_from_the_bucket_then_deleted_artifact_recomputed
     bucket = s3_server.bucket()
 
     def config(cache: str):
-        return load_config("synthetic-micro", [f"store.uri=s3://{bucket}/farm", f"store.endpoint_url={s3_server.endpoint}",
-                                               f"store.cache_dir={tmp_path / cache}"])
+        return load_config(
+            "synthetic-micro",
+            [
+                f"store.uri=s3://{bucket}/farm",
+                f"store.endpoint_url={s3_server.endpoint}",
+                f"store.cache_dir={tmp_path / cache}",
+            ],
+        )
 
     first, executed = _run_flow(config("cache-1"))
-    assert {"data", "base_model", "sft", "sample_pairs", "annotate", "train_reward", "best_of_n", "evaluate"} <= set(executed)
+    assert {"data", "base_model", "sft", "sample_pairs", "annotate", "train_reward", "best_of_n", "evaluate"} <= set(
+        executed
+    )
     assert first["store"] == f"s3://{bucket}/farm" and first["artifacts"]["sft"].startswith(f"s3://{bucket}/farm/sft/")
     assert sorted(r["method"] for r in first["leaderboard"]) == ["best_of_4", "sft", "untrained"]
     objects = s3_server.objects(bucket)
@@ -465,14 +552,32 @@ def test_flow_on_s3_then_reused_from_the_bucket_then_deleted_artifact_recomputed
     env = python_env(PREFECT_HOME=str(tmp_path / "prefect-2"), PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="180")
     env.pop("PREFECT_API_URL", None)
     (tmp_path / "prefect-2").mkdir()
-    overrides = [f"store.uri=s3://{bucket}/farm", f"store.endpoint_url={s3_server.endpoint}", f"store.cache_dir={tmp_path / 'cache-m2'}"]
-    machine = subprocess.run([sys.executable, "-c", FRESH_MACHINE, *overrides], env=env, capture_output=True, text=True, timeout=300)
+    overrides = [
+        f"store.uri=s3://{bucket}/farm",
+        f"store.endpoint_url={s3_server.endpoint}",
+        f"store.cache_dir={tmp_path / 'cache-m2'}",
+    ]
+    machine = subprocess.run(
+        [sys.executable, "-c", FRESH_MACHINE, *overrides], env=env, capture_output=True, text=True, timeout=300
+    )
     assert machine.returncode == 0, machine.stderr[-3000:]
     report = json.loads(machine.stdout.strip().splitlines()[-1])
     assert report["executed"] == {} and all(report["cached"]) and report["leaderboard"] == first["leaderboard"]
     # Prefect's cache hits (records read from the bucket), not only store lookups inside the tasks
-    stages = {"data", "base_model", "sft", "sample_pairs", "annotate", "train_reward", "generate", "best_of_n", "evaluate"}
-    stage_states = {(name, state) for name, state in report["states"] if name in stages}  # not the leaderboard or wrappers
+    stages = {
+        "data",
+        "base_model",
+        "sft",
+        "sample_pairs",
+        "annotate",
+        "train_reward",
+        "generate",
+        "best_of_n",
+        "evaluate",
+    }
+    stage_states = {
+        (name, state) for name, state in report["states"] if name in stages
+    }  # not the leaderboard or wrappers
     assert stage_states == {(name, "Cached") for name in stages}, report["states"]
     assert FAKE_SECRET not in machine.stdout + machine.stderr
 
@@ -482,7 +587,10 @@ def test_flow_on_s3_then_reused_from_the_bucket_then_deleted_artifact_recomputed
         client.delete_object(Bucket=bucket, Key=key)
     third, executed = _run_flow(config("cache-3"))
     assert executed == {"sft": 1}
-    assert third["leaderboard"] == first["leaderboard"] and open_store(config("cache-3").store.location).get("sft", sft_key) is not None
+    assert (
+        third["leaderboard"] == first["leaderboard"]
+        and open_store(config("cache-3").store.location).get("sft", sft_key) is not None
+    )
 
     # the secret is nowhere: not in any object (artifacts, Parquet, Prefect records), local file, log or message
     secret = FAKE_SECRET.encode()

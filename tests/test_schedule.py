@@ -24,8 +24,11 @@ CRASH = re.compile(r"Traceback|InvalidRequestError|Can't evaluate bulk DML|Unexp
 def server(tmp_path_factory):
     """A Prefect server of its own on 127.0.0.1, the scheduler loop shortened; yields (api_url, environment for clients,
     server log)."""
-    with prefect_server(tmp_path_factory.mktemp("prefect-server"), PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS="2",
-                        PREFECT_SERVER_SERVICES_SCHEDULER_RECENT_DEPLOYMENTS_LOOP_SECONDS="2") as started:
+    with prefect_server(
+        tmp_path_factory.mktemp("prefect-server"),
+        PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS="2",
+        PREFECT_SERVER_SERVICES_SCHEDULER_RECENT_DEPLOYMENTS_LOOP_SECONDS="2",
+    ) as started:
         yield started
 
 
@@ -48,7 +51,9 @@ def test_the_scheduler_creates_the_nightly_run_and_it_completes(server, tmp_path
         registered = deploy("synthetic-micro", overrides, nightly_methods=["best_of_n"], nightly_schedule=schedule)
         assert f"compare/{NIGHTLY}" in {d["name"] for d in registered}
         worker_log = tmp_path / "worker.log"
-        worker = prefect_cli("worker", "start", "--pool", POOL, env=env | {"PREFECT_WORKER_QUERY_SECONDS": "1"}, log=worker_log)
+        worker = prefect_cli(
+            "worker", "start", "--pool", POOL, env=env | {"PREFECT_WORKER_QUERY_SECONDS": "1"}, log=worker_log
+        )
         try:
             with get_client(sync_client=True) as client:
                 nightly = client.read_deployment_by_name(f"compare/{NIGHTLY}")
@@ -68,7 +73,8 @@ def test_the_scheduler_creates_the_nightly_run_and_it_completes(server, tmp_path
                         break
                     assert time.monotonic() < deadline, (
                         f"no scheduled run finished; runs: {[(r.name, r.state_name) for r in runs]}\n"
-                        f"--- server\n{server_log.read_text()[-3000:]}\n--- worker\n{worker_log.read_text()[-3000:]}")
+                        f"--- server\n{server_log.read_text()[-3000:]}\n--- worker\n{worker_log.read_text()[-3000:]}"
+                    )
                     time.sleep(1)
                 run = client.read_flow_run(first.id)
                 # created by the scheduler service, not by anyone calling run_deployment
@@ -76,7 +82,9 @@ def test_the_scheduler_creates_the_nightly_run_and_it_completes(server, tmp_path
                 assert run.expected_start_time > deployed_at
                 assert run.state.is_completed(), (run.state.message, worker_log.read_text()[-3000:])
                 assert queued >= 2  # the scheduler had the next occurrences queued as well
-                assert [r.id for r in client.read_flow_runs(flow_run_filter=by_nightly)] == [run.id]  # paused: no other run
+                assert [r.id for r in client.read_flow_runs(flow_run_filter=by_nightly)] == [
+                    run.id
+                ]  # paused: no other run
                 artifacts = {a.key for a in client.read_artifacts() if a.flow_run_id == run.id}
                 assert {"leaderboard", "leaderboard-table"} <= artifacts
         finally:
@@ -85,7 +93,9 @@ def test_the_scheduler_creates_the_nightly_run_and_it_completes(server, tmp_path
 
     recorded = LocalStore(store).read_rows("runs", "runs")
     assert sorted(set(recorded.column("method").to_pylist())) == ["best_of_4", "sft", "untrained"]
-    assert set(recorded.column("flow_run_id").to_pylist()) == {str(run.id)} and all(recorded.column("history").to_pylist())
+    assert set(recorded.column("flow_run_id").to_pylist()) == {str(run.id)} and all(
+        recorded.column("history").to_pylist()
+    )
     crashes = [line for line in server_log.read_text().splitlines() if CRASH.search(line)]
     assert not crashes, "\n".join(crashes[:20])
 
@@ -105,12 +115,29 @@ def test_three_comparisons_at_once_on_one_server(server, tmp_path):
     worker_log = tmp_path / "worker.log"
     with temporary_settings({PREFECT_API_URL: api_url}):
         deploy("synthetic-micro", overrides)
-        worker = prefect_cli("worker", "start", "--pool", pool, "--limit", "3",
-                          env=env | {"PREFECT_WORKER_QUERY_SECONDS": "1"}, log=worker_log)
+        worker = prefect_cli(
+            "worker",
+            "start",
+            "--pool",
+            pool,
+            "--limit",
+            "3",
+            env=env | {"PREFECT_WORKER_QUERY_SECONDS": "1"},
+            log=worker_log,
+        )
         try:
             seeds = (1, 2, 3)  # three different comparisons, sharing the store
-            runs = [run_deployment("compare/farmflow", timeout=0, parameters={
-                "methods": ["best_of_n"], "overrides": overrides + [f"best_of_n.seed={s}", f"sft.seed={s}"]}) for s in seeds]
+            runs = [
+                run_deployment(
+                    "compare/farmflow",
+                    timeout=0,
+                    parameters={
+                        "methods": ["best_of_n"],
+                        "overrides": overrides + [f"best_of_n.seed={s}", f"sft.seed={s}"],
+                    },
+                )
+                for s in seeds
+            ]
             deadline = time.monotonic() + 420
             with get_client(sync_client=True) as client:
                 while not all(client.read_flow_run(r.id).state.is_final() for r in runs):
@@ -123,6 +150,10 @@ def test_three_comparisons_at_once_on_one_server(server, tmp_path):
             stop(worker)
     assert [r.state.name for r in finished] == ["Completed"] * 3, [r.state.message for r in finished]
     assert starts[-1] < ends[0]  # the three really ran at the same time
-    locked = [line for log in (server_log, worker_log) for line in log.read_text().splitlines()
-              if "database is locked" in line.lower()]
+    locked = [
+        line
+        for log in (server_log, worker_log)
+        for line in log.read_text().splitlines()
+        if "database is locked" in line.lower()
+    ]
     assert not locked, "\n".join(locked[:10])

@@ -33,8 +33,9 @@ def smol() -> Path:
 def test_smol_micro_compare_on_real_components(smol, tmp_path):
     from farmflow.flows import compare_flow
 
-    cfg = load_config("smol-micro", [f"store.uri={tmp_path / 'store'}", f"data.instructions_path={ALPACA}",
-                                     f"data.eval_path={EVAL}"])
+    cfg = load_config(
+        "smol-micro", [f"store.uri={tmp_path / 'store'}", f"data.instructions_path={ALPACA}", f"data.eval_path={EVAL}"]
+    )
     assert cfg.model.pretrained == cfg.annotation.hf.model == "smollm2-135m-instruct"
     tasks.EXECUTED.clear()
     summary = compare_flow(advanced=cfg, methods=["best_of_n", "dpo", "ppo"])

@@ -32,32 +32,90 @@ def table(format: str, rows: list[dict]) -> pa.Table:
 
 
 def annotation(annotator: str, preference: float, price: float) -> dict:
-    return {"key": "k-" + PAIR["output_1"], "annotator": annotator, "annotator_hash": annotator[:3], "model": "gpt-x", **PAIR,
-            "preference": preference, "status": "ok", "error": None, "raw_completion": f"Output ({int(preference)})",
-            "prompt_tokens": 100, "completion_tokens": 5, "price_usd": price, "latency_s": 0.5,
-            "created": datetime(2026, 1, 1, tzinfo=timezone.utc)}
+    return {
+        "key": "k-" + PAIR["output_1"],
+        "annotator": annotator,
+        "annotator_hash": annotator[:3],
+        "model": "gpt-x",
+        **PAIR,
+        "preference": preference,
+        "status": "ok",
+        "error": None,
+        "raw_completion": f"Output ({int(preference)})",
+        "prompt_tokens": 100,
+        "completion_tokens": 5,
+        "price_usd": price,
+        "latency_s": 0.5,
+        "created": datetime(2026, 1, 1, tzinfo=timezone.utc),
+    }
 
 
 def fill(store) -> None:
     """A store with one artifact of every kind and an annotation row log in two chunks."""
-    store.put_table("data", "d1", table("instructions", [{"id": "e1", "split": "eval", "instruction": "x", "input": "", "output": "y"}]),
-                    "instructions", config={"seed": 0})
-    store.put_table("sample_pairs", "p1", table("pairs", [{"id": f"p{i}", "split": "pref", **PAIR} for i in range(4)]), "pairs",
-                    config={"temperature": 1.0}, inputs={"data": "d1"})
+    store.put_table(
+        "data",
+        "d1",
+        table("instructions", [{"id": "e1", "split": "eval", "instruction": "x", "input": "", "output": "y"}]),
+        "instructions",
+        config={"seed": 0},
+    )
+    store.put_table(
+        "sample_pairs",
+        "p1",
+        table("pairs", [{"id": f"p{i}", "split": "pref", **PAIR} for i in range(4)]),
+        "pairs",
+        config={"temperature": 1.0},
+        inputs={"data": "d1"},
+    )
     for method, prefs in PREFS.items():
-        outs = [{"id": f"e{i}", "instruction": "x", "input": "", "output": "o" * (i + 1), "generator": method} for i in range(3)]
+        outs = [
+            {"id": f"e{i}", "instruction": "x", "input": "", "output": "o" * (i + 1), "generator": method}
+            for i in range(3)
+        ]
         store.put_table("generate", f"g-{method}", table("outputs", outs), "outputs", config={"generator": method})
-        evals = [{"id": f"e{i}", "instruction": "x", "input": "", "output_1": "ref", "output_2": "o", "generator": method,
-                  "annotator": "pool", "preference": p} for i, p in enumerate(prefs)]
-        store.put_table("evaluate", f"ev-{method}", table("evaluation", evals), "evaluation", inputs={"outputs": f"g-{method}"},
-                        metrics={"win_rate": WIN_RATE[method]})
-    board = [{"method": m, "win_rate": w, "standard_error": 1.0, "mean_gold": None, "avg_length": 2, "n": 3, "annotator": "pool",
-              "evaluation_key": f"ev-{m}"} for m, w in WIN_RATE.items()]
+        evals = [
+            {
+                "id": f"e{i}",
+                "instruction": "x",
+                "input": "",
+                "output_1": "ref",
+                "output_2": "o",
+                "generator": method,
+                "annotator": "pool",
+                "preference": p,
+            }
+            for i, p in enumerate(prefs)
+        ]
+        store.put_table(
+            "evaluate",
+            f"ev-{method}",
+            table("evaluation", evals),
+            "evaluation",
+            inputs={"outputs": f"g-{method}"},
+            metrics={"win_rate": WIN_RATE[method]},
+        )
+    board = [
+        {
+            "method": m,
+            "win_rate": w,
+            "standard_error": 1.0,
+            "mean_gold": None,
+            "avg_length": 2,
+            "n": 3,
+            "annotator": "pool",
+            "evaluation_key": f"ev-{m}",
+        }
+        for m, w in WIN_RATE.items()
+    ]
     store.put_table("leaderboard", "lb", table("leaderboard", board), "leaderboard")
     with store.put_model("sft", "m1", "policy", config={"lr": 0.001}) as (folder, metrics):
         (folder / "model.safetensors").write_bytes(b"w")
         metrics["loss"] = 1.5
-    store.append_rows("annotations", table("annotations", [annotation("gpt4-a", 1.0, 0.002), annotation("gpt4-b", 2.0, 0.003)]), "annotations")
+    store.append_rows(
+        "annotations",
+        table("annotations", [annotation("gpt4-a", 1.0, 0.002), annotation("gpt4-b", 2.0, 0.003)]),
+        "annotations",
+    )
     store.append_rows("annotations", table("annotations", [annotation("gpt4-a", 1.0, 0.002)]), "annotations")
 
 
@@ -94,16 +152,26 @@ def test_views_columns_and_rows(store):
 
     arts = rows(con, "SELECT stage, key, kind, format, rows FROM artifacts ORDER BY stage, key")
     assert arts == [
-        ("data", "d1", "table", "instructions", 1), ("evaluate", "ev-best_of_4", "table", "evaluation", 3),
-        ("evaluate", "ev-sft", "table", "evaluation", 3), ("generate", "g-best_of_4", "table", "outputs", 3),
-        ("generate", "g-sft", "table", "outputs", 3), ("leaderboard", "lb", "table", "leaderboard", 2),
-        ("sample_pairs", "p1", "table", "pairs", 4), ("sft", "m1", "model", "policy", None),
+        ("data", "d1", "table", "instructions", 1),
+        ("evaluate", "ev-best_of_4", "table", "evaluation", 3),
+        ("evaluate", "ev-sft", "table", "evaluation", 3),
+        ("generate", "g-best_of_4", "table", "outputs", 3),
+        ("generate", "g-sft", "table", "outputs", 3),
+        ("leaderboard", "lb", "table", "leaderboard", 2),
+        ("sample_pairs", "p1", "table", "pairs", 4),
+        ("sft", "m1", "model", "policy", None),
     ]
     # config, inputs and metrics are JSON; uri and created are the ref's
-    assert rows(con, "SELECT config->>'$.temperature', inputs->>'$.data' FROM artifacts WHERE stage = 'sample_pairs'") == [("1.0", "d1")]
-    assert rows(con, "SELECT (metrics->>'$.loss')::DOUBLE, config->>'$.lr' FROM artifacts WHERE kind = 'model'") == [(1.5, "0.001")]
+    assert rows(
+        con, "SELECT config->>'$.temperature', inputs->>'$.data' FROM artifacts WHERE stage = 'sample_pairs'"
+    ) == [("1.0", "d1")]
+    assert rows(con, "SELECT (metrics->>'$.loss')::DOUBLE, config->>'$.lr' FROM artifacts WHERE kind = 'model'") == [
+        (1.5, "0.001")
+    ]
     ref = store.get("sample_pairs", "p1")
-    assert rows(con, "SELECT uri, created FROM artifacts WHERE key = 'p1'") == [(ref.uri, datetime.fromisoformat(ref.created))]
+    assert rows(con, "SELECT uri, created FROM artifacts WHERE key = 'p1'") == [
+        (ref.uri, datetime.fromisoformat(ref.created))
+    ]
 
     assert rows(con, "SELECT stage, key, count(*) FROM pairs GROUP BY ALL") == [("sample_pairs", "p1", 4)]
     assert rows(con, "SELECT count(*) FROM outputs") == [(6,)]
@@ -111,15 +179,25 @@ def test_views_columns_and_rows(store):
     # win rate per method from the per-instruction evaluations, against the hand-computed values
     win = dict(rows(con, "SELECT generator, avg(preference - 1) * 100 FROM evaluations GROUP BY generator"))
     assert win == pytest.approx(WIN_RATE)
-    assert rows(con, "SELECT method, evaluation_key FROM leaderboard ORDER BY win_rate DESC") == [("best_of_4", "ev-best_of_4"), ("sft", "ev-sft")]
+    assert rows(con, "SELECT method, evaluation_key FROM leaderboard ORDER BY win_rate DESC") == [
+        ("best_of_4", "ev-best_of_4"),
+        ("sft", "ev-sft"),
+    ]
     # rows trace back to their artifacts
-    assert rows(con, "SELECT DISTINCT a.stage, (a.metrics->>'$.win_rate')::DOUBLE FROM evaluations e JOIN artifacts a USING (key) "
-                     "WHERE e.generator = 'sft'") == [("evaluate", pytest.approx(50.0))]
+    assert rows(
+        con,
+        "SELECT DISTINCT a.stage, (a.metrics->>'$.win_rate')::DOUBLE FROM evaluations e JOIN artifacts a USING (key) "
+        "WHERE e.generator = 'sft'",
+    ) == [("evaluate", pytest.approx(50.0))]
 
     # the annotation cache: cost per annotator, and disagreement on the same pair
-    cost = rows(con, "SELECT annotator, count(*), sum(price_usd) FROM annotations GROUP BY annotator ORDER BY annotator")
+    cost = rows(
+        con, "SELECT annotator, count(*), sum(price_usd) FROM annotations GROUP BY annotator ORDER BY annotator"
+    )
     assert cost == [("gpt4-a", 2, pytest.approx(0.004)), ("gpt4-b", 1, pytest.approx(0.003))]
-    disagree = rows(con, "SELECT count(DISTINCT preference) FROM annotations GROUP BY instruction, input, output_1, output_2")
+    disagree = rows(
+        con, "SELECT count(DISTINCT preference) FROM annotations GROUP BY instruction, input, output_1, output_2"
+    )
     assert disagree == [(2,)]
 
 
@@ -140,8 +218,14 @@ def test_empty_store_has_every_view_with_its_columns(tmp_path):
     for view, columns in VIEW_COLUMNS.items():
         rel = con.sql(f"SELECT * FROM {view}")
         assert rel.columns == columns and rel.fetchall() == [], view
-    types = dict(zip(con.sql("SELECT * FROM annotations").columns, map(str, con.sql("SELECT * FROM annotations").types)))
-    assert types["price_usd"] == "DOUBLE" and types["prompt_tokens"] == "BIGINT" and types["created"] == "TIMESTAMP WITH TIME ZONE"
+    types = dict(
+        zip(con.sql("SELECT * FROM annotations").columns, map(str, con.sql("SELECT * FROM annotations").types))
+    )
+    assert (
+        types["price_usd"] == "DOUBLE"
+        and types["prompt_tokens"] == "BIGINT"
+        and types["created"] == "TIMESTAMP WITH TIME ZONE"
+    )
 
 
 def test_print_views_round_trip_through_a_fresh_connection(store):
@@ -174,7 +258,9 @@ def test_sql_cli_formats(store, tmp_path):
     assert result.exit_code == 0, result.output
     parsed = list(csv.DictReader(io.StringIO(result.output)))
     assert [(r["generator"], float(r["win_rate"]), int(r["n"])) for r in parsed] == [
-        ("best_of_4", pytest.approx(WIN_RATE["best_of_4"]), 3), ("sft", 50.0, 3)]
+        ("best_of_4", pytest.approx(WIN_RATE["best_of_4"]), 3),
+        ("sft", 50.0, 3),
+    ]
 
     result = runner.invoke(app, ["sql", query, "--store", uri, "-f", "json"])
     assert result.exit_code == 0, result.output
@@ -205,8 +291,14 @@ def test_artifacts_ls_and_show(store):
     shown = runner.invoke(app, ["artifacts", "show", "m1", "--store", uri])
     assert shown.exit_code == 0, shown.output
     record = json.loads(shown.output)
-    assert record["ref"]["kind"] == "model" and record["config"] == {"lr": 0.001} and record["files"] == {"model/model.safetensors": 1}
-    assert json.loads(runner.invoke(app, ["artifacts", "show", "sample_pairs/p", "--store", uri]).output)["inputs"] == {"data": "d1"}
+    assert (
+        record["ref"]["kind"] == "model"
+        and record["config"] == {"lr": 0.001}
+        and record["files"] == {"model/model.safetensors": 1}
+    )
+    assert json.loads(runner.invoke(app, ["artifacts", "show", "sample_pairs/p", "--store", uri]).output)["inputs"] == {
+        "data": "d1"
+    }
     ambiguous = runner.invoke(app, ["artifacts", "show", "ev-", "--store", uri])
     assert ambiguous.exit_code == 1 and "2 artifacts match" in ambiguous.output
     assert runner.invoke(app, ["artifacts", "show", "zzz", "--store", uri]).exit_code == 1

@@ -15,13 +15,19 @@ def _annotate_key(overrides):
 def test_operational_annotator_settings_do_not_change_the_key():
     base = _annotate_key([])
     for override in (
-        "annotation.max_in_flight=4", "annotation.timeout_s=5", "annotation.max_retries=0", "annotation.chunk_size=7",
-        "annotation.max_cost_usd=3.5", "annotation.requests_per_minute=60", "annotation.rate_limit_name=\"other\"",
-        "annotation.api_key_env=\"MY_KEY\"", "annotation.api_key_secret=\"block\"",
+        "annotation.max_in_flight=4",
+        "annotation.timeout_s=5",
+        "annotation.max_retries=0",
+        "annotation.chunk_size=7",
+        "annotation.max_cost_usd=3.5",
+        "annotation.requests_per_minute=60",
+        'annotation.rate_limit_name="other"',
+        'annotation.api_key_env="MY_KEY"',
+        'annotation.api_key_secret="block"',
     ):
         assert _annotate_key([override]) == base, override
     # what the annotators decide with does change it
-    for override in ("annotation.label_noise=0.1", "annotation.seed=3", "annotation.base_url=\"http://127.0.0.1:1/v1\""):
+    for override in ("annotation.label_noise=0.1", "annotation.seed=3", 'annotation.base_url="http://127.0.0.1:1/v1"'):
         assert _annotate_key([override]) != base, override
 
 
@@ -51,7 +57,9 @@ def test_key_config_is_the_plain_dump_when_nothing_is_excluded():
     ei = cfg.expert_iteration.model_dump(exclude={"train": {"micro_batch_size"}})
     assert canonical_json(key_config(cfg.expert_iteration)) == canonical_json(ei)
     for section in (cfg.ppo, cfg.quark):  # so is theirs (it is also their sampling batch; samples do not depend on it)
-        operational = {"micro_batch_size", "snapshot_every"} & set(type(section).model_fields)  # snapshots: extra artifacts
+        operational = {"micro_batch_size", "snapshot_every"} & set(
+            type(section).model_fields
+        )  # snapshots: extra artifacts
         assert canonical_json(key_config(section)) == canonical_json(section.model_dump(exclude=operational))
     # generation.backend and batch_size are operational (not in the key)
     generate = {"sample": cfg.generation, "generator": "sft", "control": ""}
@@ -64,9 +72,13 @@ def test_unvalidated_copies_make_the_same_key():
     cfg = load_config("synthetic-micro")
     copied = cfg.dpo.model_copy(update={"epochs": 2})
     assert isinstance(copied.epochs, int)
-    assert stage_key("dpo", "1", key_config(copied)) == stage_key("dpo", "1", key_config(cfg.dpo.model_copy(update={"epochs": 2.0})))
+    assert stage_key("dpo", "1", key_config(copied)) == stage_key(
+        "dpo", "1", key_config(cfg.dpo.model_copy(update={"epochs": 2.0}))
+    )
     wrapped = {"sample": cfg.generation.model_copy(update={"temperature": 1}), "generator": "sft"}
-    assert canonical_json(key_config(wrapped)) == canonical_json(key_config({"sample": cfg.generation.model_copy(update={"temperature": 1.0}), "generator": "sft"}))
+    assert canonical_json(key_config(wrapped)) == canonical_json(
+        key_config({"sample": cfg.generation.model_copy(update={"temperature": 1.0}), "generator": "sft"})
+    )
 
 
 def test_a_local_pretrained_folder_is_keyed_by_its_contents(tmp_path):
@@ -88,16 +100,28 @@ def test_a_local_pretrained_folder_is_keyed_by_its_contents(tmp_path):
     assert key_config(cfg) == first and "pretrained_files" in first  # deterministic
     save(build_policy(CFG.model_copy(update={"seed": 1}), tok), tok, folder)  # other weights, same folder and shapes
     assert key_config(cfg) != first
-    assert key_config(ModelConfig(pretrained="org/model", revision="abc123")) != key_config(ModelConfig(pretrained="org/model"))
+    assert key_config(ModelConfig(pretrained="org/model", revision="abc123")) != key_config(
+        ModelConfig(pretrained="org/model")
+    )
     assert "pretrained_files" not in key_config(ModelConfig())  # the synthetic farm's model: unchanged
 
 
 def test_part_key_narrows_an_input_to_the_parts_a_stage_reads():
     from farmflow.storage import ArtifactRef, part_key
 
-    ref = ArtifactRef(uri="", stage="data", key="k" * 32, kind="table", format="instructions", created="now", parts={"sft": "a", "eval": "b"})
+    ref = ArtifactRef(
+        uri="",
+        stage="data",
+        key="k" * 32,
+        kind="table",
+        format="instructions",
+        created="now",
+        parts={"sft": "a", "eval": "b"},
+    )
     assert part_key(ref, None) == ref.key  # the whole artifact
-    assert part_key(ref, ("sft",)) == part_key(ref.model_copy(update={"key": "other", "parts": {"sft": "a", "eval": "c"}}), ("sft",))
+    assert part_key(ref, ("sft",)) == part_key(
+        ref.model_copy(update={"key": "other", "parts": {"sft": "a", "eval": "c"}}), ("sft",)
+    )
     assert part_key(ref, ("sft",)) != part_key(ref.model_copy(update={"parts": {"sft": "z", "eval": "b"}}), ("sft",))
     assert part_key(ref, ("eval", "sft")) == part_key(ref, ("sft", "eval")) != part_key(ref, ("sft",))
     assert part_key(ref, ()) == part_key(ref.model_copy(update={"parts": {"sft": "x"}}), ())  # reads nothing of it
@@ -113,9 +137,13 @@ def test_split_digests_change_only_with_their_split(tmp_path):
 
     store = str(tmp_path / "store")
     small = tasks.data_task.fn(store, DataConfig(sft_size=8, pref_size=8, unlabeled_size=4, val_size=2, eval_size=2))
-    more_eval = tasks.data_task.fn(store, DataConfig(sft_size=8, pref_size=8, unlabeled_size=4, val_size=2, eval_size=3))
+    more_eval = tasks.data_task.fn(
+        store, DataConfig(sft_size=8, pref_size=8, unlabeled_size=4, val_size=2, eval_size=3)
+    )
     assert set(small.parts) == {"sft", "pref", "unlabeled", "val", "eval"}
-    assert small.key != more_eval.key and open_store(store).get("data", small.key).parts == small.parts  # kept in the commit record
+    assert (
+        small.key != more_eval.key and open_store(store).get("data", small.key).parts == small.parts
+    )  # kept in the commit record
     assert {s for s in small.parts if small.parts[s] != more_eval.parts[s]} == {"eval"}
     # a stage that reads the sft split keeps its key; one that reads eval does not; the synthetic tokenizer reads them all
     sft_key = lambda data: stage_key("sft", "1", {}, tasks.core.keyed_inputs("sft", {}, {"data": data}))  # noqa: E731
@@ -126,7 +154,9 @@ def test_split_digests_change_only_with_their_split(tmp_path):
 
     assert base(ModelConfig(), small) == small.key and base(ModelConfig(), more_eval) == more_eval.key
     assert base(ModelConfig(pretrained="org/model"), small) == base(ModelConfig(pretrained="org/model"), more_eval)
-    assert base({"pretrained": "org/model"}, small) == base(ModelConfig(pretrained="org/model"), small)  # a config from JSON
+    assert base({"pretrained": "org/model"}, small) == base(
+        ModelConfig(pretrained="org/model"), small
+    )  # a config from JSON
 
 
 # Every stage's key for synthetic-micro's configs and fixed input keys, computed before the stage registry existed:
@@ -160,7 +190,9 @@ PINNED_KEYS = {
 def _ref(stage: str, parts: dict | None = None):
     from farmflow.storage import ArtifactRef
 
-    return ArtifactRef(uri="", stage=stage, key=stage[:4].ljust(32, "0"), kind="table", format="x", created="now", parts=parts or {})
+    return ArtifactRef(
+        uri="", stage=stage, key=stage[:4].ljust(32, "0"), kind="table", format="x", created="now", parts=parts or {}
+    )
 
 
 def _pinned_cases() -> dict:
@@ -168,16 +200,26 @@ def _pinned_cases() -> dict:
 
     cfg = load_config("synthetic-micro")
     data = _ref("data", {s: s.ljust(16, "1") for s in ("sft", "pref", "unlabeled", "val", "eval")})
-    bon = {"best_of_n": cfg.best_of_n, "max_new_tokens": cfg.generation.max_new_tokens, "split": "eval", "max_prompts": None}
+    bon = {
+        "best_of_n": cfg.best_of_n,
+        "max_new_tokens": cfg.generation.max_new_tokens,
+        "split": "eval",
+        "max_prompts": None,
+    }
     gen = {"sample": cfg.generation, "generator": "sft", "control": ""}
     pref, sft, reward, outputs = _ref("annotate"), _ref("sft"), _ref("train_reward"), _ref("generate")
     return {
-        "data": (cfg.data, {}), "base_model": (cfg.model, {"data": data}),
+        "data": (cfg.data, {}),
+        "base_model": (cfg.model, {"data": data}),
         "sft": (cfg.sft, {"data": data, "base": _ref("base_model")}),
-        "sample_pairs": (cfg.pairs, {"data": data, "policy": sft}), "annotate": (cfg.annotation, {"pairs": _ref("sample_pairs")}),
+        "sample_pairs": (cfg.pairs, {"data": data, "policy": sft}),
+        "annotate": (cfg.annotation, {"pairs": _ref("sample_pairs")}),
         "train_reward": (cfg.reward, {"preferences": pref, "sft": sft}),
         "generate": (gen, {"data": data, "policy": sft}),
-        "generate_json": (json.loads(json.dumps({**gen, "sample": cfg.generation.model_dump(mode="json")})), {"data": data, "policy": sft}),
+        "generate_json": (
+            json.loads(json.dumps({**gen, "sample": cfg.generation.model_dump(mode="json")})),
+            {"data": data, "policy": sft},
+        ),
         "best_of_n": (bon, {"data": data, "policy": sft, "reward": reward}),
         "best_of_n_prefix": ({"n": 2}, {"best_of_n": _ref("best_of_n"), "reward": reward}),
         "best_of_n_rescore": ({}, {"best_of_n": _ref("best_of_n"), "reward": reward}),
@@ -191,7 +233,10 @@ def _pinned_cases() -> dict:
         "quark": (cfg.quark, {"data": data, "sft": sft, "reward": reward}),
         "proxy_reward": ({}, {"outputs": outputs, "reward": reward}),
         "overoptimization": ({"title": "t", "points": []}, {}),
-        "reward_report": ({"annotation": cfg.annotation, "title": "t"}, {"preferences": pref, "sft": sft, "reward": reward}),
+        "reward_report": (
+            {"annotation": cfg.annotation, "title": "t"},
+            {"preferences": pref, "sft": sft, "reward": reward},
+        ),
     }
 
 
@@ -205,7 +250,12 @@ def test_every_stage_key_is_pinned():
     for name, (config, inputs) in cases.items():
         stage = name.removesuffix("_json")
         assert cache_key(stage)(None, {"config": config, **inputs}) == PINNED_KEYS[name], name
-        assert STAGES[stage].key(STAGES[stage].typed_config(config), inputs) == PINNED_KEYS[name].removeprefix(f"{stage}-"), name
+        assert STAGES[stage].key(STAGES[stage].typed_config(config), inputs) == PINNED_KEYS[name].removeprefix(
+            f"{stage}-"
+        ), name
     hub = ModelConfig(pretrained="org/model", revision="abc")
-    assert cache_key("base_model")(None, {"config": hub, "data": cases["base_model"][1]["data"]}) == "base_model-c7c8d77f2bf19b237ff17387162af217"
+    assert (
+        cache_key("base_model")(None, {"config": hub, "data": cases["base_model"][1]["data"]})
+        == "base_model-c7c8d77f2bf19b237ff17387162af217"
+    )
     assert rl.snapshot_key("p" * 32, 5) == "cc56db1c46d7e853650915eb7b55d5e8"

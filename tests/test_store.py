@@ -18,19 +18,20 @@ from farmflow.storage import COMMIT_FILE, ArtifactRef, LocalStore, canonical_jso
 from farmflow.storage.schemas import SCHEMAS
 
 
-
 def pairs_table(n=3, tag="a"):
-    return pa.table({
-        # columns in another order than the schema, plus one the schema does not have
-        "task": [json.dumps({"i": i}) for i in range(n)],
-        "id": [f"pref-{i:05d}" for i in range(n)],
-        "split": ["pref"] * n,
-        "instruction": [f"Sort {tag}{i}." for i in range(n)],
-        "input": ["3, 1, 2"] * n,
-        "output_1": [f"1, 2, 3 {tag}"] * n,
-        "output_2": ["3, 2, 1"] * n,
-        "extra": list(range(n)),
-    })
+    return pa.table(
+        {
+            # columns in another order than the schema, plus one the schema does not have
+            "task": [json.dumps({"i": i}) for i in range(n)],
+            "id": [f"pref-{i:05d}" for i in range(n)],
+            "split": ["pref"] * n,
+            "instruction": [f"Sort {tag}{i}." for i in range(n)],
+            "input": ["3, 1, 2"] * n,
+            "output_1": [f"1, 2, 3 {tag}"] * n,
+            "output_2": ["3, 2, 1"] * n,
+            "extra": list(range(n)),
+        }
+    )
 
 
 def staging_entries(store):
@@ -45,10 +46,13 @@ def run_python(script: str, **extra_env: str) -> subprocess.CompletedProcess:
 
 # ----------------------------------------------------------------------------- tables
 
+
 def test_put_table_round_trip(tmp_path):
     store = LocalStore(tmp_path / "store")
     before = datetime.now(timezone.utc)
-    ref = store.put_table("pairs", "k1", pairs_table(), "pairs", config={"n": 2}, inputs={"data": "abc"}, metrics={"s": 1.5})
+    ref = store.put_table(
+        "pairs", "k1", pairs_table(), "pairs", config={"n": 2}, inputs={"data": "abc"}, metrics={"s": 1.5}
+    )
     assert (ref.stage, ref.key, ref.kind, ref.format, ref.rows) == ("pairs", "k1", "table", "pairs", 3)
     assert ref.metrics == {"s": 1.5}
     assert ref.uri == str(tmp_path / "store" / "pairs" / "k1")
@@ -72,13 +76,19 @@ def test_put_table_round_trip(tmp_path):
 
 def test_extra_tables_are_validated_and_read_back(tmp_path):
     store = LocalStore(tmp_path)
-    cands = pa.table({"id": ["a", "a"], "sample": [0, 1], "output": ["x", "y"], "reward": ["0.5", "1.5"]})  # strings are cast to the schema's float
-    ref = store.put_table("pairs", "k", pairs_table(), "pairs", extra_tables={"candidates.parquet": (cands, "candidates")})
+    cands = pa.table(
+        {"id": ["a", "a"], "sample": [0, 1], "output": ["x", "y"], "reward": ["0.5", "1.5"]}
+    )  # strings are cast to the schema's float
+    ref = store.put_table(
+        "pairs", "k", pairs_table(), "pairs", extra_tables={"candidates.parquet": (cands, "candidates")}
+    )
     back = store.read_table(ref, "candidates.parquet", "candidates")
     assert back.schema == SCHEMAS["candidates"] and back.column("reward").to_pylist() == [0.5, 1.5]
     assert store.read_table(ref).num_rows == pairs_table().num_rows
     with pytest.raises(ValueError, match=r"stage 'pairs' c.parquet table is missing column\(s\) \['reward'\]"):
-        store.put_table("pairs", "k2", pairs_table(), "pairs", extra_tables={"c.parquet": (cands.drop(["reward"]), "candidates")})
+        store.put_table(
+            "pairs", "k2", pairs_table(), "pairs", extra_tables={"c.parquet": (cands.drop(["reward"]), "candidates")}
+        )
     with pytest.raises(ValueError, match="must end in .parquet"):
         store.put_table("pairs", "k3", pairs_table(), "pairs", extra_tables={"c.csv": (cands, "candidates")})
     assert store.get("pairs", "k2") is None and store.get("pairs", "k3") is None  # nothing committed
@@ -89,7 +99,9 @@ def test_get_unknown_and_list(tmp_path):
     assert store.get("pairs", "nope") is None
     assert store.list() == []
     r1 = store.put_table("pairs", "k1", pairs_table(), "pairs")
-    r2 = store.put_table("instructions", "k2", pa.table({c: ["x"] for c in SCHEMAS["instructions"].names}), "instructions")
+    r2 = store.put_table(
+        "instructions", "k2", pa.table({c: ["x"] for c in SCHEMAS["instructions"].names}), "instructions"
+    )
     assert store.get("pairs", "k2") is None and store.get("instructions", "k1") is None
     assert store.list() == [r1, r2]  # sorted by creation time
     assert r2.rows == 1
@@ -106,7 +118,9 @@ def test_a_damaged_commit_record_is_one_clear_error_not_a_missing_artifact(tmp_p
     record = tmp_path / "pairs" / "k1" / COMMIT_FILE
     record.write_text(record.read_text()[:40])  # truncated
     for call in (lambda: store.get("pairs", "k1"), store.list, lambda: store.read_table(ref)):
-        with pytest.raises(StoreError, match=r"pairs/k1/_COMMIT\.json: unreadable commit record .*move that artifact folder away"):
+        with pytest.raises(
+            StoreError, match=r"pairs/k1/_COMMIT\.json: unreadable commit record .*move that artifact folder away"
+        ):
             call()
     record.unlink()
     record.mkdir()  # a record that cannot be read at all (here: a folder) is an error too, not an artifact left out
@@ -195,6 +209,7 @@ def test_concurrent_writers_same_key(tmp_path):
 
 
 # ----------------------------------------------------------------------------- models
+
 
 @pytest.fixture(scope="module")
 def tiny_model():
@@ -432,7 +447,11 @@ def test_row_log_appends_chunks_and_reads_them_back_in_order(tmp_path):
     assert store.read_rows("annotations/x", "outputs").num_rows == 0
     row = {"id": "a", "instruction": "i", "input": "", "output": "o", "generator": "g", "task": None, "score": 1.0}
     for i in range(3):
-        store.append_rows("annotations/x", pa.Table.from_pylist([{**row, "id": str(i)}] * (i + 1), schema=SCHEMAS["outputs"]), "outputs")
+        store.append_rows(
+            "annotations/x",
+            pa.Table.from_pylist([{**row, "id": str(i)}] * (i + 1), schema=SCHEMAS["outputs"]),
+            "outputs",
+        )
     (tmp_path / "_rows" / "annotations" / "x" / ".half-written.parquet.tmp").write_bytes(b"PAR1 garbage")
     table = store.read_rows("annotations/x", "outputs")
     assert table.column("id").to_pylist() == ["0", "1", "1", "2", "2", "2"]

@@ -3,8 +3,17 @@ import random
 import pytest
 
 from farmflow.data.synthetic import (
-    ALL_WORDS, FAMILIES, VOCAB, Task, correct_output, demonstrate, gold_reward,
-    reference_output, sample_task, task_from_json, task_to_json,
+    ALL_WORDS,
+    FAMILIES,
+    VOCAB,
+    Task,
+    correct_output,
+    demonstrate,
+    gold_reward,
+    reference_output,
+    sample_task,
+    task_from_json,
+    task_to_json,
 )
 
 ARITH = {"a": 37, "b": 48, "op": "+"}
@@ -20,6 +29,7 @@ def tasks(family, n=200, seed=0):
 
 
 # ----------------------------------------------------------------------------- per family gold
+
 
 def test_arithmetic_gold():
     assert gold_reward("arithmetic", ARITH, "85") == 1.0
@@ -67,9 +77,13 @@ def test_max_number_gold():
     assert gold_reward("max_number", MAX, "86") == 0.0
 
 
-CASES = [("arithmetic", ARITH, "85"), ("sort", SORT, "3, 12, 85"),
-         ("reverse", REVERSE, "plum hammer cat red"), ("list_items", LIST, "cat, dog, cow, pig"),
-         ("max_number", MAX, "85")]
+CASES = [
+    ("arithmetic", ARITH, "85"),
+    ("sort", SORT, "3, 12, 85"),
+    ("reverse", REVERSE, "plum hammer cat red"),
+    ("list_items", LIST, "cat, dog, cow, pig"),
+    ("max_number", MAX, "85"),
+]
 
 
 @pytest.mark.parametrize("family,params,answer", CASES)
@@ -96,6 +110,7 @@ def test_garbage_scores_zero(family, params, answer):
 
 
 # ----------------------------------------------------------------------------- policies
+
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_correct_output_is_perfect(family):
@@ -150,6 +165,7 @@ def test_bad_error_rate():
 
 # ----------------------------------------------------------------------------- misc
 
+
 def test_determinism():
     for family in FAMILIES:
         assert tasks(family, 20, seed=3) == tasks(family, 20, seed=3)
@@ -182,8 +198,7 @@ def test_vocabulary_is_closed_and_disjoint():
 
 
 def test_unknown_family():
-    for call in (lambda: sample_task("poetry", random.Random(0)),
-                 lambda: gold_reward("poetry", {}, "x")):
+    for call in (lambda: sample_task("poetry", random.Random(0)), lambda: gold_reward("poetry", {}, "x")):
         with pytest.raises(ValueError, match="poetry") as err:
             call()
         assert all(f in str(err.value) for f in FAMILIES)

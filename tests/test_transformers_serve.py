@@ -20,11 +20,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from test_api_annotators import judge, make_rows, pool
 
 from farmflow.annotators import AnnotationError, AnnotationIncomplete, annotate, cache
 from farmflow.config import AnnotatorConfig
 from farmflow.storage import open_store
-from test_api_annotators import judge, make_rows, pool
 
 pytestmark = pytest.mark.slow
 
@@ -46,15 +46,30 @@ def greedy_a_llama(folder: Path) -> int:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(["Judge the items below. Reply with one line per item: [1] (a)"] * 4, trainer=trainer)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
-    tokenizer.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                               "{% if add_generation_prompt %}assistant:{% endif %}")
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=8192, bos_token_id=0,
-                         eos_token_id=1, tie_word_embeddings=False)
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=8192,
+        bos_token_id=0,
+        eos_token_id=1,
+        tie_word_embeddings=False,
+    )
     model = LlamaForCausalLM(config)
     a = tokenizer.convert_tokens_to_ids("a")
     with torch.no_grad():
@@ -95,8 +110,19 @@ def served(tmp_path_factory):
     log = folder / "server.log"
     env = os.environ | {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     with open(log, "wb") as out:
-        command = [str(TRANSFORMERS), "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
-                   "--device", "cpu", "--default-seed", "0"]
+        command = [
+            str(TRANSFORMERS),
+            "serve",
+            str(model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--device",
+            "cpu",
+            "--default-seed",
+            "0",
+        ]
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
         deadline = time.monotonic() + 120
@@ -163,8 +189,9 @@ def test_the_paper_pool_with_served_model_no_400s_and_garbage_is_parse_failures(
     log = open_store(tmp_path).read_rows("annotations", "annotations").to_pylist()
     failed = [r for r in log if r["status"] == "failed"]
     assert len(log) == len({r["key"] for r in log}) and len(failed) >= len(log) - 2  # "a" by chance, rarely
-    assert failed and all(r["error"].startswith("parse: ") and r["error"].endswith("(after one re-ask)")
-                          for r in failed)
+    assert failed and all(
+        r["error"].startswith("parse: ") and r["error"].endswith("(after one re-ask)") for r in failed
+    )
     assert all(r["raw_completion"] for r in failed) and {r["model"] for r in log} == {served.model}
     assert f"{len(failed)} of 24 pairs failed (parse: {len(failed)})" in str(err.value)
     expected = {"failed_rows": len(failed), "reparsed": 0, "still_failed": len(failed)}
@@ -195,8 +222,15 @@ def test_a_judge_at_temperature_one_samples(served, key):
     import openai
 
     client = openai.OpenAI(base_url=served.url, api_key="local", max_retries=0)
-    ask = lambda t: client.chat.completions.create(  # noqa: E731
-        model=served.model, messages=[{"role": "user", "content": "Which output is better, (a) or (b)?"}],
-        temperature=t, max_tokens=8).choices[0].message.content
+    ask = lambda t: (
+        client.chat.completions.create(  # noqa: E731
+            model=served.model,
+            messages=[{"role": "user", "content": "Which output is better, (a) or (b)?"}],
+            temperature=t,
+            max_tokens=8,
+        )
+        .choices[0]
+        .message.content
+    )
     assert len({ask(1.0) for _ in range(6)}) > 1
     assert len({ask(0.0) for _ in range(3)}) == 1

@@ -57,7 +57,9 @@ def texts_from_vllm(request_outputs: Sequence[Any], n: int, decode: Callable[[Se
     for k, request in enumerate(request_outputs):
         i, j = divmod(k, n)
         if len(request.outputs) != 1:
-            raise ValueError(f"vllm: prompt {i} sample {j} came back with {len(request.outputs)} completions, expected 1")
+            raise ValueError(
+                f"vllm: prompt {i} sample {j} came back with {len(request.outputs)} completions, expected 1"
+            )
         if j == 0:
             texts.append([])
         texts[-1].append(decode(list(request.outputs[0].token_ids)))
@@ -65,8 +67,16 @@ def texts_from_vllm(request_outputs: Sequence[Any], n: int, decode: Callable[[Se
 
 
 def vllm_sample(
-    model_dir: str | Path, prompts: Sequence[str], *, n: int, temperature: float, top_p: float, max_new_tokens: int, seed: int,
-    field: str = "generation.backend", dtype: str = "auto",
+    model_dir: str | Path,
+    prompts: Sequence[str],
+    *,
+    n: int,
+    temperature: float,
+    top_p: float,
+    max_new_tokens: int,
+    seed: int,
+    field: str = "generation.backend",
+    dtype: str = "auto",
 ) -> list[list[str]]:
     """n sampled responses per prompt from the checkpoint folder, through vLLM (``result[prompt][sample]``).
 
@@ -82,13 +92,19 @@ def vllm_sample(
     tokenizer = load_tokenizer(model_dir)
     context = AutoConfig.from_pretrained(str(model_dir)).max_position_embeddings
     if max_new_tokens >= context:
-        raise ConfigError(f"max_new_tokens ({max_new_tokens}) must be smaller than the model's context ({context} tokens)")
+        raise ConfigError(
+            f"max_new_tokens ({max_new_tokens}) must be smaller than the model's context ({context} tokens)"
+        )
     ids = prompt_ids(tokenizer, prompts, context - max_new_tokens)  # the hf sampler's encoding
     llm = vllm.LLM(model=str(model_dir), dtype=dtype, seed=seed, max_model_len=context)
     try:
         requests = [(i, j) for i in range(len(prompts)) for j in range(n)]
-        params = [vllm.SamplingParams(n=1, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, seed=sample_seed(seed, i, j))
-                  for i, j in requests]
+        params = [
+            vllm.SamplingParams(
+                n=1, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, seed=sample_seed(seed, i, j)
+            )
+            for i, j in requests
+        ]
         outputs = llm.generate([{"prompt_token_ids": ids[i]} for i, _ in requests], params, use_tqdm=False)
     finally:
         del llm
@@ -97,13 +113,31 @@ def vllm_sample(
 
 
 def sample_texts(
-    backend: str, model_dir: str | Path, prompts: Sequence[str], *, n: int, temperature: float, top_p: float, max_new_tokens: int,
-    batch_size: int, seed: int, field: str, progress: Callable[[int], None] | None = None,
+    backend: str,
+    model_dir: str | Path,
+    prompts: Sequence[str],
+    *,
+    n: int,
+    temperature: float,
+    top_p: float,
+    max_new_tokens: int,
+    batch_size: int,
+    seed: int,
+    field: str,
+    progress: Callable[[int], None] | None = None,
 ) -> list[list[str]]:
     """n sampled responses per prompt from a policy checkpoint folder with the chosen backend."""
     if backend == "vllm":
-        out = vllm_sample(model_dir, prompts, n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed,
-                          field=field)
+        out = vllm_sample(
+            model_dir,
+            prompts,
+            n=n,
+            temperature=temperature,
+            top_p=top_p,
+            max_new_tokens=max_new_tokens,
+            seed=seed,
+            field=field,
+        )
         if progress:
             progress(len(prompts))
         return out
@@ -112,21 +146,50 @@ def sample_texts(
     from farmflow.models import load_policy, sample
 
     model, tokenizer = load_policy(model_dir)
-    return sample(model, tokenizer, prompts, n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
-                  batch_size=batch_size, seed=seed, progress=progress)
+    return sample(
+        model,
+        tokenizer,
+        prompts,
+        n=n,
+        temperature=temperature,
+        top_p=top_p,
+        max_new_tokens=max_new_tokens,
+        batch_size=batch_size,
+        seed=seed,
+        progress=progress,
+    )
 
 
 def scored_candidates_vllm(
-    model_dir: str | Path, reward_dir: str | Path, prompts: Sequence[str], *, n: int, temperature: float, top_p: float,
-    max_new_tokens: int, batch_size: int, seed: int, field: str = "generation.backend",
+    model_dir: str | Path,
+    reward_dir: str | Path,
+    prompts: Sequence[str],
+    *,
+    n: int,
+    temperature: float,
+    top_p: float,
+    max_new_tokens: int,
+    batch_size: int,
+    seed: int,
+    field: str = "generation.backend",
 ) -> tuple[list[list[str]], list[float]]:
     """Best-of-n's candidates with vLLM sampling: n per prompt, each scored by the reward model (loaded after the
     engine is gone); rewards flat, prompt-major, for `farmflow.methods.best_of_n.pick_best`."""
     from farmflow.models import load_reward, score
 
-    candidates = vllm_sample(model_dir, prompts, n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
-                             seed=seed, field=field)
+    candidates = vllm_sample(
+        model_dir,
+        prompts,
+        n=n,
+        temperature=temperature,
+        top_p=top_p,
+        max_new_tokens=max_new_tokens,
+        seed=seed,
+        field=field,
+    )
     reward_model, reward_tokenizer = load_reward(reward_dir)
     flat_prompts = [p for p, c in zip(prompts, candidates) for _ in c]
-    rewards = score(reward_model, reward_tokenizer, flat_prompts, [o for c in candidates for o in c], batch_size=batch_size).tolist()
+    rewards = score(
+        reward_model, reward_tokenizer, flat_prompts, [o for c in candidates for o in c], batch_size=batch_size
+    ).tolist()
     return candidates, rewards

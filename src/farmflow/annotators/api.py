@@ -100,16 +100,22 @@ def api_key(cfg: AnnotatorConfig) -> str:
         try:
             value = Secret.load(cfg.api_key_secret).get()
         except Exception as err:  # noqa: BLE001  (block missing, no Prefect API...)
-            raise AnnotationError(f"annotation.api_key_secret: cannot load Prefect Secret block {cfg.api_key_secret!r} ({type(err).__name__})") from None
+            raise AnnotationError(
+                f"annotation.api_key_secret: cannot load Prefect Secret block {cfg.api_key_secret!r} ({type(err).__name__})"
+            ) from None
         if isinstance(value, dict):  # a JSON Secret: the key is its api_key field
             value = value.get("api_key")
         if not isinstance(value, str) or not value:
-            raise AnnotationError(f"annotation.api_key_secret: Prefect Secret block {cfg.api_key_secret!r} must hold the key as a string "
-                                  "(or JSON with an api_key field)")
+            raise AnnotationError(
+                f"annotation.api_key_secret: Prefect Secret block {cfg.api_key_secret!r} must hold the key as a string "
+                "(or JSON with an api_key field)"
+            )
         return value
     value = os.environ.get(cfg.api_key_env)
     if not value:
-        raise AnnotationError(f"annotation.api_key_env: environment variable {cfg.api_key_env} is not set (the API annotators' key)")
+        raise AnnotationError(
+            f"annotation.api_key_env: environment variable {cfg.api_key_env} is not set (the API annotators' key)"
+        )
     return value
 
 
@@ -131,8 +137,13 @@ class _Run:
     def client(self, base_url: str) -> openai.AsyncOpenAI:
         if base_url not in self.clients:
             http = openai.DefaultAsyncHttpxClient(event_hooks={"response": [failures.no_retry_on_client_errors]})
-            self.clients[base_url] = openai.AsyncOpenAI(base_url=base_url, api_key=self.key, http_client=http,
-                                                        max_retries=self.cfg.max_retries, timeout=self.cfg.timeout_s)
+            self.clients[base_url] = openai.AsyncOpenAI(
+                base_url=base_url,
+                api_key=self.key,
+                http_client=http,
+                max_retries=self.cfg.max_retries,
+                timeout=self.cfg.timeout_s,
+            )
         return self.clients[base_url]
 
     def model(self, a: ApiAnnotatorConfig) -> str:
@@ -145,15 +156,31 @@ class _Run:
         rows = []
         for k, it in enumerate(items, 1):
             shown = prefs[k - 1] if prefs is not None else None
-            rows.append({
-                "key": it.key, "annotator": a.name, "annotator_hash": ahash, "model": model,
-                "instruction": it.instruction, "input": it.input, "output_1": it.output_1, "output_2": it.output_2,
-                "preference": None if shown is None else (3.0 - shown if it.swapped else shown),
-                "status": "ok" if prefs is not None else "failed", "error": error, "raw_completion": raw,
-                "prompt_tokens": usage[0] // n, "completion_tokens": usage[1] // n, "price_usd": price,
-                "latency_s": latency, "created": cache.now(), "prompt_format": a.prompt_format, "item": k, "items": n,
-                "swapped": it.swapped,
-            })
+            rows.append(
+                {
+                    "key": it.key,
+                    "annotator": a.name,
+                    "annotator_hash": ahash,
+                    "model": model,
+                    "instruction": it.instruction,
+                    "input": it.input,
+                    "output_1": it.output_1,
+                    "output_2": it.output_2,
+                    "preference": None if shown is None else (3.0 - shown if it.swapped else shown),
+                    "status": "ok" if prefs is not None else "failed",
+                    "error": error,
+                    "raw_completion": raw,
+                    "prompt_tokens": usage[0] // n,
+                    "completion_tokens": usage[1] // n,
+                    "price_usd": price,
+                    "latency_s": latency,
+                    "created": cache.now(),
+                    "prompt_format": a.prompt_format,
+                    "item": k,
+                    "items": n,
+                    "swapped": it.swapped,
+                }
+            )
         if self.writer is not None:
             self.writer.add(rows)
         self.results |= {r["key"]: r for r in rows}
@@ -181,8 +208,9 @@ class _Run:
         """Send one request (again once if its reply cannot be read); None when it was not sent."""
         model = self.model(a)
         request = chat_request(a, model, items)
-        estimate = budget.cost(self.cfg.prices.get(model), budget.prompt_tokens_estimate(request["messages"]),
-                               request["max_tokens"])
+        estimate = budget.cost(
+            self.cfg.prices.get(model), budget.prompt_tokens_estimate(request["messages"]), request["max_tokens"]
+        )
         usage, raw, error, start = [0, 0], None, "", time.perf_counter()
 
         def failed(reason: str) -> Outcome:
@@ -198,8 +226,15 @@ class _Run:
                 resp = await self.client(base_url).chat.completions.create(**request)
             except Exception as err:  # noqa: BLE001  (SDK errors, and anything else a reply can raise)
                 await self.budget.settle(estimate, 0.0)
-                failure = failures.describe(err, secret=self.key, base_url=base_url, annotator=a.name, model=model,
-                                            key_source=self._key_source(), timeout_s=self.cfg.timeout_s)
+                failure = failures.describe(
+                    err,
+                    secret=self.key,
+                    base_url=base_url,
+                    annotator=a.name,
+                    model=model,
+                    key_source=self._key_source(),
+                    timeout_s=self.cfg.timeout_s,
+                )
                 if failure.fatal:
                     self.fatal = self.fatal or failure.message
                     return None
@@ -281,8 +316,12 @@ _VERIFIED: set[tuple] = set()
 def chat_request(a: ApiAnnotatorConfig, model: str, items: list[Pending]) -> dict:
     """The chat-completion parameters for one request: only what OpenAI-compatible servers accept."""
     messages = prompts.render([it.shown() for it in items], a.prompt_format, a.style)
-    request: dict = {"model": model, "messages": messages, "temperature": a.temperature,
-                     "max_tokens": cache.max_tokens(a)}
+    request: dict = {
+        "model": model,
+        "messages": messages,
+        "temperature": a.temperature,
+        "max_tokens": cache.max_tokens(a),
+    }
     if a.prompt_format == "logprobs":  # servers without log-probabilities ignore these: the text is parsed then
         request |= {"logprobs": True, "top_logprobs": 5}
     if a.logit_bias:  # never empty, and floats only: some servers (transformers serve) fail on either
@@ -304,8 +343,9 @@ def assign(cfg: AnnotatorConfig, instruction: str, input: str, pool: list) -> in
     return int(unit_hash(cfg.seed, "assign", instruction, input) * len(pool))
 
 
-def annotate_api(rows: list[dict], cfg: AnnotatorConfig, store,
-                 progress: Callable[[int], None] | None = None) -> tuple[list[dict], RunStats]:
+def annotate_api(
+    rows: list[dict], cfg: AnnotatorConfig, store, progress: Callable[[int], None] | None = None
+) -> tuple[list[dict], RunStats]:
     """Judge `rows` (instruction, input, output_1, output_2) with the API pool in `cfg`.
 
     `progress(n)`: called as pairs settle, first for those the cache, ties and label noise
@@ -330,7 +370,13 @@ def annotate_api(rows: list[dict], cfg: AnnotatorConfig, store,
         i = assign(cfg, ins, inp, pool)
         c1, c2, flipped = cache.canonical(o1, o2)
         swapped_canon = unit_hash(cfg.seed, "order", ins, inp, c1, c2) < 0.5
-        entry = {"annotator": pool[i].name, "i": i, "flipped": flipped, "swapped": swapped_canon != flipped, "noised": False}
+        entry = {
+            "annotator": pool[i].name,
+            "i": i,
+            "flipped": flipped,
+            "swapped": swapped_canon != flipped,
+            "noised": False,
+        }
         settled = cache.without_judge(cfg, ins, inp, o1, o2)
         if settled:
             entry |= settled
@@ -351,9 +397,14 @@ def annotate_api(rows: list[dict], cfg: AnnotatorConfig, store,
         for i, pending in sorted(todo.items()):
             items = list(pending.values())
             b = pool[i].batch_size
-            requests += [(pool[i], urls[i], hashes[i], items[j:j + b]) for j in range(0, len(items), b)]
+            requests += [(pool[i], urls[i], hashes[i], items[j : j + b]) for j in range(0, len(items), b)]
         n_pairs = sum(len(p) for p in todo.values())
-        log("annotate: %d pairs to ask in %d requests (%d cached)", n_pairs, len(requests), sum(1 for e in plan if e.get("key") in ok))
+        log(
+            "annotate: %d pairs to ask in %d requests (%d cached)",
+            n_pairs,
+            len(requests),
+            sum(1 for e in plan if e.get("key") in ok),
+        )
 
         async def main() -> _Run:
             run = _Run(cfg, store, secret, await make_limiter(cfg), progress)
@@ -363,9 +414,17 @@ def annotate_api(rows: list[dict], cfg: AnnotatorConfig, store,
         run = _run_coro(main)
         stats, results = run.stats, run.results
         reasons = ", ".join(f"{k}: {v}" for k, v in stats.errors.most_common())
-        log("annotate: %d requests (%d re-asks), %d judged, %d failed%s, %d not sent, $%.4f, %.1fs",
-            stats.requests, stats.reasks, stats.judged, stats.failed, f" ({reasons})" if reasons else "", stats.unsent,
-            stats.cost_usd, stats.seconds)
+        log(
+            "annotate: %d requests (%d re-asks), %d judged, %d failed%s, %d not sent, $%.4f, %.1fs",
+            stats.requests,
+            stats.reasks,
+            stats.judged,
+            stats.failed,
+            f" ({reasons})" if reasons else "",
+            stats.unsent,
+            stats.cost_usd,
+            stats.seconds,
+        )
 
     stopped_by_error = stats.stopped not in (None, "budget")
     unsent = "not sent: the run stopped at an error" if stopped_by_error else "not sent: max_cost_usd reached"
@@ -377,9 +436,13 @@ def annotate_api(rows: list[dict], cfg: AnnotatorConfig, store,
                 e |= {"preference": None, "status": "unsent", "error": unsent}
             else:
                 p = hit["preference"]
-                e |= {"preference": None if p is None else (3.0 - p if e["flipped"] else p), "status": hit["status"],
-                      "error": hit["error"], "price_usd": hit["price_usd"] if e["key"] in results else 0.0,
-                      "cached": e["key"] not in results}
+                e |= {
+                    "preference": None if p is None else (3.0 - p if e["flipped"] else p),
+                    "status": hit["status"],
+                    "error": hit["error"],
+                    "price_usd": hit["price_usd"] if e["key"] in results else 0.0,
+                    "cached": e["key"] not in results,
+                }
         out.append(e)
     if stopped_by_error:
         raise AnnotationError(f"{stats.stopped} ({stats.judged} pairs judged and cached before the error)", out, stats)

@@ -63,9 +63,15 @@ def asked_model(annotator: ApiAnnotatorConfig, cfg: AnnotatorConfig) -> str:
 
 def annotator_hash(annotator: ApiAnnotatorConfig, base_url: str, served_model: str | None = None) -> str:
     payload = {
-        "prompt_version": prompts.PROMPT_VERSION, "base_url": base_url, "model": served_model or annotator.model,
-        "prompt_format": annotator.prompt_format, "style": annotator.style, "batch_size": annotator.batch_size,
-        "temperature": annotator.temperature, "max_tokens": max_tokens(annotator), "logit_bias": annotator.logit_bias,
+        "prompt_version": prompts.PROMPT_VERSION,
+        "base_url": base_url,
+        "model": served_model or annotator.model,
+        "prompt_format": annotator.prompt_format,
+        "style": annotator.style,
+        "batch_size": annotator.batch_size,
+        "temperature": annotator.temperature,
+        "max_tokens": max_tokens(annotator),
+        "logit_bias": annotator.logit_bias,
     }
     return hashlib.sha256(canonical_json(payload).encode()).hexdigest()[:16]
 
@@ -129,6 +135,7 @@ def _from_journal(row: dict) -> dict:
 
 def recover(store) -> int:
     """Commit to the row log the journaled rows of runs that died before writing them (see `journal`)."""
+
     def commit(rows: list[dict]) -> None:
         store.append_rows(NAMESPACE, to_table([_from_journal(r) for r in rows]), NAMESPACE)
 
@@ -154,8 +161,11 @@ class Writer:
             try:
                 self.flush()
             except Exception as err:  # noqa: BLE001  (the rows stay journaled and buffered; the next flush tries again)
-                log("annotate: cannot append to the row cache yet (%s: %s); will try again",
-                    type(err).__name__, str(err)[:160])
+                log(
+                    "annotate: cannot append to the row cache yet (%s: %s); will try again",
+                    type(err).__name__,
+                    str(err)[:160],
+                )
 
     def flush(self) -> None:
         if self.buffer:
@@ -189,10 +199,19 @@ def reparse(store) -> dict[str, int]:
         except prompts.ParseError:
             still += 1
             continue
-        fixed.append(row | {
-            "preference": 3.0 - shown if row["swapped"] else shown, "status": "ok", "error": None,
-            "prompt_tokens": 0, "completion_tokens": 0, "price_usd": 0.0, "latency_s": 0.0, "created": now(),
-        })
+        fixed.append(
+            row
+            | {
+                "preference": 3.0 - shown if row["swapped"] else shown,
+                "status": "ok",
+                "error": None,
+                "prompt_tokens": 0,
+                "completion_tokens": 0,
+                "price_usd": 0.0,
+                "latency_s": 0.0,
+                "created": now(),
+            }
+        )
     if fixed:
         store.append_rows(NAMESPACE, to_table(fixed), NAMESPACE)
     return {"failed_rows": len(failed), "reparsed": len(fixed), "still_failed": still}

@@ -95,43 +95,59 @@ def names_unknown_model(body: str, model: str) -> bool:
     return model in body and bool(_UNKNOWN_MODEL.search(body))
 
 
-def describe(err: BaseException, *, secret: str, base_url: str, annotator: str, model: str, key_source: str,
-             timeout_s: float) -> Failure:
+def describe(
+    err: BaseException, *, secret: str, base_url: str, annotator: str, model: str, key_source: str, timeout_s: float
+) -> Failure:
     """The `Failure` behind any exception raised by one request (SDK errors and anything else)."""
     where = f"endpoint {scrub(base_url, secret)}, annotator {annotator!r}, model {model!r}"
     if isinstance(err, openai.APITimeoutError):
         return Failure("timeout", f"timeout: no answer within {timeout_s:g}s ({_retried(err)})")
     if isinstance(err, openai.APIConnectionError):
-        return Failure("connection", f"cannot connect to {where} ({_retried(err)}); is the server running and base_url "
-                                     "right?", fatal=True)
+        return Failure(
+            "connection",
+            f"cannot connect to {where} ({_retried(err)}); is the server running and base_url right?",
+            fatal=True,
+        )
     if isinstance(err, openai.APIStatusError):
         status, body = err.status_code, response_body(err, secret)
         said = f"the server said: {body}"
         if status == 401:
-            return Failure("http_401", f"the API key was rejected (HTTP 401) by {where}; check {key_source}; {said}",
-                           fatal=True)
+            return Failure(
+                "http_401", f"the API key was rejected (HTTP 401) by {where}; check {key_source}; {said}", fatal=True
+            )
         if status == 403:
-            return Failure("http_403", f"permission denied (HTTP 403) by {where}; check {key_source}; {said}",
-                           fatal=True)
+            return Failure(
+                "http_403", f"permission denied (HTTP 403) by {where}; check {key_source}; {said}", fatal=True
+            )
         if status in (400, 404) and (status == 404 or names_unknown_model(body, model)):
-            return Failure(f"http_{status}", f"HTTP {status} from {where}: the endpoint does not serve model {model!r} "
-                           f"(or base_url is wrong); {said}. If it serves one fixed model, set annotation.served_model "
-                           "to its name (farmflow annotate --served-model NAME)", fatal=True)
+            return Failure(
+                f"http_{status}",
+                f"HTTP {status} from {where}: the endpoint does not serve model {model!r} "
+                f"(or base_url is wrong); {said}. If it serves one fixed model, set annotation.served_model "
+                "to its name (farmflow annotate --served-model NAME)",
+                fatal=True,
+            )
         if status == 429:
             return Failure("rate_limited", f"rate_limited: HTTP 429 ({_retried(err)}); {said}")
         return Failure(f"http_{status}", f"http_{status}: {said} ({_retried(err)})")
     if isinstance(err, openai.APIError):
         return Failure("error", f"error: {type(err).__name__}: {one_line(str(err), secret, 160)}")
     # not an SDK error class: e.g. json.JSONDecodeError from a 200 reply whose JSON body was cut short
-    return Failure("bad_response", f"bad_response: unreadable reply from {scrub(base_url, secret)} "
-                   f"({type(err).__name__}: {one_line(str(err), secret, 160)})", reask=True)
+    return Failure(
+        "bad_response",
+        f"bad_response: unreadable reply from {scrub(base_url, secret)} "
+        f"({type(err).__name__}: {one_line(str(err), secret, 160)})",
+        reask=True,
+    )
 
 
 def read_reply(resp: object, base_url: str, secret: str) -> tuple[str, list[tuple[str, float]] | None]:
     """A reply's text and, when it has them, the first token's top log-probabilities; `BadReply` if it has none."""
     if not isinstance(resp, ChatCompletion):  # e.g. HTTP 200 with a web page: base_url is not an API
-        raise BadReply(f"bad_response: not a chat completion from {scrub(base_url, secret)} "
-                       f"(got {type(resp).__name__} {one_line(str(resp), secret, 80)!r})")
+        raise BadReply(
+            f"bad_response: not a chat completion from {scrub(base_url, secret)} "
+            f"(got {type(resp).__name__} {one_line(str(resp), secret, 80)!r})"
+        )
     try:
         choice = resp.choices[0] if resp.choices else None
         text = (choice.message.content if choice and choice.message else None) or ""
@@ -143,5 +159,16 @@ def read_reply(resp: object, base_url: str, secret: str) -> tuple[str, list[tupl
     return text, top
 
 
-__all__ = ["BODY_CHARS", "BadReply", "Failure", "describe", "names_unknown_model", "no_retry_on_client_errors",
-           "one_line", "read_reply", "response_body", "retries_taken", "scrub"]
+__all__ = [
+    "BODY_CHARS",
+    "BadReply",
+    "Failure",
+    "describe",
+    "names_unknown_model",
+    "no_retry_on_client_errors",
+    "one_line",
+    "read_reply",
+    "response_body",
+    "retries_taken",
+    "scrub",
+]

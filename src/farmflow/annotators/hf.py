@@ -77,8 +77,14 @@ def judge_identity(cfg: HFJudgeConfig) -> dict:
         where = {"files": folder_digest(Path(source))}
     else:
         where = {"hub_id": source, "revision": cfg.revision}
-    return {"kind": "hf", "prompt_version": PROMPT_VERSION, **where, "gguf_file": cfg.gguf_file, "dtype": cfg.dtype,
-            "max_prompt_tokens": cfg.max_prompt_tokens}
+    return {
+        "kind": "hf",
+        "prompt_version": PROMPT_VERSION,
+        **where,
+        "gguf_file": cfg.gguf_file,
+        "dtype": cfg.dtype,
+        "max_prompt_tokens": cfg.max_prompt_tokens,
+    }
 
 
 def judge_hash(cfg: HFJudgeConfig) -> str:
@@ -106,16 +112,25 @@ class Judge:
 def load_judge(cfg: HFJudgeConfig) -> Judge:
     """The judge of `cfg` (loaded once per process for the same identity and device)."""
     if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise AnnotationError("annotation.hf.device: 'cuda' asked for, but this process sees no GPU "
-                              "(use 'auto' or 'cpu')")
+        raise AnnotationError(
+            "annotation.hf.device: 'cuda' asked for, but this process sees no GPU (use 'auto' or 'cpu')"
+        )
     device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    return _load(judge_source(cfg), cfg.revision, cfg.gguf_file, cfg.dtype, device, cfg.max_prompt_tokens,
-                 judge_hash(cfg))
+    return _load(
+        judge_source(cfg), cfg.revision, cfg.gguf_file, cfg.dtype, device, cfg.max_prompt_tokens, judge_hash(cfg)
+    )
 
 
 @functools.lru_cache(maxsize=1)
-def _load(source: str, revision: str | None, gguf_file: str | None, dtype: str, device: str, max_prompt_tokens: int,
-          identity: str) -> Judge:
+def _load(
+    source: str,
+    revision: str | None,
+    gguf_file: str | None,
+    dtype: str,
+    device: str,
+    max_prompt_tokens: int,
+    identity: str,
+) -> Judge:
     # `identity` (judge_hash) only keys this cache: a folder whose files changed loads again
     kwargs = {"revision": revision} | ({"gguf_file": gguf_file} if gguf_file else {})
     try:
@@ -123,11 +138,18 @@ def _load(source: str, revision: str | None, gguf_file: str | None, dtype: str, 
         model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype), **kwargs)
     except (OSError, ValueError) as err:
         first = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
-        raise AnnotationError(f"annotation.hf.model: cannot load the judge {source!r}"
-                              + (f" (gguf_file {gguf_file!r})" if gguf_file else "") + f": {first}") from None
+        raise AnnotationError(
+            f"annotation.hf.model: cannot load the judge {source!r}"
+            + (f" (gguf_file {gguf_file!r})" if gguf_file else "")
+            + f": {first}"
+        ) from None
     context = getattr(model.config, "max_position_embeddings", None) or max_prompt_tokens
-    return Judge(model.to(device).eval(), tokenizer, bool(getattr(tokenizer, "chat_template", None)),
-                 min(max_prompt_tokens, context))
+    return Judge(
+        model.to(device).eval(),
+        tokenizer,
+        bool(getattr(tokenizer, "chat_template", None)),
+        min(max_prompt_tokens, context),
+    )
 
 
 # ----------------------------------------------------------------------------- prompts
@@ -163,21 +185,26 @@ def encode(judge: Judge, text: str) -> Prompt:
     a, b = (judge.tokenizer(text + answer, add_special_tokens=special)["input_ids"] for answer in ANSWERS)
     k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
     if k is None or k == 0:
-        raise AnnotationError(f"annotation.hf.model: the tokenizer does not tell the answers {ANSWERS} apart "
-                              "after the prompt")
+        raise AnnotationError(
+            f"annotation.hf.model: the tokenizer does not tell the answers {ANSWERS} apart after the prompt"
+        )
     return Prompt(a[:k], (a[k], b[k]))
 
 
 def cut_middle(tokenizer: PreTrainedTokenizerBase, ids: list[int], keep: int) -> str:
     """The text of `ids` with all but `keep` tokens cut from its middle, the cut marked."""
     head, tail = (keep + 1) // 2, keep // 2
-    return (tokenizer.decode(ids[:head]) + CUT_MARK.format(n=len(ids) - keep)
-            + (tokenizer.decode(ids[len(ids) - tail:]) if tail else ""))
+    return (
+        tokenizer.decode(ids[:head])
+        + CUT_MARK.format(n=len(ids) - keep)
+        + (tokenizer.decode(ids[len(ids) - tail :]) if tail else "")
+    )
 
 
 def fit(judge: Judge, instruction: str, input: str, output_1: str, output_2: str) -> tuple[list[Prompt], int]:
     """The pair's two prompts, (output_1, output_2) and (output_2, output_1), each within the judge's limit, and how
     many output tokens were cut. Both orders see the same cut outputs; the longer output is cut first."""
+
     def prompts(o1: str, o2: str) -> list[Prompt]:
         return [encode(judge, render(judge, instruction, input, a, b)) for a, b in ((o1, o2), (o2, o1))]
 
@@ -202,8 +229,12 @@ def fit(judge: Judge, instruction: str, input: str, output_1: str, output_2: str
         over += longest - judge.limit
     # still too long (a very long instruction): keep each prompt's start and its end (the outputs' ends, the question)
     half = judge.limit // 2
-    ends = [Prompt(p.ids[:half] + p.ids[len(p.ids) - (judge.limit - half):], p.answer_ids) if len(p.ids) > judge.limit
-            else p for p in both]
+    ends = [
+        Prompt(p.ids[:half] + p.ids[len(p.ids) - (judge.limit - half) :], p.answer_ids)
+        if len(p.ids) > judge.limit
+        else p
+        for p in both
+    ]
     return ends, cut + longest - judge.limit
 
 
@@ -219,17 +250,26 @@ def answer_probs(judge: Judge, prompts: Sequence[Prompt], batch_size: int) -> li
     out: list[tuple[float, float]] = [(0.0, 0.0)] * len(prompts)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i].ids))
     for start in range(0, len(order), batch_size):
-        idx = order[start:start + batch_size]
+        idx = order[start : start + batch_size]
         width = max(len(prompts[i].ids) for i in idx)
         ids = torch.zeros(len(idx), width, dtype=torch.long)
         mask = torch.zeros(len(idx), width, dtype=torch.long)
         for row, i in enumerate(idx):
             n = len(prompts[i].ids)
-            ids[row, width - n:] = torch.tensor(prompts[i].ids)
-            mask[row, width - n:] = 1
+            ids[row, width - n :] = torch.tensor(prompts[i].ids)
+            mask[row, width - n :] = 1
         position = (mask.cumsum(-1) - 1).clamp(min=0)
-        logits = judge.model(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=position.to(device),
-                             logits_to_keep=1, use_cache=False).logits[:, -1].float()
+        logits = (
+            judge.model(
+                input_ids=ids.to(device),
+                attention_mask=mask.to(device),
+                position_ids=position.to(device),
+                logits_to_keep=1,
+                use_cache=False,
+            )
+            .logits[:, -1]
+            .float()
+        )
         judge.forward_passes += 1
         logp = torch.log_softmax(logits, dim=-1)
         answers = torch.tensor([prompts[i].answer_ids for i in idx], device=logp.device)
@@ -264,8 +304,17 @@ def judge_pairs(judge: Judge, pairs: Sequence[tuple[str, str, str, str]], batch_
     """Judge (instruction, input, output_1, output_2) pairs in both orders."""
     fitted = [fit(judge, *pair) for pair in pairs]
     probs = answer_probs(judge, [p for prompts, _ in fitted for p in prompts], batch_size)
-    return [Verdict(probs[2 * k][0], 1.0 - probs[2 * k + 1][0], probs[2 * k][1], probs[2 * k + 1][1], cut,
-                    sum(len(p.ids) for p in prompts)) for k, (prompts, cut) in enumerate(fitted)]
+    return [
+        Verdict(
+            probs[2 * k][0],
+            1.0 - probs[2 * k + 1][0],
+            probs[2 * k][1],
+            probs[2 * k + 1][1],
+            cut,
+            sum(len(p.ids) for p in prompts),
+        )
+        for k, (prompts, cut) in enumerate(fitted)
+    ]
 
 
 # ----------------------------------------------------------------------------- the annotation run
@@ -280,22 +329,39 @@ class HFStats:
     truncated_examples: list[str] = field(default_factory=list)
 
 
-def _cache_row(cfg: AnnotatorConfig, ahash: str, key: str, pair: tuple[str, str, str, str], v: Verdict,
-               seconds: float) -> dict:
+def _cache_row(
+    cfg: AnnotatorConfig, ahash: str, key: str, pair: tuple[str, str, str, str], v: Verdict, seconds: float
+) -> dict:
     return {
-        "key": key, "annotator": judge_name(cfg.hf), "annotator_hash": ahash, "model": cfg.hf.model,
-        "instruction": pair[0], "input": pair[1], "output_1": pair[2], "output_2": pair[3], "preference": v.preference,
-        "status": "ok", "error": None,
+        "key": key,
+        "annotator": judge_name(cfg.hf),
+        "annotator_hash": ahash,
+        "model": cfg.hf.model,
+        "instruction": pair[0],
+        "input": pair[1],
+        "output_1": pair[2],
+        "output_2": pair[3],
+        "preference": v.preference,
+        "status": "ok",
+        "error": None,
         "raw_completion": json.dumps({"mass_12": v.mass_12, "mass_21": v.mass_21, "cut_tokens": v.cut_tokens}),
-        "prompt_tokens": v.prompt_tokens, "completion_tokens": 0, "price_usd": 0.0, "latency_s": seconds,
+        "prompt_tokens": v.prompt_tokens,
+        "completion_tokens": 0,
+        "price_usd": 0.0,
+        "latency_s": seconds,
         "created": cache.now(),
-        "prompt_format": "hf", "item": 1, "items": 1, "swapped": False,
-        "p_1_shown_first": v.p_1_shown_first, "p_1_shown_second": v.p_1_shown_second,
+        "prompt_format": "hf",
+        "item": 1,
+        "items": 1,
+        "swapped": False,
+        "p_1_shown_first": v.p_1_shown_first,
+        "p_1_shown_second": v.p_1_shown_second,
     }
 
 
-def annotate_hf(rows: list[dict], cfg: AnnotatorConfig, store,
-                progress: Callable[[int], None] | None = None) -> tuple[list[dict], HFStats]:
+def annotate_hf(
+    rows: list[dict], cfg: AnnotatorConfig, store, progress: Callable[[int], None] | None = None
+) -> tuple[list[dict], HFStats]:
     """Judge `rows` (instruction, input, output_1, output_2) with the hf judge of `cfg`.
 
     Returns one dict per row (annotator, preference and the per-order probabilities relative to the
@@ -327,11 +393,15 @@ def annotate_hf(rows: list[dict], cfg: AnnotatorConfig, store,
     if todo:
         judge = load_judge(cfg.hf)
         passes_before, start = judge.forward_passes, time.perf_counter()
-        log("annotate: the hf judge %s judges %d pairs in both orders (%d cached)", name, len(todo),
-            sum(1 for e in plan if e.get("key") in ok))
+        log(
+            "annotate: the hf judge %s judges %d pairs in both orders (%d cached)",
+            name,
+            len(todo),
+            sum(1 for e in plan if e.get("key") in ok),
+        )
         items = list(todo.items())
         for lo in range(0, len(items), cfg.chunk_size):
-            chunk = items[lo:lo + cfg.chunk_size]
+            chunk = items[lo : lo + cfg.chunk_size]
             t0 = time.perf_counter()
             verdicts = judge_pairs(judge, [pair for _, pair in chunk], cfg.hf.batch_size)
             seconds = (time.perf_counter() - t0) / len(chunk)
@@ -349,11 +419,20 @@ def annotate_hf(rows: list[dict], cfg: AnnotatorConfig, store,
         stats.forward_passes = judge.forward_passes - passes_before
         stats.seconds = time.perf_counter() - start
         if stats.truncated:
-            log("annotate: %d of %d pairs were longer than the hf judge's %d-token prompt: their outputs were cut "
-                "in the middle (e.g. instructions %s)", stats.truncated, len(todo), judge.limit,
-                stats.truncated_examples)
-        log("annotate: the hf judge judged %d pairs in %d forward passes, %.1fs", stats.judged, stats.forward_passes,
-            stats.seconds)
+            log(
+                "annotate: %d of %d pairs were longer than the hf judge's %d-token prompt: their outputs were cut "
+                "in the middle (e.g. instructions %s)",
+                stats.truncated,
+                len(todo),
+                judge.limit,
+                stats.truncated_examples,
+            )
+        log(
+            "annotate: the hf judge judged %d pairs in %d forward passes, %.1fs",
+            stats.judged,
+            stats.forward_passes,
+            stats.seconds,
+        )
 
     out = []
     for e in plan:
@@ -362,14 +441,33 @@ def annotate_hf(rows: list[dict], cfg: AnnotatorConfig, store,
             s1, s2 = hit["p_1_shown_first"], hit["p_1_shown_second"]
             if e["flipped"]:  # the row's output_1 is the canonical output_2
                 s1, s2 = 1.0 - s2, 1.0 - s1
-            e |= {"preference": 3.0 - hit["preference"] if e["flipped"] else hit["preference"], "status": "ok",
-                  "p_1_shown_first": s1, "p_1_shown_second": s2, "cached": e["key"] not in results}
+            e |= {
+                "preference": 3.0 - hit["preference"] if e["flipped"] else hit["preference"],
+                "status": "ok",
+                "p_1_shown_first": s1,
+                "p_1_shown_second": s2,
+                "cached": e["key"] not in results,
+            }
             stats.cached += e["key"] not in results
         out.append(e)
     return out, stats
 
 
 __all__ = [
-    "HFStats", "Judge", "PROMPT_VERSION", "Prompt", "Verdict", "annotate_hf", "answer_probs", "encode", "fit",
-    "judge_hash", "judge_identity", "judge_name", "judge_pairs", "judge_source", "load_judge", "render",
+    "HFStats",
+    "Judge",
+    "PROMPT_VERSION",
+    "Prompt",
+    "Verdict",
+    "annotate_hf",
+    "answer_probs",
+    "encode",
+    "fit",
+    "judge_hash",
+    "judge_identity",
+    "judge_name",
+    "judge_pairs",
+    "judge_source",
+    "load_judge",
+    "render",
 ]

@@ -98,6 +98,7 @@ def pool_preference(pool: list[OracleAnnotator], row: dict) -> float:
     p = [sigmoid(a.logit_second(row, o1, o2)) + 1.0 - sigmoid(a.logit_second(row, o2, o1)) for a in pool]
     return sum(p) / (2 * len(p))
 
+
 # ----------------------------------------------------------------------------- tasks from text
 def _template_regex(template: str, **groups: str) -> re.Pattern:
     pattern = re.escape(template)
@@ -141,7 +142,9 @@ def task_from_text(instruction: str, input: str) -> synthetic.Task | None:
             k = m.group(1)
             count = int(k) if k.isdigit() else {v: c for c, v in synthetic.COUNT_WORDS.items()}[k]
             params = {"category": m.group(2), "count": count}
-        elif family == "categorize" and (words := [w for w in re.findall(r"[a-z]+", input.lower()) if w in synthetic.VOCAB]):
+        elif family == "categorize" and (
+            words := [w for w in re.findall(r"[a-z]+", input.lower()) if w in synthetic.VOCAB]
+        ):
             params = {"word": words[0], "category": synthetic.CATEGORY_OF[words[0]]}
         else:
             continue

@@ -40,18 +40,18 @@ _ROLE = (
 )
 _STYLES = {
     "neutral": "Weigh correctness first, then completeness and clarity. The order of the outputs means nothing, "
-               "and a longer output is not better for being longer.",
+    "and a longer output is not better for being longer.",
     "strict": "Grade like a strict examiner: an output with a wrong fact, a wrong number or the wrong format loses, "
-              "however confident or polished it sounds.",
+    "however confident or polished it sounds.",
     "user": "Grade like the busy person who asked: choose the output you would rather receive, the one that gets you "
-            "what you asked for with the least fuss.",
+    "what you asked for with the least fuss.",
 }
 _ASK = {
     "choice": "Judge the {n} item{s} below. Reply with one line per item, in item order, written exactly as "
-              "[<item number>] (a) or [<item number>] (b), and nothing else.",
+    "[<item number>] (a) or [<item number>] (b), and nothing else.",
     "json": "Judge the {n} item{s} below. Reply with a JSON array holding one object per item, in item order, each "
-            'shaped like {{"item": <item number>, "explanation": "<one short sentence>", "a_is_better": <true or false>}}. '
-            "Write the explanation before you decide. Reply with the JSON array only.",
+    'shaped like {{"item": <item number>, "explanation": "<one short sentence>", "a_is_better": <true or false>}}. '
+    "Write the explanation before you decide. Reply with the JSON array only.",
     "logprobs": "Judge the item below. Reply with exactly one character: a if output (a) is better, b if output (b) is better.",
 }
 _WITH_INPUT_NOTE = " Where an item has an input, the instruction refers to it."
@@ -185,7 +185,7 @@ def parse_json(text: str, n: int) -> list[float]:
         if start == -1 or end < start:
             raise ParseError(f"no JSON array in the answer; got {text[:80]!r}")
     try:
-        data = json.loads(body[start:end + 1])
+        data = json.loads(body[start : end + 1])
     except json.JSONDecodeError as err:
         raise ParseError(f"invalid JSON ({err.msg} at char {err.pos})") from None
     if isinstance(data, dict):

@@ -67,8 +67,10 @@ async def _prefect_limiter(name: str, per_minute: float):
 async def make_limiter(cfg: AnnotatorConfig):
     """An async `wait()` per request: Prefect's global limit with a server, a process-wide one otherwise."""
     if cfg.requests_per_minute is None:
+
         async def unlimited() -> None:
             return None
+
         return unlimited
     if _prefect_api_configured():
         return await _prefect_limiter(cfg.rate_limit_name, cfg.requests_per_minute)

@@ -61,17 +61,25 @@ FAULTS = ("429", "500", "400", "409", "timeout", "garbage", "truncated", "wrong_
 class JudgeConfig(BaseModel):
     latency_s: float = Field(0.0, ge=0, description="Seconds every answer takes.")
     fault_rate: float = Field(0.0, ge=0, le=1, description="Probability that a request gets a fault.")
-    faults: list[str] = Field(default_factory=lambda: list(FAULTS), description=f"Fault kinds to draw from: {', '.join(FAULTS)}.")
+    faults: list[str] = Field(
+        default_factory=lambda: list(FAULTS), description=f"Fault kinds to draw from: {', '.join(FAULTS)}."
+    )
     retry_after_s: float = Field(1.0, ge=0, description="Retry-After of injected 429s.")
     timeout_sleep_s: float = Field(30.0, ge=0, description="How long an injected timeout holds the answer.")
-    api_key: str | None = Field(None, description="Require 'Authorization: Bearer <key>' (401 otherwise); None: any key.")
+    api_key: str | None = Field(
+        None, description="Require 'Authorization: Bearer <key>' (401 otherwise); None: any key."
+    )
     models: list[str] | None = Field(None, description="Known model names (404 otherwise); None: any model.")
     seed: int = Field(0, description="Seed of the fault draws and of the judgement draws.")
-    pool: list[OracleAnnotatorConfig] = Field(default_factory=lambda: AnnotatorConfig().pool, description="Oracle annotators; the model name picks one.")
+    pool: list[OracleAnnotatorConfig] = Field(
+        default_factory=lambda: AnnotatorConfig().pool, description="Oracle annotators; the model name picks one."
+    )
 
 
 def _error(status: int, message: str, kind: str, headers: dict | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}}, status_code=status, headers=headers)
+    return JSONResponse(
+        {"error": {"message": message, "type": kind, "param": None, "code": None}}, status_code=status, headers=headers
+    )
 
 
 class JudgeState:
@@ -117,8 +125,12 @@ def _explain(choice: str, p: float) -> str:
 
 def _answer(fmt: str, letters: list[str], ps: list[float]) -> str:
     if fmt == "json":
-        return json.dumps([{"item": k, "explanation": _explain(c, p), "a_is_better": c == "a"}
-                           for k, (c, p) in enumerate(zip(letters, ps), 1)])
+        return json.dumps(
+            [
+                {"item": k, "explanation": _explain(c, p), "a_is_better": c == "a"}
+                for k, (c, p) in enumerate(zip(letters, ps), 1)
+            ]
+        )
     if fmt == "logprobs":
         return letters[0]
     return "\n".join(f"[{k}] ({c})" for k, c in enumerate(letters, 1))
@@ -135,7 +147,10 @@ def build_app(state: JudgeState) -> FastAPI:
 
     @app.get("/stats")
     async def stats() -> dict:
-        return dict(state.stats) | {"distinct_pairs": len(state.pairs), "max_answers_per_pair": max(state.pairs.values(), default=0)}
+        return dict(state.stats) | {
+            "distinct_pairs": len(state.pairs),
+            "max_answers_per_pair": max(state.pairs.values(), default=0),
+        }
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Any:
@@ -168,8 +183,9 @@ def build_app(state: JudgeState) -> FastAPI:
         floats = isinstance(bias, dict) and bool(bias) and all(isinstance(v, float) for v in bias.values())
         if bias is not None and not floats:
             state.stats["status_400"] += 1
-            return _error(400, "logit_bias must map token ids to float biases (and not be empty)",
-                          "invalid_request_error")
+            return _error(
+                400, "logit_bias must map token ids to float biases (and not be empty)", "invalid_request_error"
+            )
         if body.get("max_tokens") is None:
             state.stats["no_max_tokens"] += 1
         with state.lock:
@@ -188,14 +204,19 @@ def build_app(state: JudgeState) -> FastAPI:
         await asyncio.sleep(cfg.latency_s)
         if fault == "429":
             state.stats["status_429"] += 1
-            return _error(429, "Rate limit reached, slow down.", "rate_limit_error", {"retry-after": str(cfg.retry_after_s)})
+            return _error(
+                429, "Rate limit reached, slow down.", "rate_limit_error", {"retry-after": str(cfg.retry_after_s)}
+            )
         if fault == "500":
             state.stats["status_500"] += 1
             return _error(500, "The server had an error while processing your request.", "server_error")
         if fault == "400":
             state.stats["status_400"] += 1
-            return _error(400, "This model's maximum context length is 4096 tokens; your messages resulted in 5120 "
-                          "tokens.", "invalid_request_error")
+            return _error(
+                400,
+                "This model's maximum context length is 4096 tokens; your messages resulted in 5120 tokens.",
+                "invalid_request_error",
+            )
         if fault == "409":
             state.stats["status_409"] += 1
             return _error(409, "Another request with the same idempotency key is in progress.", "conflict_error")
@@ -225,18 +246,37 @@ def build_app(state: JudgeState) -> FastAPI:
             k = len(items) + 1 if len(items) == 1 else len(items) - 1
             content = _answer("choice" if fmt == "logprobs" else fmt, (letters * 2)[:k], (ps * 2)[:k])
 
-        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop", "logprobs": None}
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": content},
+            "finish_reason": "stop",
+            "logprobs": None,
+        }
         if body.get("logprobs") and fmt == "logprobs" and fault is None:
-            top = [{"token": "a", "logprob": math.log(max(1 - ps[0], 1e-12)), "bytes": None},
-                   {"token": "b", "logprob": math.log(max(ps[0], 1e-12)), "bytes": None}]
+            top = [
+                {"token": "a", "logprob": math.log(max(1 - ps[0], 1e-12)), "bytes": None},
+                {"token": "b", "logprob": math.log(max(ps[0], 1e-12)), "bytes": None},
+            ]
             first = next(t for t in top if t["token"] == content)
-            choice["logprobs"] = {"content": [first | {"top_logprobs": top[: int(body.get("top_logprobs") or 2)]}], "refusal": None}
+            choice["logprobs"] = {
+                "content": [first | {"top_logprobs": top[: int(body.get("top_logprobs") or 2)]}],
+                "refusal": None,
+            }
         prompt_tokens = sum(len(m.get("content") or "") for m in messages) // 4
         completion_tokens = len(content) // 4 + 1
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                 "total_tokens": prompt_tokens + completion_tokens}
-        reply = {"id": f"chatcmpl-{state.stats['requests']}", "object": "chat.completion", "created": int(time.time()),
-                 "model": model, "choices": [choice], "usage": usage}
+        usage = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        }
+        reply = {
+            "id": f"chatcmpl-{state.stats['requests']}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": model,
+            "choices": [choice],
+            "usage": usage,
+        }
         if fault == "truncated_body":  # the client gets half of the JSON: nothing it can read (not counted as answered)
             data = json.dumps(reply).encode()
             state.stats["status_200_truncated"] += 1
@@ -270,8 +310,15 @@ def serve(config: JudgeConfig, host: str = "127.0.0.1", port: int = 8787, ready=
     import uvicorn
 
     sock = listening_socket(host, port)
-    server = uvicorn.Server(uvicorn.Config(build_app(JudgeState(config)), log_level="warning", access_log=False,
-                                           timeout_graceful_shutdown=1, lifespan="off"))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            build_app(JudgeState(config)),
+            log_level="warning",
+            access_log=False,
+            timeout_graceful_shutdown=1,
+            lifespan="off",
+        )
+    )
     url = f"http://{host}:{sock.getsockname()[1]}/v1"
 
     async def run() -> None:
@@ -297,8 +344,15 @@ class JudgeServer:
         self.state = JudgeState(config or JudgeConfig())
         self._sock = listening_socket(host, port)
         self.url = f"http://{host}:{self._sock.getsockname()[1]}/v1"
-        self._server = uvicorn.Server(uvicorn.Config(build_app(self.state), log_level="warning", access_log=False,
-                                                     timeout_graceful_shutdown=1, lifespan="off"))
+        self._server = uvicorn.Server(
+            uvicorn.Config(
+                build_app(self.state),
+                log_level="warning",
+                access_log=False,
+                timeout_graceful_shutdown=1,
+                lifespan="off",
+            )
+        )
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True)
 
     def __enter__(self) -> str:

@@ -24,16 +24,24 @@ from farmflow.cli.errors import FarmflowGroup
 from farmflow.cli.logs import LOG_DIR_ENV, State
 from farmflow.cli.output import print_json  # noqa: F401 - part of the package's interface
 
-app = typer.Typer(cls=FarmflowGroup, help="farmflow: AlpacaFarm as a cached Prefect pipeline.", no_args_is_help=True,
-                  add_completion=False, pretty_exceptions_show_locals=False)
+app = typer.Typer(
+    cls=FarmflowGroup,
+    help="farmflow: AlpacaFarm as a cached Prefect pipeline.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_show_locals=False,
+)
 
 
 @app.callback()
 def options(
     debug: bool = typer.Option(
-        False, "--debug", envvar="FARMFLOW_DEBUG",
+        False,
+        "--debug",
+        envvar="FARMFLOW_DEBUG",
         help="On an error, print the traceback too, and every log line (by default Prefect's repeats of each stage's "
-        "state and error stay in the run's log file, in $" + LOG_DIR_ENV + ", else ./.farmflow/logs)."),
+        "state and error stay in the run's log file, in $" + LOG_DIR_ENV + ", else ./.farmflow/logs).",
+    ),
 ) -> None:
     """farmflow: AlpacaFarm as a cached Prefect pipeline."""
     State.debug = debug

@@ -29,12 +29,18 @@ def judge_server(
     port: int = typer.Option(LOCAL_JUDGE_PORT, help="Port (0: any free port; the URL is printed)."),
     latency_ms: float = typer.Option(0.0, help="Milliseconds every answer takes."),
     fault_rate: float = typer.Option(0.0, help="Probability that a request gets an injected fault."),
-    faults: str = typer.Option("429,500,400,409,timeout,garbage,truncated,wrong_count,html,truncated_body",
-                               help="Fault kinds to draw from (in turn), comma-separated."),
+    faults: str = typer.Option(
+        "429,500,400,409,timeout,garbage,truncated,wrong_count,html,truncated_body",
+        help="Fault kinds to draw from (in turn), comma-separated.",
+    ),
     retry_after: float = typer.Option(1.0, help="Retry-After seconds of injected 429s."),
     timeout_sleep: float = typer.Option(30.0, help="Seconds an injected timeout holds the answer."),
-    api_key_env: Optional[str] = typer.Option(None, help="Require the key in this environment variable (401 otherwise); default: any key."),
-    models: Optional[str] = typer.Option(None, help="Known model names, comma-separated (404 otherwise); default: any."),
+    api_key_env: Optional[str] = typer.Option(
+        None, help="Require the key in this environment variable (401 otherwise); default: any key."
+    ),
+    models: Optional[str] = typer.Option(
+        None, help="Known model names, comma-separated (404 otherwise); default: any."
+    ),
     seed: int = typer.Option(0, help="Seed of fault and judgement draws."),
 ) -> None:
     """An OpenAI-compatible judge on loopback that answers our annotator prompts with the oracle pool."""
@@ -49,8 +55,16 @@ def judge_server(
         key = os.environ.get(api_key_env)
         if not key:
             raise UsageError(f"environment variable {api_key_env} is not set")
-    cfg = JudgeConfig(latency_s=latency_ms / 1000, fault_rate=fault_rate, faults=kinds, retry_after_s=retry_after,
-                      timeout_sleep_s=timeout_sleep, api_key=key, models=models.split(",") if models else None, seed=seed)
+    cfg = JudgeConfig(
+        latency_s=latency_ms / 1000,
+        fault_rate=fault_rate,
+        faults=kinds,
+        retry_after_s=retry_after,
+        timeout_sleep_s=timeout_sleep,
+        api_key=key,
+        models=models.split(",") if models else None,
+        seed=seed,
+    )
 
     def ready(url: str) -> None:
         print(f"judge server listening on {url}", flush=True)
@@ -63,12 +77,21 @@ def judge_server(
         pass
 
 
-def _annotator_config(name: str, base_url: Optional[str], max_cost_usd: Optional[float], max_in_flight: Optional[int],
-                      served_model: Optional[str] = None):
+def _annotator_config(
+    name: str,
+    base_url: Optional[str],
+    max_cost_usd: Optional[float],
+    max_in_flight: Optional[int],
+    served_model: Optional[str] = None,
+):
     from farmflow.config import ANNOTATOR_PRESETS, AnnotatorConfig, ConfigError
 
-    given = {"base_url": base_url, "max_cost_usd": max_cost_usd, "max_in_flight": max_in_flight,
-             "served_model": served_model}
+    given = {
+        "base_url": base_url,
+        "max_cost_usd": max_cost_usd,
+        "max_in_flight": max_in_flight,
+        "served_model": served_model,
+    }
     extra = {k: v for k, v in given.items() if v is not None}
     try:
         if name == "oracle":
@@ -80,8 +103,10 @@ def _annotator_config(name: str, base_url: Optional[str], max_cost_usd: Optional
             return AnnotatorConfig.model_validate(json.loads(path.read_text()) | extra)
     except (ValueError, ConfigError) as err:  # json.JSONDecodeError is a ValueError
         raise UsageError(f"annotator {name!r}: {err}") from None
-    raise UsageError(f"unknown annotator {name!r}: use oracle, a preset ({', '.join(sorted(ANNOTATOR_PRESETS))}) "
-                     "or a JSON file with an annotation config")
+    raise UsageError(
+        f"unknown annotator {name!r}: use oracle, a preset ({', '.join(sorted(ANNOTATOR_PRESETS))}) "
+        "or a JSON file with an annotation config"
+    )
 
 
 def read_alpaca_eval(path: Path) -> list[dict]:
@@ -104,16 +129,29 @@ def read_alpaca_eval(path: Path) -> list[dict]:
 
 
 def annotate_file(
-    path: Path = typer.Argument(..., help="AlpacaEval-format JSON: a list of {instruction, output_1, output_2[, input]}."),
-    annotator: str = typer.Option("p_sim_eval", help="oracle, a preset (alpacafarm-pool, p_sim_eval, p_sim_ann, p_sim_gpt4) or the path of a JSON file holding an annotation config."),
-    output: Optional[Path] = typer.Option(None, help="Where to write the annotated rows (default FILE with .annotated.json)."),
-    store: Optional[str] = typer.Option(None, help="Store holding the row cache (default $FARMFLOW_STORE, else ./.farmflow/store)."),
-    base_url: Optional[str] = typer.Option(None, help="OpenAI-compatible endpoint (default: the config's, $OPENAI_BASE_URL or OpenAI)."),
+    path: Path = typer.Argument(
+        ..., help="AlpacaEval-format JSON: a list of {instruction, output_1, output_2[, input]}."
+    ),
+    annotator: str = typer.Option(
+        "p_sim_eval",
+        help="oracle, a preset (alpacafarm-pool, p_sim_eval, p_sim_ann, p_sim_gpt4) or the path of a JSON file holding an annotation config.",
+    ),
+    output: Optional[Path] = typer.Option(
+        None, help="Where to write the annotated rows (default FILE with .annotated.json)."
+    ),
+    store: Optional[str] = typer.Option(
+        None, help="Store holding the row cache (default $FARMFLOW_STORE, else ./.farmflow/store)."
+    ),
+    base_url: Optional[str] = typer.Option(
+        None, help="OpenAI-compatible endpoint (default: the config's, $OPENAI_BASE_URL or OpenAI)."
+    ),
     max_cost_usd: Optional[float] = typer.Option(None, help="Stop sending requests once this much is spent."),
     max_in_flight: Optional[int] = typer.Option(None, help="Requests in flight at once."),
     served_model: Optional[str] = typer.Option(
-        None, help="Send every request with this model name (an endpoint serving one model, e.g. transformers serve); "
-        "each annotator keeps its prompt format, style, temperature and batch size."),
+        None,
+        help="Send every request with this model name (an endpoint serving one model, e.g. transformers serve); "
+        "each annotator keeps its prompt format, style, temperature and batch size.",
+    ),
 ) -> None:
     """Annotate an AlpacaEval-format file; writes the same rows with 'preference' (1: output_1, 2: output_2) and 'annotator'."""
     from farmflow.annotators import AnnotationError, annotate, task_from_text
@@ -125,13 +163,25 @@ def annotate_file(
     logging.getLogger("farmflow").setLevel(logging.INFO)
     cfg = _annotator_config(annotator, base_url, max_cost_usd, max_in_flight, served_model)
     data = read_alpaca_eval(path)  # a ValueError naming the file and row: exit code 2
-    rows = [{"id": str(r.get("id", i)), "split": "", "instruction": r["instruction"], "input": r.get("input") or "",
-             "output_1": r["output_1"], "output_2": r["output_2"], "task": None} for i, r in enumerate(data)]
+    rows = [
+        {
+            "id": str(r.get("id", i)),
+            "split": "",
+            "instruction": r["instruction"],
+            "input": r.get("input") or "",
+            "output_1": r["output_1"],
+            "output_2": r["output_2"],
+            "task": None,
+        }
+        for i, r in enumerate(data)
+    ]
     if cfg.kind == "oracle":  # the oracle needs the synthetic task behind each row
         for i, r in enumerate(rows):
             task = task_from_text(r["instruction"], r["input"])
             if task is None:
-                raise UsageError(f"{path}: row {i} is not a synthetic-farm task; the oracle cannot judge it (use an API annotator)")
+                raise UsageError(
+                    f"{path}: row {i} is not a synthetic-farm task; the oracle cannot judge it (use an API annotator)"
+                )
             r["task"] = task_to_json(task)
     error = None
     try:
@@ -148,7 +198,11 @@ def annotate_file(
     tmp.write_text(json.dumps(out, indent=2, ensure_ascii=False))
     os.replace(tmp, target)
     missing = sum(j["preference"] is None for j in judged)
-    print(json.dumps({"file": str(target), **{k: (int(v) if float(v).is_integer() else v) for k, v in totals.items()}}, indent=2))
+    print(
+        json.dumps(
+            {"file": str(target), **{k: (int(v) if float(v).is_integer() else v) for k, v in totals.items()}}, indent=2
+        )
+    )
     if error is not None:
         raise CliError(f"annotation failed: {error}") from error
     if missing:
@@ -158,15 +212,25 @@ def annotate_file(
 def _totals(judged: list[dict], stats) -> dict[str, float]:
     """The summary of a run that stopped at an error, from its per-row results and its `RunStats`."""
     count = lambda status: float(sum(j["status"] == status for j in judged))  # noqa: E731
-    return {"pairs": float(len(judged)), "noised": count("noised"), "ties": count("tie"),
-            "cached": float(sum(bool(j.get("cached")) and j["status"] == "ok" for j in judged)),
-            "judged": float(sum(j["status"] == "ok" and not j.get("cached") for j in judged)),
-            "failed": count("failed"), "unsent": count("unsent"),
-            "requests": float(stats.requests if stats else 0), "cost_usd": stats.cost_usd if stats else 0.0}
+    return {
+        "pairs": float(len(judged)),
+        "noised": count("noised"),
+        "ties": count("tie"),
+        "cached": float(sum(bool(j.get("cached")) and j["status"] == "ok" for j in judged)),
+        "judged": float(sum(j["status"] == "ok" and not j.get("cached") for j in judged)),
+        "failed": count("failed"),
+        "unsent": count("unsent"),
+        "requests": float(stats.requests if stats else 0),
+        "cost_usd": stats.cost_usd if stats else 0.0,
+    }
 
 
 @annotations_app.command("reparse")
-def reparse(store: Optional[str] = typer.Option(None, help="Store holding the row cache (default $FARMFLOW_STORE, else ./.farmflow/store).")) -> None:
+def reparse(
+    store: Optional[str] = typer.Option(
+        None, help="Store holding the row cache (default $FARMFLOW_STORE, else ./.farmflow/store)."
+    ),
+) -> None:
     """Parse the stored raw completions of failed rows again, without any API call; rows that now parse become ok."""
     from farmflow.annotators import cache
     from farmflow.config import StoreConfig
@@ -190,8 +254,10 @@ def local_judge(store: Optional[str] = None, port: int = LOCAL_JUDGE_PORT) -> It
         if store:  # anything that falls back to the default store uses this one too
             os.environ["FARMFLOW_STORE"] = store
         typer.echo(f"local judge server at {url}", err=True)
-        yield [f'annotation={json.dumps({"preset": "p_sim_ann", "base_url": url})}',
-               f'evaluation.annotator={json.dumps({"preset": "p_sim_eval", "base_url": url})}']
+        yield [
+            f"annotation={json.dumps({'preset': 'p_sim_ann', 'base_url': url})}",
+            f"evaluation.annotator={json.dumps({'preset': 'p_sim_eval', 'base_url': url})}",
+        ]
     finally:
         proc.terminate()
         try:

@@ -27,9 +27,14 @@ def annotation_rows(path: Path) -> list[dict]:
 
 @eval_app.command("winrate")
 def winrate(
-    path: Path = typer.Argument(..., help="AlpacaEval annotations JSON: a list of rows with 'preference' and 'output_2'."),
+    path: Path = typer.Argument(
+        ..., help="AlpacaEval annotations JSON: a list of rows with 'preference' and 'output_2'."
+    ),
     difficulty: list[Path] = typer.Option(
-        [], "--difficulty", help="Other annotation files (other models, same references and judge) to estimate instruction difficulty from; repeatable."),
+        [],
+        "--difficulty",
+        help="Other annotation files (other models, same references and judge) to estimate instruction difficulty from; repeatable.",
+    ),
 ) -> None:
     """Win rate, standard error, counts, discrete win rate, average length and length-controlled win rate, as JSON.
 
@@ -47,7 +52,9 @@ def winrate(
     stats = alpaca_eval_winrate(rows, where=str(path))
     lc = lc_of_rows(rows, [run_of_rows(peer) for peer in peers.values()]) if all("output_1" in r for r in rows) else {}
     if stats["n_invalid"]:
-        typer.echo(f"warning: {int(stats['n_invalid'])} rows with a missing or malformed preference were left out", err=True)
+        typer.echo(
+            f"warning: {int(stats['n_invalid'])} rows with a missing or malformed preference were left out", err=True
+        )
     if not lc:
         typer.echo("warning: no 'output_1' (reference output) in every row: no length-controlled win rate", err=True)
     out = {k: (int(v) if k.startswith("n_") or k == "avg_length" else v) for k, v in stats.items()}
@@ -60,32 +67,48 @@ def winrate(
 @eval_app.command("annotators")
 def annotators(
     files: list[Path] = typer.Argument(
-        None, help="Label files: AlpacaEval annotation JSON or Parquet tables (annotations cache, preferences); with "
-        "--judge one AlpacaEval annotations JSON whose preferences are the reference."),
-    oracle: bool = typer.Option(False, "--oracle", help="Synthetic farm: every oracle annotator of the preset's evaluation pool labels the same pairs (offline)."),
+        None,
+        help="Label files: AlpacaEval annotation JSON or Parquet tables (annotations cache, preferences); with "
+        "--judge one AlpacaEval annotations JSON whose preferences are the reference.",
+    ),
+    oracle: bool = typer.Option(
+        False,
+        "--oracle",
+        help="Synthetic farm: every oracle annotator of the preset's evaluation pool labels the same pairs (offline).",
+    ),
     preset: str = typer.Option("synthetic-tiny", help="Preset whose data and evaluation pool --oracle uses."),
     store: Optional[str] = typer.Option(
-        None, help="With --oracle: take the val pairs of the latest sample_pairs artifact in this store (default: "
+        None,
+        help="With --oracle: take the val pairs of the latest sample_pairs artifact in this store (default: "
         "generated pairs). With --judge: the store holding the annotation row cache (default $FARMFLOW_STORE, else "
-        "./.farmflow/store)."),
+        "./.farmflow/store).",
+    ),
     pairs: int = typer.Option(400, min=1, help="With --oracle: at most this many pairs."),
     draws: int = typer.Option(3, min=1, help="With --oracle: labels per annotator and pair (variance needs >= 2)."),
-    reference: str = typer.Option("auto", help="Agreement reference: gold, others (majority of the other annotators) or auto (gold when known)."),
+    reference: str = typer.Option(
+        "auto", help="Agreement reference: gold, others (majority of the other annotators) or auto (gold when known)."
+    ),
     plot: Optional[Path] = typer.Option(None, help="Write the agreement-vs-price plot (PNG) here."),
     as_json: bool = typer.Option(False, "--json", help="Print the table as JSON (with the reference used)."),
     fmt: str = format_option(),
     judge: list[str] = typer.Option(
-        [], "--judge", metavar="SPEC",
+        [],
+        "--judge",
+        metavar="SPEC",
         help="Measure a judge against FILE's reference preferences (repeatable), beside the baselines 'longer' and "
         "'coin' (always included). SPEC: hf:MODEL (a model-cache name, folder or hub id), api:BASE_URL@MODEL (an "
         "OpenAI-compatible endpoint serving MODEL; key in $OPENAI_API_KEY, any value for a local server without one; "
         "prompt format choice, temperature 0), longer, coin. Options follow '?', joined by '&': for hf batch_size, "
         "max_prompt_tokens, dtype, device, gguf_file, revision; for api temperature, format (choice, json, logprobs), "
         "style. Examples: hf:smollm2-135m-instruct, hf:smollm2-135m-instruct?batch_size=4, "
-        "api:http://localhost:8000/v1@m, 'api:http://localhost:8000/v1@m?temperature=1'."),
+        "api:http://localhost:8000/v1@m, 'api:http://localhost:8000/v1@m?temperature=1'.",
+    ),
     limit: Optional[int] = typer.Option(
-        None, "--limit", min=1,
-        help="With --judge: the first N pairs of FILE with a decisive (non-tie, readable) reference; default: all."),
+        None,
+        "--limit",
+        min=1,
+        help="With --judge: the first N pairs of FILE with a decisive (non-tie, readable) reference; default: all.",
+    ),
     seed: int = typer.Option(0, "--seed", help="With --judge: seed of the coin baseline."),
 ) -> None:
     """Agreement, bias, variance, length/list preference, price and time per 1000 of each annotator on shared pairs.
@@ -128,14 +151,26 @@ def annotators(
         return
     # (column, field, shown as): fractions as percentages
     pct = lambda x: "—" if x is None or x != x else f"{100 * x:.1f}"  # noqa: E731
-    cols = (("annotator", "annotator", str), ("labels", "labels", str), ("agreement %", "agreement", pct),
-            ("bias %", "bias", pct), ("variance %", "variance", pct), ("prefers longer %", "length_pref", pct),
-            ("prefers list %", "list_pref", pct), ("$ / 1000", "price_per_1000", lambda x: "—" if x != x else f"{x:.2f}"),
-            ("s / 1000", "seconds_per_1000", None))
+    cols = (
+        ("annotator", "annotator", str),
+        ("labels", "labels", str),
+        ("agreement %", "agreement", pct),
+        ("bias %", "bias", pct),
+        ("variance %", "variance", pct),
+        ("prefers longer %", "length_pref", pct),
+        ("prefers list %", "list_pref", pct),
+        ("$ / 1000", "price_per_1000", lambda x: "—" if x != x else f"{x:.2f}"),
+        ("s / 1000", "seconds_per_1000", None),
+    )
     ref = "gold reward" if used == "gold" else "majority of the other annotators"
-    emit([c for c, _, _ in cols], [[r[f] for _, f, _ in cols] for r in table], fmt,
-         title=f"Annotators ({len(rows)} labels; reference: {ref})", cells={c: show for c, _, show in cols if show},
-         right=[c for c, _, _ in cols[1:]])
+    emit(
+        [c for c, _, _ in cols],
+        [[r[f] for _, f, _ in cols] for r in table],
+        fmt,
+        title=f"Annotators ({len(rows)} labels; reference: {ref})",
+        cells={c: show for c, _, show in cols if show},
+        right=[c for c, _, _ in cols[1:]],
+    )
     if plot:
         typer.echo(f"plot: {plot}", err=fmt != "table")
 

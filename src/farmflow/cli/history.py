@@ -18,12 +18,16 @@ STORE_HELP = "Artifact store (default $FARMFLOW_STORE, else ./.farmflow/store)."
 def leaderboard(
     store: Optional[str] = typer.Option(None, help=STORE_HELP),
     run: Optional[str] = typer.Option(
-        None, "--run", help="The run to show: its run id or flow-run id (or a unique prefix of one)."),
+        None, "--run", help="The run to show: its run id or flow-run id (or a unique prefix of one)."
+    ),
     preset: Optional[str] = typer.Option(
-        None, "--preset", help="Show the newest run of this preset (default: synthetic-tiny, else the newest run's)."),
+        None, "--preset", help="Show the newest run of this preset (default: synthetic-tiny, else the newest run's)."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the run, its leaderboard rows and artifact as JSON."),
-    fmt: str = format_option("table (aligned, for people, with the run and the judge), json (the rows as a list of "
-                             "objects), csv or md (a Markdown table)."),
+    fmt: str = format_option(
+        "table (aligned, for people, with the run and the judge), json (the rows as a list of "
+        "objects), csv or md (a Markdown table)."
+    ),
 ) -> None:
     """Print one run's leaderboard from the store's runs table, and where its Parquet, Markdown and plot are."""
     from farmflow.config import StoreConfig
@@ -50,8 +54,10 @@ def leaderboard(
         if not boards:
             raise CliError(f"no leaderboard in {st.root} yet: run `farmflow demo` first")
         if run or preset:
-            raise CliError(f"--run and --preset read the runs table, and {st.root} has none yet "
-                           "(`farmflow leaderboard` alone shows its newest leaderboard)")
+            raise CliError(
+                f"--run and --preset read the runs table, and {st.root} has none yet "
+                "(`farmflow leaderboard` alone shows its newest leaderboard)"
+            )
         latest, about, why = boards[-1], None, "the newest leaderboard artifact (this store has no runs table)"
         rows, created = st.read_table(latest).to_pylist(), latest.created
         title = f"Leaderboard ({created})"
@@ -71,18 +77,23 @@ def leaderboard(
         from farmflow.evaluation.leaderboard import judge_quality
 
         note = judge_quality(rows[0]["annotator"])
-        say(f"annotator: {rows[0]['annotator']}; reference: {rows[0].get('reference') or '?'}"
-            + (f"; the judge {note}" if note else ""))
+        say(
+            f"annotator: {rows[0]['annotator']}; reference: {rows[0].get('reference') or '?'}"
+            + (f"; the judge {note}" if note else "")
+        )
     gold = [r for r in rows if r["mean_gold"] is not None and r["mean_gold"] == r["mean_gold"]]
     if len(gold) >= 3:  # the synthetic farm: does the simulated ranking match the true (gold) one?
         from farmflow.evaluation.analysis import ranking_correlation
 
         for col in ("win_rate", "lc_win_rate"):
             if all(r.get(col) is not None for r in gold):
-                c = ranking_correlation({r["method"]: r[col] for r in gold},
-                                        {r["method"]: r["mean_gold"] for r in gold})
-                say(f"{col.replace('_', ' ')} vs mean gold over {c['n']} methods: "
-                    f"Spearman {c['spearman']:.2f}, Pearson {c['pearson']:.2f}")
+                c = ranking_correlation(
+                    {r["method"]: r[col] for r in gold}, {r["method"]: r["mean_gold"] for r in gold}
+                )
+                say(
+                    f"{col.replace('_', ' ')} vs mean gold over {c['n']} methods: "
+                    f"Spearman {c['spearman']:.2f}, Pearson {c['pearson']:.2f}"
+                )
     if uri:
         say(f"files: {uri}/data.parquet, leaderboard.md, leaderboard.png")
 
@@ -97,7 +108,8 @@ def history(
     ),
     fmt: str = format_option(
         "table (one column per run, for people; text: the same), json or csv (one row per run and method) or md "
-        "(Markdown, one column per run)."),
+        "(Markdown, one column per run)."
+    ),
     plot: Optional[Path] = typer.Option(
         None, "--plot", help="Also write the plot of win rate ± SE per method across runs (PNG) here."
     ),

@@ -14,8 +14,10 @@ from farmflow.cli.output import say
 from farmflow.cli.store import STORE_HELP, open_given
 
 label_app = typer.Typer(help="Label pairs by hand in a local web page; export and import labels.", no_args_is_help=True)
-PAIRS_HELP = ("The pairs: a committed artifact's key (a pairs or preferences table; a unique prefix, or stage/key) "
-              "or a .json/.jsonl/.parquet file with instruction, input, output_1, output_2.")
+PAIRS_HELP = (
+    "The pairs: a committed artifact's key (a pairs or preferences table; a unique prefix, or stage/key) "
+    "or a .json/.jsonl/.parquet file with instruction, input, output_1, output_2."
+)
 
 
 def default_labeler() -> str:
@@ -37,8 +39,11 @@ def check_port(port: int) -> None:
 @label_app.command("serve")
 def serve(
     pairs: str = typer.Option(..., "--pairs", help=PAIRS_HELP),
-    labeler: Optional[str] = typer.Option(None, help="Who labels (annotator human:NAME; default: your user name). "
-                                          "The page's ?labeler=NAME parameter labels as someone else."),
+    labeler: Optional[str] = typer.Option(
+        None,
+        help="Who labels (annotator human:NAME; default: your user name). "
+        "The page's ?labeler=NAME parameter labels as someone else.",
+    ),
     port: int = typer.Option(8770, help="Port on 127.0.0.1."),
     store: Optional[str] = typer.Option(None, help=STORE_HELP),
 ) -> None:
@@ -62,8 +67,12 @@ def export(
     labeler: str = typer.Option(..., help="Whose labels (annotator human:NAME)."),
     output: Path = typer.Option(..., "--output", "-o", help="The file to write."),
     fmt: str = typer.Option("csv", "--format", "-f", help="csv (a header line) or jsonl."),
-    pairs: Optional[str] = typer.Option(None, "--pairs", help=PAIRS_HELP + " With it: those pairs' labels in their "
-                                        "order and output order, with their id; without: all labels, oldest first."),
+    pairs: Optional[str] = typer.Option(
+        None,
+        "--pairs",
+        help=PAIRS_HELP + " With it: those pairs' labels in their "
+        "order and output order, with their id; without: all labels, oldest first.",
+    ),
     store: Optional[str] = typer.Option(None, help=STORE_HELP),
 ) -> None:
     """Write a labeler's labels in force (undone ones left out) in AlpacaFarm's human-preference layout."""
@@ -80,8 +89,11 @@ def export(
 
 
 def import_labels(
-    file: Path = typer.Argument(..., help="A .csv, .json, .jsonl or .parquet file: instruction, input, output_1, "
-                                "output_2, preference (1 or 2; 1.5 or 0: a tie)."),
+    file: Path = typer.Argument(
+        ...,
+        help="A .csv, .json, .jsonl or .parquet file: instruction, input, output_1, "
+        "output_2, preference (1 or 2; 1.5 or 0: a tie).",
+    ),
     labeler: str = typer.Option(..., help="Whose labels these are (annotator human:NAME)."),
     store: Optional[str] = typer.Option(None, help=STORE_HELP),
 ) -> None:

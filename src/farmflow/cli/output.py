@@ -77,9 +77,19 @@ def text(x: Any) -> str:
     return f"{x:.3f}" if isinstance(x, float) else str(x)
 
 
-def emit(columns: Sequence[str], rows: Sequence[Sequence[Any]], fmt: str = "table", *, title: str | None = None,
-         caption: str | None = None, cells: dict[str, Cell] | None = None, right: Sequence[str] = (),
-         fold: dict[str, int] | None = None, default: Cell = text, keys: Sequence[str] | None = None) -> None:
+def emit(
+    columns: Sequence[str],
+    rows: Sequence[Sequence[Any]],
+    fmt: str = "table",
+    *,
+    title: str | None = None,
+    caption: str | None = None,
+    cells: dict[str, Cell] | None = None,
+    right: Sequence[str] = (),
+    fold: dict[str, int] | None = None,
+    default: Cell = text,
+    keys: Sequence[str] | None = None,
+) -> None:
     """Print a table on stdout in `fmt` (FORMATS).
 
     `rows` hold values. json and csv print them as they are (no value: null, an empty cell), under `keys` (default:
@@ -103,14 +113,16 @@ def emit(columns: Sequence[str], rows: Sequence[Sequence[Any]], fmt: str = "tabl
         lines = ([f"### {cell(title)}", ""] if title else []) + [
             "| " + " | ".join(cell(c) for c in columns) + " |",
             "|" + "|".join("---:" if c in right else "---" for c in columns) + "|",
-            *("| " + " | ".join(cell(v) for v in r) + " |" for r in shown)]
+            *("| " + " | ".join(cell(v) for v in r) + " |" for r in shown),
+        ]
         print("\n".join(lines + (["", cell(caption)] if caption else [])))
         return
     table = Table(title=title, caption=caption, header_style="bold")
     for c in columns:
         width = (fold or {}).get(c)
-        table.add_column(c, justify="right" if c in right else "left", overflow="fold" if width else "ellipsis",
-                         min_width=width)
+        table.add_column(
+            c, justify="right" if c in right else "left", overflow="fold" if width else "ellipsis", min_width=width
+        )
     for r in shown:
         table.add_row(*r)
     console().print(table)

@@ -45,8 +45,9 @@ def methods_of(methods: list[str]) -> Optional[list[str]]:
     chosen = [m.strip().replace("-", "_") for item in methods for m in item.split(",") if m.strip()]
     unknown = [m for m in chosen if m not in METHODS]
     if unknown:
-        raise UsageError(f"unknown method(s) {', '.join(unknown)}; known: {', '.join(METHODS)} "
-                         "(hyphens work too: best-of-n)")
+        raise UsageError(
+            f"unknown method(s) {', '.join(unknown)}; known: {', '.join(METHODS)} (hyphens work too: best-of-n)"
+        )
     return chosen or None
 
 
@@ -111,21 +112,30 @@ def settle(flow_run_id, timeout_s: float = 10.0) -> bool:
     from prefect.events.worker import EventsWorker
 
     EventsWorker.drain_all(timeout=timeout_s)  # what this process has not sent yet
-    unfinished = TaskRunFilter(state=TaskRunFilterState(type=TaskRunFilterStateType(any_=[t for t in StateType if t not in TERMINAL_STATES])))
+    unfinished = TaskRunFilter(
+        state=TaskRunFilterState(type=TaskRunFilterStateType(any_=[t for t in StateType if t not in TERMINAL_STATES]))
+    )
     this_run = FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
     deadline, clean = time.monotonic() + timeout_s, 0
     with get_client(sync_client=True) as client:
         while time.monotonic() < deadline:
             # twice in a row, 0.2 s apart: events sent last may not have reached the recorder at the first look
-            clean = 0 if client.read_task_runs(flow_run_filter=this_run, task_run_filter=unfinished, limit=1) else clean + 1
+            clean = (
+                0 if client.read_task_runs(flow_run_filter=this_run, task_run_filter=unfinished, limit=1) else clean + 1
+            )
             if clean == 2:
                 return True
             time.sleep(0.2)
     return False
 
 
-def compare(cfg, as_json: bool, flow: str = "compare", methods: Optional[list[str]] = None,
-            api_ready: Callable[[], Any] = lambda: None) -> None:
+def compare(
+    cfg,
+    as_json: bool,
+    flow: str = "compare",
+    methods: Optional[list[str]] = None,
+    api_ready: Callable[[], Any] = lambda: None,
+) -> None:
     """Run `flow` on `cfg` and print its summary."""
     check_api()  # a set PREFECT_API_URL whose server does not answer: one line now, before the flows' imports
     from farmflow.flows import FLOWS
@@ -145,8 +155,13 @@ def demo(
     preset: str = typer.Option("synthetic-tiny", help="Preset to run (synthetic-tiny: a few minutes on 2 CPU cores)."),
     store: Optional[str] = typer.Option(None, help=STORE_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON instead of tables."),
-    methods: list[str] = typer.Option([], "--method", help="Run only these methods (repeat or comma-separate); default: all."),
-    annotator: str = typer.Option("oracle", help="oracle: the offline annotator pool; api-local: the API annotators (p_sim_ann/p_sim_eval) through a loopback judge server started for the run."),
+    methods: list[str] = typer.Option(
+        [], "--method", help="Run only these methods (repeat or comma-separate); default: all."
+    ),
+    annotator: str = typer.Option(
+        "oracle",
+        help="oracle: the offline annotator pool; api-local: the API annotators (p_sim_ann/p_sim_eval) through a loopback judge server started for the run.",
+    ),
 ) -> None:
     """Run the offline synthetic farm end to end: SFT, pairs, annotation, reward model, every method, one leaderboard."""
     prefect_env()
@@ -165,10 +180,16 @@ def demo(
 
 
 def run(
-    flow: str = typer.Argument(..., help="Flow to run: compare, best-of-n, feedme, reward-conditioning, dpo, expert-iteration, ppo, quark."),
+    flow: str = typer.Argument(
+        ..., help="Flow to run: compare, best-of-n, feedme, reward-conditioning, dpo, expert-iteration, ppo, quark."
+    ),
     preset: str = typer.Option("synthetic-tiny", help="Preset to start from."),
-    set_: list[str] = typer.Option([], "--set", help="Override a field: --set best_of_n.n=8 (values parsed as JSON when possible)."),
-    methods: list[str] = typer.Option([], "--method", help="compare only: the methods to run (repeat or comma-separate); default: all."),
+    set_: list[str] = typer.Option(
+        [], "--set", help="Override a field: --set best_of_n.n=8 (values parsed as JSON when possible)."
+    ),
+    methods: list[str] = typer.Option(
+        [], "--method", help="compare only: the methods to run (repeat or comma-separate); default: all."
+    ),
     store: Optional[str] = typer.Option(None, help=STORE_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
 ) -> None:
@@ -190,12 +211,20 @@ def overopt(
     preset: str = typer.Option("synthetic-tiny", help="Preset to start from."),
     n: list[int] = typer.Option([], "--n", help="Best-of-n sample counts (repeatable); default 1 2 4 8 16."),
     labeller: list[str] = typer.Option(
-        [], "--labeller", help="Who labels the PREF pairs, one reward model and one curve each: p_sim^ann, greedy, p_sim^eval "
-        "(or p_sim_ann, p_sim_eval; repeatable or comma-separated); default p_sim^ann and greedy (paper Fig. 5)."),
+        [],
+        "--labeller",
+        help="Who labels the PREF pairs, one reward model and one curve each: p_sim^ann, greedy, p_sim^eval "
+        "(or p_sim_ann, p_sim_eval; repeatable or comma-separated); default p_sim^ann and greedy (paper Fig. 5).",
+    ),
     annotator: list[str] = typer.Option(
-        [], "--annotator", help="Judge every curve with these annotators (repeatable or comma-separated) instead of its own labeller; "
-        "the single-reward-model curve: --labeller p_sim^ann --annotator p_sim^ann,greedy."),
-    ppo_every: Optional[int] = typer.Option(None, "--ppo-every", help="Also PPO's curve: a policy snapshot every this many PPO steps, each a point."),
+        [],
+        "--annotator",
+        help="Judge every curve with these annotators (repeatable or comma-separated) instead of its own labeller; "
+        "the single-reward-model curve: --labeller p_sim^ann --annotator p_sim^ann,greedy.",
+    ),
+    ppo_every: Optional[int] = typer.Option(
+        None, "--ppo-every", help="Also PPO's curve: a policy snapshot every this many PPO steps, each a point."
+    ),
     set_: list[str] = typer.Option([], "--set", help="Override a field (section.field=value)."),
     store: Optional[str] = typer.Option(None, help=STORE_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
@@ -211,13 +240,22 @@ def overopt(
     api_ready()
     start = time.perf_counter()
     names = lambda opts: [x.strip() for o in opts for x in o.split(",") if x.strip()] or None  # noqa: E731
-    summary = run_flow(f"overopt-{cfg.name}", overoptimization_flow, advanced=cfg, ns=list(n) or None,
-                       labellers=names(labeller), annotators=names(annotator), ppo_every=ppo_every)
+    summary = run_flow(
+        f"overopt-{cfg.name}",
+        overoptimization_flow,
+        advanced=cfg,
+        ns=list(n) or None,
+        labellers=names(labeller),
+        annotators=names(annotator),
+        ppo_every=ppo_every,
+    )
     if as_json:
         print_json(summary | {"wall_seconds": time.perf_counter() - start})
         return
     console().print(summary["markdown"])
-    console().print(f"wall time {time.perf_counter() - start:.1f}s; table, curve.md and curve.png in {summary['artifact']}")
+    console().print(
+        f"wall time {time.perf_counter() - start:.1f}s; table, curve.md and curve.png in {summary['artifact']}"
+    )
 
 
 def reward_report(
@@ -243,15 +281,30 @@ def reward_report(
 
 
 def deploy(
-    preset: str = typer.Option("synthetic-tiny", help="Default preset of every deployment (each run can pick another in the UI)."),
-    set_: list[str] = typer.Option([], "--set", help="Default overrides of every deployment, e.g. --set execution.mode=distributed."),
-    store: Optional[str] = typer.Option(None, help="Store the flows use (an s3:// URI when workers run on several machines); default: each worker's $FARMFLOW_STORE or ./.farmflow/store."),
+    preset: str = typer.Option(
+        "synthetic-tiny", help="Default preset of every deployment (each run can pick another in the UI)."
+    ),
+    set_: list[str] = typer.Option(
+        [], "--set", help="Default overrides of every deployment, e.g. --set execution.mode=distributed."
+    ),
+    store: Optional[str] = typer.Option(
+        None,
+        help="Store the flows use (an s3:// URI when workers run on several machines); default: each worker's $FARMFLOW_STORE or ./.farmflow/store.",
+    ),
     nightly_cron: str = typer.Option("0 3 * * *", help="Cron schedule of the nightly-compare deployment."),
     timezone: str = typer.Option("UTC", help="Timezone of the nightly schedule (IANA name, e.g. Europe/Paris)."),
-    nightly_methods: list[str] = typer.Option([], "--nightly-method", help="Methods the nightly comparison runs (repeat or comma-separate); default: all."),
-    gpu_slots: Optional[int] = typer.Option(1, min=0, help="Concurrency limit of the GPU pool when it is created (flow runs at once; 0 pauses)."),
-    cpu_slots: Optional[int] = typer.Option(None, min=0, help="Concurrency limit of the CPU pool when it is created (default: unlimited)."),
-    create_pools: bool = typer.Option(True, help="Create the work pools (execution.cpu_pool, execution.gpu_pool; process type) when missing."),
+    nightly_methods: list[str] = typer.Option(
+        [], "--nightly-method", help="Methods the nightly comparison runs (repeat or comma-separate); default: all."
+    ),
+    gpu_slots: Optional[int] = typer.Option(
+        1, min=0, help="Concurrency limit of the GPU pool when it is created (flow runs at once; 0 pauses)."
+    ),
+    cpu_slots: Optional[int] = typer.Option(
+        None, min=0, help="Concurrency limit of the CPU pool when it is created (default: unlimited)."
+    ),
+    create_pools: bool = typer.Option(
+        True, help="Create the work pools (execution.cpu_pool, execution.gpu_pool; process type) when missing."
+    ),
 ) -> None:
     """Register a deployment per flow, the nightly comparison, the GPU stage runner and the unresponsive-run automation on the Prefect server at PREFECT_API_URL."""
     prefect_env()
@@ -260,11 +313,16 @@ def deploy(
 
     overrides = list(set_) + ([f"store.uri={json.dumps(store)}"] if store else [])
     try:
-        registered = register_deployments(preset, overrides, nightly_cron, timezone, methods_of(nightly_methods), gpu_slots, cpu_slots, create_pools)
+        registered = register_deployments(
+            preset, overrides, nightly_cron, timezone, methods_of(nightly_methods), gpu_slots, cpu_slots, create_pools
+        )
     except (ConfigError, ValueError, RuntimeError) as err:  # the server refused or could not be reached
         raise UsageError(f"deploy failed: {err}") from err
-    emit(["deployment", "work pool", "id"], [[d["name"], d["pool"], d["id"]] for d in registered if "pool" in d],
-         title="Deployments")
+    emit(
+        ["deployment", "work pool", "id"],
+        [[d["name"], d["pool"], d["id"]] for d in registered if "pool" in d],
+        title="Deployments",
+    )
     for d in registered:
         if "pool" not in d:
             say(f"{d['name']} ({d['id']})")

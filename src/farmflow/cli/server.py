@@ -62,16 +62,21 @@ def check_api(timeout_s: float = HEALTH_TIMEOUT_S) -> None:
     shown = redacted(api.url)
     headers = {"Authorization": f"Bearer {api.key.get_secret_value()}"} if api.key else {}
     try:
-        response = httpx.get(api.url.rstrip("/") + "/health", headers=headers, timeout=timeout_s,
-                             verify=not api.tls_insecure_skip_verify)
+        response = httpx.get(
+            api.url.rstrip("/") + "/health", headers=headers, timeout=timeout_s, verify=not api.tls_insecure_skip_verify
+        )
     except httpx.HTTPError as err:
         timed_out = isinstance(err, httpx.TimeoutException)
         reason = f"no answer within {timeout_s:g} s" if timed_out else " ".join(str(err).split()) or type(err).__name__
-        raise CliError(f"the Prefect API at PREFECT_API_URL={shown} does not answer ({reason}); start it "
-                       "(`farmflow server`) or unset PREFECT_API_URL to let each run start a temporary one") from None
+        raise CliError(
+            f"the Prefect API at PREFECT_API_URL={shown} does not answer ({reason}); start it "
+            "(`farmflow server`) or unset PREFECT_API_URL to let each run start a temporary one"
+        ) from None
     if response.status_code >= 400:
-        raise CliError(f"PREFECT_API_URL={shown} answered HTTP {response.status_code} to GET /health; "
-                       "expected a Prefect API URL, e.g. http://127.0.0.1:4200/api")
+        raise CliError(
+            f"PREFECT_API_URL={shown} answered HTTP {response.status_code} to GET /health; "
+            "expected a Prefect API URL, e.g. http://127.0.0.1:4200/api"
+        )
 
 
 def register(app: typer.Typer) -> None:

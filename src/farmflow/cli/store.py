@@ -26,11 +26,18 @@ def open_given(store: Optional[str]):
 
 
 def sql(
-    query: Optional[str] = typer.Argument(None, help="SQL over the views artifacts, instructions, pairs, preferences, outputs, evaluations, leaderboard, overoptimization, reward_report, annotations, runs, leaderboard_history."),
+    query: Optional[str] = typer.Argument(
+        None,
+        help="SQL over the views artifacts, instructions, pairs, preferences, outputs, evaluations, leaderboard, overoptimization, reward_report, annotations, runs, leaderboard_history.",
+    ),
     store: Optional[str] = typer.Option(None, help=STORE_HELP),
     fmt: str = format_option(FORMAT_HELP.removesuffix(".") + "; parquet (needs --output)."),
-    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write the result to this file instead of stdout."),
-    print_views: bool = typer.Option(False, "--print-views", help="Print the CREATE VIEW statements (for the DuckDB CLI or a notebook) and exit."),
+    output: Optional[Path] = typer.Option(
+        None, "--output", "-o", help="Write the result to this file instead of stdout."
+    ),
+    print_views: bool = typer.Option(
+        False, "--print-views", help="Print the CREATE VIEW statements (for the DuckDB CLI or a notebook) and exit."
+    ),
 ) -> None:
     """Run SQL over everything in the store with DuckDB."""
     import duckdb
@@ -82,9 +89,13 @@ def artifacts_ls(
     """The committed artifacts, oldest first: stage, key, kind, format, rows, created."""
     check_format(fmt)
     refs = [r for r in open_given(store).list() if stage is None or r.stage == stage]
-    emit(["stage", "key", "kind", "format", "rows", "created"],
-         [(r.stage, r.key, r.kind, r.format, r.rows, r.created[:19].replace("T", " ")) for r in refs], fmt, right=["rows"],
-         default=exact)
+    emit(
+        ["stage", "key", "kind", "format", "rows", "created"],
+        [(r.stage, r.key, r.kind, r.format, r.rows, r.created[:19].replace("T", " ")) for r in refs],
+        fmt,
+        right=["rows"],
+        default=exact,
+    )
 
 
 @artifacts_app.command("show")
@@ -98,7 +109,9 @@ def artifacts_show(
     matches = [r for r in st.list() if r.key.startswith(wanted) and (not stage or r.stage == stage)]
     if len(matches) != 1:
         found = ", ".join(f"{r.stage}/{r.key}" for r in matches[:5])
-        raise CliError(f"{'no' if not matches else len(matches)} artifacts match {key!r}" + (f": {found}" if found else ""))
+        raise CliError(
+            f"{'no' if not matches else len(matches)} artifacts match {key!r}" + (f": {found}" if found else "")
+        )
     ref = matches[0]
     record = st.record(ref) | {"ref": ref.model_dump(mode="json"), "files": st.files(ref)}
     print(json.dumps(record, indent=2, sort_keys=True))

@@ -16,7 +16,11 @@ version) is computed next to the code it describes: `farmflow.modelcache` and
 """
 
 from farmflow.config.annotators import (
-    AnnotatorConfig, ApiAnnotatorConfig, HFJudgeConfig, ModelPrice, OracleAnnotatorConfig,
+    AnnotatorConfig,
+    ApiAnnotatorConfig,
+    HFJudgeConfig,
+    ModelPrice,
+    OracleAnnotatorConfig,
 )
 from farmflow.config.base import ConfigError, Section
 from farmflow.config.credentials import CredentialsInValue, refuse_credentials
@@ -25,8 +29,17 @@ from farmflow.config.evaluation import EvaluationConfig
 from farmflow.config.execution import GPU_STAGES, CheckpointConfig, ExecutionConfig, StoreConfig
 from farmflow.config.farm import FarmConfig
 from farmflow.config.methods import (
-    FLOW_NAMES, METHODS, BestOfNConfig, DPOConfig, ExpertIterationConfig, PPOConfig, QuarkConfig,
-    RewardConditioningConfig, RewardConfig, SampleConfig, SFTConfig,
+    FLOW_NAMES,
+    METHODS,
+    BestOfNConfig,
+    DPOConfig,
+    ExpertIterationConfig,
+    PPOConfig,
+    QuarkConfig,
+    RewardConditioningConfig,
+    RewardConfig,
+    SampleConfig,
+    SFTConfig,
 )
 from farmflow.config.model import LoraConfig, ModelConfig
 from farmflow.config.overrides import load_config, validate_config
@@ -34,10 +47,40 @@ from farmflow.config.pools import ANNOTATOR_PRESETS
 from farmflow.config.presets import PRESETS, SHARED_DATA, preset
 
 __all__ = [
-    "ANNOTATOR_PRESETS", "AnnotatorConfig", "ApiAnnotatorConfig", "BestOfNConfig", "CheckpointConfig", "ConfigError",
-    "CredentialsInValue", "DPOConfig", "DataConfig", "EvaluationConfig", "ExecutionConfig", "ExpertIterationConfig",
-    "FARM_SPLIT_FILES", "FLOW_NAMES", "FarmConfig", "GPU_STAGES", "HFJudgeConfig", "LoraConfig", "METHODS",
-    "ModelConfig", "ModelPrice", "OracleAnnotatorConfig", "PPOConfig", "PRESETS", "QuarkConfig",
-    "RewardConditioningConfig", "RewardConfig", "SFTConfig", "SHARED_DATA", "SampleConfig", "Section", "StoreConfig",
-    "load_config", "preset", "refuse_credentials", "validate_config",
+    "ANNOTATOR_PRESETS",
+    "AnnotatorConfig",
+    "ApiAnnotatorConfig",
+    "BestOfNConfig",
+    "CheckpointConfig",
+    "ConfigError",
+    "CredentialsInValue",
+    "DPOConfig",
+    "DataConfig",
+    "EvaluationConfig",
+    "ExecutionConfig",
+    "ExpertIterationConfig",
+    "FARM_SPLIT_FILES",
+    "FLOW_NAMES",
+    "FarmConfig",
+    "GPU_STAGES",
+    "HFJudgeConfig",
+    "LoraConfig",
+    "METHODS",
+    "ModelConfig",
+    "ModelPrice",
+    "OracleAnnotatorConfig",
+    "PPOConfig",
+    "PRESETS",
+    "QuarkConfig",
+    "RewardConditioningConfig",
+    "RewardConfig",
+    "SFTConfig",
+    "SHARED_DATA",
+    "SampleConfig",
+    "Section",
+    "StoreConfig",
+    "load_config",
+    "preset",
+    "refuse_credentials",
+    "validate_config",
 ]

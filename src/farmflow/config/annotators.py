@@ -18,10 +18,20 @@ from farmflow.config.pools import ANNOTATOR_PRESETS
 
 class OracleAnnotatorConfig(Section):
     name: str = Field(description="Annotator id (appears in the preferences table).")
-    sharpness: float = Field(20.0, gt=0, description="How strongly the annotator follows gold-reward differences (logit per unit of gold).")
-    length_bias: float = Field(0.0, description="Logit bonus for the longer output, scaled by tanh(length difference / length_scale).")
-    length_scale: float = Field(40.0, gt=0, description="Length difference (characters) at which the length bonus reaches tanh(1) = 76% of length_bias.")
-    list_bias: float = Field(0.0, description="Logit bonus for an output formatted as a list (numbered or bulleted lines).")
+    sharpness: float = Field(
+        20.0, gt=0, description="How strongly the annotator follows gold-reward differences (logit per unit of gold)."
+    )
+    length_bias: float = Field(
+        0.0, description="Logit bonus for the longer output, scaled by tanh(length difference / length_scale)."
+    )
+    length_scale: float = Field(
+        40.0,
+        gt=0,
+        description="Length difference (characters) at which the length bonus reaches tanh(1) = 76% of length_bias.",
+    )
+    list_bias: float = Field(
+        0.0, description="Logit bonus for an output formatted as a list (numbered or bulleted lines)."
+    )
     position_bias: float = Field(0.0, description="Logit bonus for whichever output is shown first.")
 
 
@@ -33,9 +43,17 @@ def _default_pool() -> list[OracleAnnotatorConfig]:
     # 63% (humans: 64% and 61%). This pool, with the same flips, on the synthetic-tiny PREF
     # pairs: 60% and 61% (docs/synthetic-farm.md). Answers here are ~25 characters, hence the
     # 10-character length scale.
-    def judge(name: str, sharpness: float, length: float, lists: float = 0.0, position: float = 0.0) -> OracleAnnotatorConfig:
-        return OracleAnnotatorConfig(name=name, sharpness=sharpness, length_bias=length, length_scale=10.0,
-                                     list_bias=lists, position_bias=position)
+    def judge(
+        name: str, sharpness: float, length: float, lists: float = 0.0, position: float = 0.0
+    ) -> OracleAnnotatorConfig:
+        return OracleAnnotatorConfig(
+            name=name,
+            sharpness=sharpness,
+            length_bias=length,
+            length_scale=10.0,
+            list_bias=lists,
+            position_bias=position,
+        )
 
     return [
         judge("careful", 32.0, length=2.0),
@@ -56,19 +74,29 @@ class ApiAnnotatorConfig(Section):
         "preference in [1, 2] (batch_size 1 only).",
     )
     style: Literal["neutral", "strict", "user"] = Field(
-        "neutral", description="Wording of the judging guidance: a neutral rubric, a strict grader, or a busy user (the paper's pool mixed prompt personas)."
+        "neutral",
+        description="Wording of the judging guidance: a neutral rubric, a strict grader, or a busy user (the paper's pool mixed prompt personas).",
     )
-    batch_size: int = Field(1, ge=1, le=20, description="Pairs per request, each numbered in the prompt (paper's pool: 1, 4 or 5).")
-    temperature: float = Field(1.0, ge=0, le=2, description="Sampling temperature of the judge (paper: 1.0 for the pool, 0 for p_sim^GPT-4).")
+    batch_size: int = Field(
+        1, ge=1, le=20, description="Pairs per request, each numbered in the prompt (paper's pool: 1, 4 or 5)."
+    )
+    temperature: float = Field(
+        1.0, ge=0, le=2, description="Sampling temperature of the judge (paper: 1.0 for the pool, 0 for p_sim^GPT-4)."
+    )
     max_tokens: int | None = Field(
-        None, ge=1, description="Completion token cap per request; None: enough for the format (choice 12/item, json 120/item, logprobs 1)."
+        None,
+        ge=1,
+        description="Completion token cap per request; None: enough for the format (choice 12/item, json 120/item, logprobs 1).",
     )
     logit_bias: dict[str, float] = Field(
         default_factory=dict,
         description="Token id -> bias in [-100, 100] sent as logit_bias where the endpoint supports it (ids depend on the model's tokenizer).",
     )
     base_url: str | None = Field(None, description="Endpoint of this annotator; None: the pool's base_url.")
-    paper_name: str | None = Field(None, description="The AlpacaFarm annotator this one stands in for (informational, e.g. 'gpt4_1: gpt-4-0314, CoT JSON, batch 4').")
+    paper_name: str | None = Field(
+        None,
+        description="The AlpacaFarm annotator this one stands in for (informational, e.g. 'gpt4_1: gpt-4-0314, CoT JSON, batch 4').",
+    )
 
     @field_validator("base_url")
     @classmethod
@@ -78,7 +106,9 @@ class ApiAnnotatorConfig(Section):
     @model_validator(mode="after")
     def _logprobs_single(self) -> "ApiAnnotatorConfig":
         if self.prompt_format == "logprobs" and self.batch_size != 1:
-            raise ValueError(f"annotator {self.name!r}: prompt_format 'logprobs' judges one pair per request (batch_size must be 1)")
+            raise ValueError(
+                f"annotator {self.name!r}: prompt_format 'logprobs' judges one pair per request (batch_size must be 1)"
+            )
         if any(not -100 <= v <= 100 for v in self.logit_bias.values()):
             raise ValueError(f"annotator {self.name!r}: logit_bias values must lie in [-100, 100]")
         return self
@@ -91,7 +121,13 @@ class ModelPrice(Section):
 
 def _default_prices() -> dict[str, ModelPrice]:
     # Public list prices (USD per 1M tokens) when this table was written; check your provider's.
-    table = {"gpt-4o": (2.5, 10.0), "gpt-4o-mini": (0.15, 0.6), "gpt-4.1": (2.0, 8.0), "gpt-4.1-mini": (0.4, 1.6), "gpt-4.1-nano": (0.1, 0.4)}
+    table = {
+        "gpt-4o": (2.5, 10.0),
+        "gpt-4o-mini": (0.15, 0.6),
+        "gpt-4.1": (2.0, 8.0),
+        "gpt-4.1-mini": (0.4, 1.6),
+        "gpt-4.1-nano": (0.1, 0.4),
+    }
     return {m: ModelPrice(prompt_usd_per_mtok=p, completion_usd_per_mtok=c) for m, (p, c) in table.items()}
 
 
@@ -121,17 +157,21 @@ class HFJudgeConfig(Section):
         "precision).",
     )
     max_prompt_tokens: int = Field(
-        2048, ge=64,
+        2048,
+        ge=64,
         description="Longest judging prompt in tokens (also capped by the model's context); longer pairs have both "
         "outputs cut in the middle, marked in the text, and are counted in the run's `truncated` metric.",
     )
     batch_size: int = Field(
-        8, ge=1, json_schema_extra={"stage_key": False},
+        8,
+        ge=1,
+        json_schema_extra={"stage_key": False},
         description="Prompts per forward pass (left-padded; each pair is two prompts, one per order). Memory and speed "
         "only: not part of the judge's identity.",
     )
     device: Literal["auto", "cpu", "cuda"] = Field(
-        "auto", json_schema_extra={"stage_key": False},
+        "auto",
+        json_schema_extra={"stage_key": False},
         description="Where the judge runs; 'auto': the GPU when there is one, else the CPU. Not part of the judge's "
         "identity.",
     )
@@ -150,59 +190,104 @@ class AnnotatorConfig(Section):
         "p_sim_gpt4 (one annotator, temperature 0). When set it fixes kind, api_pool and label_noise; the other fields "
         "(endpoint, limits, prices) still apply. Also accepted as a bare name: annotation=p_sim_ann (the same as annotation.preset=p_sim_ann).",
     )
-    pool: list[OracleAnnotatorConfig] = Field(default_factory=_default_pool, min_length=1, description="The oracle annotator pool (kind 'oracle'); one is drawn per pair.")
-    api_pool: list[ApiAnnotatorConfig] = Field(default_factory=list, description="The API annotator pool (kind 'api'); one is drawn per pair.")
+    pool: list[OracleAnnotatorConfig] = Field(
+        default_factory=_default_pool,
+        min_length=1,
+        description="The oracle annotator pool (kind 'oracle'); one is drawn per pair.",
+    )
+    api_pool: list[ApiAnnotatorConfig] = Field(
+        default_factory=list, description="The API annotator pool (kind 'api'); one is drawn per pair."
+    )
     hf: HFJudgeConfig = Field(
-        default_factory=HFJudgeConfig, json_schema_extra={"stage_key": False},
+        default_factory=HFJudgeConfig,
+        json_schema_extra={"stage_key": False},
         description="The local LLM judge (kind 'hf'). Keyed through the judge's identity "
         "(`farmflow.annotators.judges_key`) when kind is 'hf', so its defaults do not enter the keys of the other kinds.",
     )
     label_noise: float = Field(
-        0.0, ge=0, le=1,
+        0.0,
+        ge=0,
+        le=1,
         description="Probability that a label is replaced by a fair coin without asking any annotator "
         "(paper's p_sim^ann: 0.5, i.e. 25% of labels flipped and half the API cost; p_sim^eval: 0).",
     )
-    seed: int = Field(0, description="Seed for annotator assignment, output order, label noise and (oracle) judgement noise.")
+    seed: int = Field(
+        0, description="Seed for annotator assignment, output order, label noise and (oracle) judgement noise."
+    )
     base_url: str | None = Field(
-        None, description="OpenAI-compatible endpoint for API annotators without their own; None: $OPENAI_BASE_URL or OpenAI's."
+        None,
+        description="OpenAI-compatible endpoint for API annotators without their own; None: $OPENAI_BASE_URL or OpenAI's.",
     )
     served_model: str | None = Field(
-        None, min_length=1,
+        None,
+        min_length=1,
         description="Model name sent in every request of the API pool instead of each annotator's model, for an "
         "endpoint that serves one fixed model (transformers serve, a single-model vLLM or Ollama); each annotator "
         "keeps its prompt format, style, temperature and batch size. Part of each judge's identity in the row cache. "
         "None: each annotator's model.",
     )
-    api_key_env: str = Field("OPENAI_API_KEY", json_schema_extra={"stage_key": False}, description="Environment variable holding the API key (never logged or stored).")
-    api_key_secret: str | None = Field(None, json_schema_extra={"stage_key": False}, description="Name of a Prefect Secret block with the API key; used instead of api_key_env when set.")
-    max_in_flight: int = Field(32, ge=1, json_schema_extra={"stage_key": False}, description="Requests in flight at once (per annotation call).")
+    api_key_env: str = Field(
+        "OPENAI_API_KEY",
+        json_schema_extra={"stage_key": False},
+        description="Environment variable holding the API key (never logged or stored).",
+    )
+    api_key_secret: str | None = Field(
+        None,
+        json_schema_extra={"stage_key": False},
+        description="Name of a Prefect Secret block with the API key; used instead of api_key_env when set.",
+    )
+    max_in_flight: int = Field(
+        32,
+        ge=1,
+        json_schema_extra={"stage_key": False},
+        description="Requests in flight at once (per annotation call).",
+    )
     requests_per_minute: float | None = Field(
-        None, gt=0, json_schema_extra={"stage_key": False}, description="Request rate limit; shared by every flow using the same rate_limit_name (None: no limit)."
+        None,
+        gt=0,
+        json_schema_extra={"stage_key": False},
+        description="Request rate limit; shared by every flow using the same rate_limit_name (None: no limit).",
     )
     rate_limit_name: str = Field(
         "farmflow-annotators",
-        json_schema_extra={"stage_key": False}, 
+        json_schema_extra={"stage_key": False},
         description="Name of the rate limit: a Prefect global concurrency limit (created if missing, slot decay = requests_per_minute/60) "
         "when a Prefect server is configured (PREFECT_API_URL), else a limiter shared within the process.",
     )
-    timeout_s: float = Field(60.0, gt=0, json_schema_extra={"stage_key": False}, description="Seconds before one HTTP request times out (the SDK then retries it).")
+    timeout_s: float = Field(
+        60.0,
+        gt=0,
+        json_schema_extra={"stage_key": False},
+        description="Seconds before one HTTP request times out (the SDK then retries it).",
+    )
     max_retries: int = Field(
-        2, ge=0, le=10, json_schema_extra={"stage_key": False},
+        2,
+        ge=0,
+        le=10,
+        json_schema_extra={"stage_key": False},
         description="SDK retries per request on 408/429/5xx/timeouts/connection errors, honoring Retry-After; "
         "other 4xx are never retried.",
     )
     chunk_size: int = Field(
-        100, ge=1, json_schema_extra={"stage_key": False},
+        100,
+        ge=1,
+        json_schema_extra={"stage_key": False},
         description="Judged pairs written to the row cache per append (at least every 10 s); each answer is also "
         "journaled on local disk as it arrives, so a killed run loses only the requests in flight.",
     )
     max_cost_usd: float | None = Field(
-        None, gt=0, json_schema_extra={"stage_key": False},
+        None,
+        gt=0,
+        json_schema_extra={"stage_key": False},
         description="Spending cap of one run: each request reserves its estimated cost (prompt at 4 characters a token "
         "plus its whole token cap, at the model's price) before it is sent, so the run spends at most this much and stops "
         "within one request's cost of it; what is done is kept. None: no cap.",
     )
-    prices: dict[str, ModelPrice] = Field(default_factory=_default_prices, json_schema_extra={"stage_key": False}, description="Model name -> token prices, for cost per annotation and run totals.")
+    prices: dict[str, ModelPrice] = Field(
+        default_factory=_default_prices,
+        json_schema_extra={"stage_key": False},
+        description="Model name -> token prices, for cost per annotation and run totals.",
+    )
 
     @field_validator("base_url")
     @classmethod
@@ -213,7 +298,9 @@ class AnnotatorConfig(Section):
     @classmethod
     def _a_variable_name(cls, v: str) -> str:
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", v):  # not the key itself: the value would be logged and stored
-            raise CredentialsInValue("must be the name of an environment variable (letters, digits and _), not the key itself")
+            raise CredentialsInValue(
+                "must be the name of an environment variable (letters, digits and _), not the key itself"
+            )
         return v
 
     @model_validator(mode="before")
@@ -233,8 +320,10 @@ class AnnotatorConfig(Section):
             raise ValueError(f"api_pool is fixed by preset {name!r}; set preset to null to define your own pool")
         clash = sorted(k for k, v in fixed.items() if k != "api_pool" and k in data and data[k] != v)
         if clash:  # e.g. kind 'hf' with preset p_sim_ann: never silently the preset's value instead
-            raise ValueError(f"{', '.join(clash)} is fixed by preset {name!r} "
-                             f"({', '.join(f'{k}={fixed[k]!r}' for k in clash)}); set preset to null to choose it")
+            raise ValueError(
+                f"{', '.join(clash)} is fixed by preset {name!r} "
+                f"({', '.join(f'{k}={fixed[k]!r}' for k in clash)}); set preset to null to choose it"
+            )
         return {**data, **{k: (list(v) if isinstance(v, list) else v) for k, v in fixed.items()}}
 
     @model_validator(mode="after")

@@ -13,10 +13,27 @@ class CredentialsInValue(ValueError):
     """A setting that carries credentials; its error message never repeats the value."""
 
 
-SECRET_QUERY_PARAMS = frozenset({
-    "key", "api_key", "apikey", "api-key", "token", "access_token", "auth", "secret", "password", "sig", "signature",
-    "x-amz-signature", "x-amz-credential", "x-amz-security-token", "aws_access_key_id", "aws_secret_access_key", "aws_session_token",
-})
+SECRET_QUERY_PARAMS = frozenset(
+    {
+        "key",
+        "api_key",
+        "apikey",
+        "api-key",
+        "token",
+        "access_token",
+        "auth",
+        "secret",
+        "password",
+        "sig",
+        "signature",
+        "x-amz-signature",
+        "x-amz-credential",
+        "x-amz-security-token",
+        "aws_access_key_id",
+        "aws_secret_access_key",
+        "aws_session_token",
+    }
+)
 
 
 def refuse_credentials(url: str | None, where: str) -> str | None:
@@ -39,4 +56,3 @@ def refuse_credentials(url: str | None, where: str) -> str | None:
         if "://" in value:
             refuse_credentials(value, where)
     return url
-

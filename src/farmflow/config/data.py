@@ -32,7 +32,8 @@ class DataConfig(Section):
         "all four are needed; each split keeps its first *_size rows (the rows left out are counted in the data stage's metrics).",
     )
     eval_path: str | None = Field(
-        None, description="source 'local': the evaluation set in AlpacaEval format (instruction, output = reference, generator, dataset)."
+        None,
+        description="source 'local': the evaluation set in AlpacaEval format (instruction, output = reference, generator, dataset).",
     )
     farm_dir: str | None = Field(
         None,
@@ -40,8 +41,13 @@ class DataConfig(Section):
         "alpaca_instructions/{sft,preference,unlabeled,val}.json (or .jsonl/.parquet) and alpaca_farm_evaluation.json "
         "(at the top or inside alpaca_instructions/). Fills split_paths and eval_path (those given explicitly win).",
     )
-    hub_name: str = Field("tatsu-lab/alpaca_farm", description="source 'hub': the dataset repository (configs alpaca_instructions, alpaca_farm_evaluation).")
-    hub_revision: str | None = Field(None, description="source 'hub': the dataset revision (a commit pins the data, and so the stage key).")
+    hub_name: str = Field(
+        "tatsu-lab/alpaca_farm",
+        description="source 'hub': the dataset repository (configs alpaca_instructions, alpaca_farm_evaluation).",
+    )
+    hub_revision: str | None = Field(
+        None, description="source 'hub': the dataset revision (a commit pins the data, and so the stage key)."
+    )
     content_sha256: dict[str, str] = Field(
         default_factory=dict,
         description="Filled in on validation: SHA-256 of each local data file that exists, so an edited file is a new data stage key "
@@ -55,14 +61,25 @@ class DataConfig(Section):
     )
     sft_size: int = Field(10_000, ge=1, description="Instructions with demonstrations for SFT (paper: 10k).")
     pref_size: int = Field(10_000, ge=1, description="Instructions for pairwise preference collection (paper: 10k).")
-    unlabeled_size: int = Field(20_000, ge=0, description="Unlabeled instructions for expert iteration, PPO and Quark (paper: 20k).")
-    val_size: int = Field(2_000, ge=1, description="Validation instructions; their annotated pairs measure reward-model accuracy (paper: 2k).")
+    unlabeled_size: int = Field(
+        20_000, ge=0, description="Unlabeled instructions for expert iteration, PPO and Quark (paper: 20k)."
+    )
+    val_size: int = Field(
+        2_000,
+        ge=1,
+        description="Validation instructions; their annotated pairs measure reward-model accuracy (paper: 2k).",
+    )
     eval_size: int = Field(805, ge=2, description="Evaluation instructions with reference outputs (paper: 805).")
     demo_error_rate: float = Field(
-        0.2, ge=0, le=1, description="Probability that an SFT demonstration contains a mistake (demonstrations are decent, not perfect)."
+        0.2,
+        ge=0,
+        le=1,
+        description="Probability that an SFT demonstration contains a mistake (demonstrations are decent, not perfect).",
     )
     reference_error_rate: float = Field(
-        0.35, ge=0, le=1,
+        0.35,
+        ge=0,
+        le=1,
         description="Probability that the reference policy's evaluation output contains a mistake; calibrated so a decent model wins about half the time.",
     )
 
@@ -79,7 +96,9 @@ class DataConfig(Section):
             for suffix in (".json", ".jsonl", ".parquet"):
                 if (folder / f"{stem}{suffix}").is_file():
                     return str(folder / f"{stem}{suffix}")
-            raise ValueError(f"farm_dir: no {stem}.json, .jsonl or .parquet in {folder} (tatsu-lab/alpaca_farm's layout)")
+            raise ValueError(
+                f"farm_dir: no {stem}.json, .jsonl or .parquet in {folder} (tatsu-lab/alpaca_farm's layout)"
+            )
 
         instructions = root / "alpaca_instructions"
         splits = {ours: find(instructions, theirs) for ours, theirs in FARM_SPLIT_FILES.items()}
@@ -97,13 +116,19 @@ class DataConfig(Section):
             raise ValueError(f"split_paths: unknown split {unknown}; known: sft, pref, unlabeled, val")
         missing = [s for s in ("sft", "pref", "unlabeled", "val") if self.split_paths and s not in self.split_paths]
         if missing:
-            raise ValueError(f"split_paths: no file for split(s) {missing}; give one file for each of sft, pref, unlabeled and val, "
-                             "or one file in instructions_path to split")
+            raise ValueError(
+                f"split_paths: no file for split(s) {missing}; give one file for each of sft, pref, unlabeled and val, "
+                "or one file in instructions_path to split"
+            )
         if self.source != "local":
             return self
         if not self.eval_path or not (self.instructions_path or self.split_paths):
             raise ValueError("source 'local' needs eval_path and either instructions_path or split_paths")
-        files = {"instructions": self.instructions_path, "eval": self.eval_path, **{f"split.{k}": v for k, v in self.split_paths.items()}}
+        files = {
+            "instructions": self.instructions_path,
+            "eval": self.eval_path,
+            **{f"split.{k}": v for k, v in self.split_paths.items()},
+        }
         digests = dict(self.content_sha256)
         for name, path in files.items():
             if path and Path(path).is_file():

@@ -27,21 +27,28 @@ class StoreConfig(Section):
         ),
     )
     endpoint_url: str | None = Field(
-        None, description="s3:// only: S3-compatible endpoint, e.g. MinIO's http://host:9000 (default $AWS_ENDPOINT_URL_S3 / $AWS_ENDPOINT_URL, else AWS)."
+        None,
+        description="s3:// only: S3-compatible endpoint, e.g. MinIO's http://host:9000 (default $AWS_ENDPOINT_URL_S3 / $AWS_ENDPOINT_URL, else AWS).",
     )
-    region: str | None = Field(None, description="s3:// only: AWS region (default from $AWS_DEFAULT_REGION or the profile).")
+    region: str | None = Field(
+        None, description="s3:// only: AWS region (default from $AWS_DEFAULT_REGION or the profile)."
+    )
     profile: str | None = Field(
-        None, description="s3:// only: named AWS profile for credentials (default: $AWS_PROFILE, else AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY and the usual AWS chain)."
+        None,
+        description="s3:// only: named AWS profile for credentials (default: $AWS_PROFILE, else AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY and the usual AWS chain).",
     )
     credentials_block: str | None = Field(
         None,
         description="s3:// only: name of a Prefect Secret block whose value is JSON {aws_access_key_id, aws_secret_access_key[, aws_session_token]}; replaces the AWS chain.",
     )
     max_attempts: int | None = Field(
-        None, ge=1, description="s3:// only: attempts per S3 request; transient errors are retried with backoff (botocore standard mode; default 5)."
+        None,
+        ge=1,
+        description="s3:// only: attempts per S3 request; transient errors are retried with backoff (botocore standard mode; default 5).",
     )
     cache_dir: str | None = Field(
-        None, description="s3:// only: local cache of downloaded models and checkpoints, one copy per artifact (default $FARMFLOW_CACHE or ~/.cache/farmflow)."
+        None,
+        description="s3:// only: local cache of downloaded models and checkpoints, one copy per artifact (default $FARMFLOW_CACHE or ~/.cache/farmflow).",
     )
 
     @field_validator("uri", "endpoint_url")
@@ -51,7 +58,11 @@ class StoreConfig(Section):
 
     @model_validator(mode="after")
     def _s3_options_need_s3(self) -> "StoreConfig":
-        given = [name for name in ("endpoint_url", "region", "profile", "credentials_block", "max_attempts", "cache_dir") if getattr(self, name) is not None]
+        given = [
+            name
+            for name in ("endpoint_url", "region", "profile", "credentials_block", "max_attempts", "cache_dir")
+            if getattr(self, name) is not None
+        ]
         if given and not self.uri.startswith("s3://"):
             raise ValueError(f"{', '.join(given)} only apply to an s3:// store, not {self.uri!r}")
         return self
@@ -61,20 +72,39 @@ class StoreConfig(Section):
         """The store URI with the S3 fields as query parameters (what `farmflow.storage.open_store` takes)."""
         base, _, query = self.uri.partition("?")
         fields = ("endpoint_url", "region", "profile", "credentials_block", "max_attempts", "cache_dir")
-        options = dict(parse_qsl(query)) | {name: str(getattr(self, name)) for name in fields if getattr(self, name) is not None}
+        options = dict(parse_qsl(query)) | {
+            name: str(getattr(self, name)) for name in fields if getattr(self, name) is not None
+        }
         return base + (f"?{urlencode(options)}" if options else "")
 
 
 class CheckpointConfig(Section):
-    every_steps: int = Field(0, ge=0, description="Checkpoint long training loops every this many optimizer steps (0: by time only).")
+    every_steps: int = Field(
+        0, ge=0, description="Checkpoint long training loops every this many optimizer steps (0: by time only)."
+    )
     every_seconds: float = Field(
-        300.0, ge=0, description="Checkpoint long training loops at least this often, in seconds (0: by steps only; both 0: off)."
+        300.0,
+        ge=0,
+        description="Checkpoint long training loops at least this often, in seconds (0: by steps only; both 0: off).",
     )
 
 
 GPU_STAGES = (
-    "sft", "sample_pairs", "train_reward", "generate", "best_of_n", "best_of_n_rescore", "reference_logps", "proxy_reward",
-    "reward_report", "feedme", "reward_conditioning", "dpo", "expert_iteration", "ppo", "quark",
+    "sft",
+    "sample_pairs",
+    "train_reward",
+    "generate",
+    "best_of_n",
+    "best_of_n_rescore",
+    "reference_logps",
+    "proxy_reward",
+    "reward_report",
+    "feedme",
+    "reward_conditioning",
+    "dpo",
+    "expert_iteration",
+    "ppo",
+    "quark",
 )
 """Stages that load a model on an accelerator: SFT, generation, reward and policy training (the GPU pool's work)."""
 
@@ -89,34 +119,48 @@ class ExecutionConfig(Section):
         "the other stages run in the flow's own process (the CPU pool). Needs a Prefect server and `farmflow deploy`.",
     )
     max_parallel_methods: int = Field(
-        2, ge=1,
+        2,
+        ge=1,
         description="Methods (and baselines) run at once after the shared upstream stages. Local: their stages that load a model "
         "take turns (one device), while evaluation and API annotation overlap them; distributed: GPU flow runs in flight at once "
         "(bounded by the GPU pool's concurrency limit).",
     )
-    cpu_pool: str = Field("farmflow-cpu", description="Work pool of the flows themselves: orchestration, data, annotation, evaluation.")
-    gpu_pool: str = Field("farmflow-gpu", description="Work pool of `stage_deployment`: SFT, generation, reward and policy training.")
+    cpu_pool: str = Field(
+        "farmflow-cpu", description="Work pool of the flows themselves: orchestration, data, annotation, evaluation."
+    )
+    gpu_pool: str = Field(
+        "farmflow-gpu", description="Work pool of `stage_deployment`: SFT, generation, reward and policy training."
+    )
     stage_deployment: str = Field(
-        "stage/gpu", description="Deployment ('flow/deployment') that runs one stage per flow run on the GPU pool (registered by `farmflow deploy`).",
+        "stage/gpu",
+        description="Deployment ('flow/deployment') that runs one stage per flow run on the GPU pool (registered by `farmflow deploy`).",
     )
     gpu_stages: list[str] = Field(
         default_factory=lambda: list(GPU_STAGES),
         description="Stages sent to the GPU pool in distributed mode (default: every stage that loads a model).",
     )
-    poll_seconds: float = Field(2.0, gt=0, description="Distributed: how often the flow checks on a GPU flow run it waits for.")
+    poll_seconds: float = Field(
+        2.0, gt=0, description="Distributed: how often the flow checks on a GPU flow run it waits for."
+    )
     retries: int = Field(
-        2, ge=0, le=10,
+        2,
+        ge=0,
+        le=10,
         description="Retries of a stage that touches the network (API annotators, an s3:// store, a GPU flow run that crashed) on a "
         "transient error; the stage resumes from its cached inputs (and the annotations row cache).",
     )
-    retry_delay_s: float = Field(10.0, ge=0, description="Delay before the first retry; doubles on each further retry (exponential backoff).")
+    retry_delay_s: float = Field(
+        10.0, ge=0, description="Delay before the first retry; doubles on each further retry (exponential backoff)."
+    )
     heartbeat_s: int = Field(
-        60, ge=30,
+        60,
+        ge=30,
         description="Deployed flow runs (`farmflow deploy`) send a heartbeat event this often (Prefect's flows.heartbeat_frequency, "
         "at least 30 s), so a run whose machine vanished can be told from a long one (`unresponsive_after_s`).",
     )
     unresponsive_after_s: int | None = Field(
-        300, ge=45,
+        300,
+        ge=45,
         description="`farmflow deploy` registers an automation that marks a farmflow flow run Crashed when no heartbeat or final "
         "state arrived for this long (a GPU machine that vanished); the flow waiting for it then retries the stage (`retries`). "
         "More than heartbeat_s; None: no automation (such a run stays Running until marked crashed by hand).",
@@ -135,7 +179,8 @@ class ExecutionConfig(Section):
         "None: accelerate's defaults (`accelerate config`).",
     )
     num_processes: int | None = Field(
-        None, ge=1,
+        None,
+        ge=1,
         description="launcher 'accelerate': processes (GPUs) per training stage, passed as --num_processes (None: from the config "
         "file). Each stage's batch_size must divide evenly between them.",
     )
@@ -143,6 +188,8 @@ class ExecutionConfig(Section):
     @model_validator(mode="after")
     def _heartbeats_fit(self) -> "ExecutionConfig":
         if self.unresponsive_after_s is not None and self.unresponsive_after_s < self.heartbeat_s + 15:
-            raise ValueError(f"execution.unresponsive_after_s ({self.unresponsive_after_s}) must exceed execution.heartbeat_s "
-                             f"({self.heartbeat_s}) by at least 15 s, or healthy runs would be marked crashed between two heartbeats")
+            raise ValueError(
+                f"execution.unresponsive_after_s ({self.unresponsive_after_s}) must exceed execution.heartbeat_s "
+                f"({self.heartbeat_s}) by at least 15 s, or healthy runs would be marked crashed between two heartbeats"
+            )
         return self

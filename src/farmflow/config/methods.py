@@ -19,12 +19,18 @@ FLOW_NAMES = ("compare", *(m.replace("_", "-") for m in METHODS))
 class SFTConfig(Section):
     epochs: float = Field(3.0, gt=0, description="Passes over the SFT split (paper: 3 epochs).")
     batch_size: int = Field(128, ge=1, description="Sequences per optimizer step (Alpaca/AlpacaFarm recipe: 128).")
-    lr: float = Field(2e-5, gt=0, description="Peak AdamW learning rate (paper: 2e-5 for LLaMA-7B; tiny models need ~1e-3).")
-    warmup_ratio: float = Field(0.03, ge=0, lt=1, description="Fraction of steps with linear warmup; cosine decay after (paper: 0.03).")
+    lr: float = Field(
+        2e-5, gt=0, description="Peak AdamW learning rate (paper: 2e-5 for LLaMA-7B; tiny models need ~1e-3)."
+    )
+    warmup_ratio: float = Field(
+        0.03, ge=0, lt=1, description="Fraction of steps with linear warmup; cosine decay after (paper: 0.03)."
+    )
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay (paper: 0).")
     seed: int = Field(0, description="Seed for data order.")
     micro_batch_size: int | None = Field(
-        None, ge=1, json_schema_extra={"stage_key": False},
+        None,
+        ge=1,
+        json_schema_extra={"stage_key": False},
         description="Sequences per forward pass (per process); gradients of the micro-batches accumulate into one optimizer step of "
         "batch_size, so results equal the unaccumulated run up to float rounding (memory only; None: the whole batch at once). "
         "Not part of the stage key.",
@@ -32,17 +38,22 @@ class SFTConfig(Section):
 
 
 class SampleConfig(Section):
-    temperature: float = Field(1.0, gt=0, description="Sampling temperature (paper: 1.0 for pairs and reranking, 0.7 for evaluation).")
+    temperature: float = Field(
+        1.0, gt=0, description="Sampling temperature (paper: 1.0 for pairs and reranking, 0.7 for evaluation)."
+    )
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
     max_new_tokens: int = Field(48, ge=1, description="Longest generated response in tokens.")
     batch_size: int = Field(
-        64, ge=1, json_schema_extra={"stage_key": False},
+        64,
+        ge=1,
+        json_schema_extra={"stage_key": False},
         description="Prompts per generation batch (memory and speed only: each sample has its own random stream, so the samples do "
         "not depend on it; not part of the stage key).",
     )
     seed: int = Field(0, description="Seed of the sampling generator.")
     backend: Literal["hf", "vllm"] = Field(
-        "hf", json_schema_extra={"stage_key": False},
+        "hf",
+        json_schema_extra={"stage_key": False},
         description="Sampler: 'hf' (farmflow's batched KV-cache sampler on the transformers model) or 'vllm' (needs `pip install vllm` "
         "where the stage runs; see farmflow.generation). Same outputs schema, but vLLM's samples differ from hf's for the same seed. "
         "Operational: not part of the stage key, so an artifact sampled by either backend is reused.",
@@ -52,12 +63,18 @@ class SampleConfig(Section):
 class RewardConfig(Section):
     epochs: float = Field(1.0, gt=0, description="Passes over the preference pairs (paper: 1 epoch).")
     batch_size: int = Field(16, ge=1, description="Pairs per optimizer step (AlpacaFarm: 16).")
-    lr: float = Field(3e-6, gt=0, description="Peak AdamW learning rate (AlpacaFarm: 3e-6 for LLaMA-7B; tiny models need ~3e-4).")
-    warmup_ratio: float = Field(0.03, ge=0, lt=1, description="Fraction of steps with linear warmup; cosine decay after (AlpacaFarm: 0.03).")
+    lr: float = Field(
+        3e-6, gt=0, description="Peak AdamW learning rate (AlpacaFarm: 3e-6 for LLaMA-7B; tiny models need ~3e-4)."
+    )
+    warmup_ratio: float = Field(
+        0.03, ge=0, lt=1, description="Fraction of steps with linear warmup; cosine decay after (AlpacaFarm: 0.03)."
+    )
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay (AlpacaFarm: 0).")
     seed: int = Field(0, description="Seed for data order and the fresh scalar head.")
     micro_batch_size: int | None = Field(
-        None, ge=1, json_schema_extra={"stage_key": False},
+        None,
+        ge=1,
+        json_schema_extra={"stage_key": False},
         description="Pairs per forward pass (per process); gradients of the micro-batches accumulate into one optimizer step of "
         "batch_size, so results equal the unaccumulated run up to float rounding (memory only; None: the whole batch at once). "
         "Not part of the stage key.",
@@ -76,8 +93,14 @@ class RewardConditioningConfig(Section):
         default_factory=SFTConfig,
         description="Supervised fine-tuning from the SFT model on both outputs of every pair (AlpacaFarm: the SFT recipe, 3 epochs, lr 2e-5, batch 128).",
     )
-    good_token: str = Field("<|good|>", min_length=1, description="Control token prepended to the preferred output's sequence, and used when sampling.")
-    bad_token: str = Field("<|bad|>", min_length=1, description="Control token prepended to the other output's sequence.")
+    good_token: str = Field(
+        "<|good|>",
+        min_length=1,
+        description="Control token prepended to the preferred output's sequence, and used when sampling.",
+    )
+    bad_token: str = Field(
+        "<|bad|>", min_length=1, description="Control token prepended to the other output's sequence."
+    )
 
     @model_validator(mode="after")
     def _distinct(self) -> "RewardConditioningConfig":
@@ -87,15 +110,25 @@ class RewardConditioningConfig(Section):
 
 
 class DPOConfig(Section):
-    beta: float = Field(0.1, gt=0, description="Strength of the implicit KL constraint to the SFT (reference) policy (DPO paper and AlpacaFarm: 0.1).")
+    beta: float = Field(
+        0.1,
+        gt=0,
+        description="Strength of the implicit KL constraint to the SFT (reference) policy (DPO paper and AlpacaFarm: 0.1).",
+    )
     epochs: float = Field(2.0, gt=0, description="Passes over the preference pairs (AlpacaFarm dpo.sh: 2 epochs).")
-    batch_size: int = Field(128, ge=1, description="Pairs per optimizer step (AlpacaFarm dpo.sh: 8 GPUs x 1 x 16 accumulation = 128).")
+    batch_size: int = Field(
+        128, ge=1, description="Pairs per optimizer step (AlpacaFarm dpo.sh: 8 GPUs x 1 x 16 accumulation = 128)."
+    )
     lr: float = Field(1e-6, gt=0, description="Peak AdamW learning rate (AlpacaFarm dpo.sh: 1e-6 for LLaMA-7B).")
-    warmup_ratio: float = Field(0.03, ge=0, lt=1, description="Fraction of steps with linear warmup; cosine decay after (AlpacaFarm: 0.03).")
+    warmup_ratio: float = Field(
+        0.03, ge=0, lt=1, description="Fraction of steps with linear warmup; cosine decay after (AlpacaFarm: 0.03)."
+    )
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay (AlpacaFarm: 0).")
     seed: int = Field(0, description="Seed for data order.")
     micro_batch_size: int | None = Field(
-        None, ge=1, json_schema_extra={"stage_key": False},
+        None,
+        ge=1,
+        json_schema_extra={"stage_key": False},
         description="Pairs per forward pass (per process); gradients of the micro-batches accumulate into one optimizer step of "
         "batch_size, so results equal the unaccumulated run up to float rounding (memory only; None: the whole batch at once). "
         "Not part of the stage key.",
@@ -103,11 +136,19 @@ class DPOConfig(Section):
 
 
 class ExpertIterationConfig(Section):
-    rounds: int = Field(1, ge=1, description="Rounds of (best-of-n on the unlabeled split, then SFT); round r samples from round r-1's policy (paper: 1 round).")
-    n: int = Field(16, ge=1, description="Samples per unlabeled instruction, the reward model keeps the best (paper: best-of-16).")
+    rounds: int = Field(
+        1,
+        ge=1,
+        description="Rounds of (best-of-n on the unlabeled split, then SFT); round r samples from round r-1's policy (paper: 1 round).",
+    )
+    n: int = Field(
+        16, ge=1, description="Samples per unlabeled instruction, the reward model keeps the best (paper: best-of-16)."
+    )
     temperature: float = Field(1.0, gt=0, description="Sampling temperature of the candidates (paper: 1.0).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold for candidates.")
-    max_prompts: int | None = Field(None, ge=1, description="Use only this many unlabeled instructions (None: the whole split, as the paper).")
+    max_prompts: int | None = Field(
+        None, ge=1, description="Use only this many unlabeled instructions (None: the whole split, as the paper)."
+    )
     train: SFTConfig = Field(
         default_factory=SFTConfig,
         description="Fine-tuning from the SFT initialization on the selected outputs (AlpacaFarm expiter.sh: 3 epochs, lr 2e-5, batch 128).",
@@ -118,40 +159,86 @@ class ExpertIterationConfig(Section):
 class PPOConfig(Section):
     """PPO from the SFT policy against the reward model (AlpacaFarm Appendix B; alpaca_farm rl/ppo_utils.py)."""
 
-    epochs: float = Field(10.0, gt=0, description="Passes over the unlabeled prompts; steps = epochs x prompts / rollout_batch_size (alpaca_farm rlhf_ppo.sh: total_epochs 10).")
+    epochs: float = Field(
+        10.0,
+        gt=0,
+        description="Passes over the unlabeled prompts; steps = epochs x prompts / rollout_batch_size (alpaca_farm rlhf_ppo.sh: total_epochs 10).",
+    )
     rollout_batch_size: int = Field(
-        512, ge=1, description="Prompts sampled per PPO step, one response each (paper Appendix B: 512). On several processes each samples "
+        512,
+        ge=1,
+        description="Prompts sampled per PPO step, one response each (paper Appendix B: 512). On several processes each samples "
         "an equal share: it must divide by their number.",
     )
     step_batch_size: int = Field(
-        256, ge=1, description="Rollouts per optimizer step; each PPO step makes ppo_epochs x rollout/step optimizer steps (paper: 256). "
+        256,
+        ge=1,
+        description="Rollouts per optimizer step; each PPO step makes ppo_epochs x rollout/step optimizer steps (paper: 256). "
         "On several processes each contributes an equal share: it must divide by their number.",
     )
-    ppo_epochs: int = Field(2, ge=1, description="Passes over each rollout batch (paper: 2 epochs per step; alpaca_farm noptepochs).")
+    ppo_epochs: int = Field(
+        2, ge=1, description="Passes over each rollout batch (paper: 2 epochs per step; alpaca_farm noptepochs)."
+    )
     micro_batch_size: int = Field(
-        32, ge=1, json_schema_extra={"stage_key": False},
+        32,
+        ge=1,
+        json_schema_extra={"stage_key": False},
         description="Prompts per sampling batch, sequences per forward pass when scoring rollouts and per gradient-accumulation chunk "
         "(memory only: not part of the stage key).",
     )
-    lr: float = Field(1e-5, gt=0, description="Peak AdamW learning rate for policy and value model (paper Appendix B: 1e-5; the released rlhf_ppo.sh uses 3e-6).")
-    warmup_steps: int = Field(5, ge=0, description="PPO steps of linear warmup, then linear decay to 0 (alpaca_farm rlhf_ppo.sh: 5; transformers' linear schedule).")
+    lr: float = Field(
+        1e-5,
+        gt=0,
+        description="Peak AdamW learning rate for policy and value model (paper Appendix B: 1e-5; the released rlhf_ppo.sh uses 3e-6).",
+    )
+    warmup_steps: int = Field(
+        5,
+        ge=0,
+        description="PPO steps of linear warmup, then linear decay to 0 (alpaca_farm rlhf_ppo.sh: 5; transformers' linear schedule).",
+    )
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay (alpaca_farm: 0).")
-    adam_eps: float = Field(1e-5, gt=0, description="AdamW epsilon (alpaca_farm: 1e-5, the OpenAI PPO default, not PyTorch's 1e-8).")
-    max_grad_norm: float = Field(1.0, gt=0, description="Gradient norm clipping over policy and value parameters (alpaca_farm: transformers' default 1.0).")
-    kl_coef: float = Field(0.02, ge=0, description="Fixed coefficient of the per-token KL penalty against the frozen SFT policy (alpaca_farm rlhf_ppo.sh: 0.02).")
-    temperature: float = Field(1.0, gt=0, description="Sampling temperature of rollouts; log-probs are computed at the same temperature (paper: 1.0).")
+    adam_eps: float = Field(
+        1e-5, gt=0, description="AdamW epsilon (alpaca_farm: 1e-5, the OpenAI PPO default, not PyTorch's 1e-8)."
+    )
+    max_grad_norm: float = Field(
+        1.0,
+        gt=0,
+        description="Gradient norm clipping over policy and value parameters (alpaca_farm: transformers' default 1.0).",
+    )
+    kl_coef: float = Field(
+        0.02,
+        ge=0,
+        description="Fixed coefficient of the per-token KL penalty against the frozen SFT policy (alpaca_farm rlhf_ppo.sh: 0.02).",
+    )
+    temperature: float = Field(
+        1.0,
+        gt=0,
+        description="Sampling temperature of rollouts; log-probs are computed at the same temperature (paper: 1.0).",
+    )
     max_new_tokens: int = Field(300, ge=1, description="Longest response in tokens (alpaca_farm response_len: 300).")
     penalty_reward_value: float | None = Field(
-        -1.0, description="Reward given instead of the reward model's score to responses that never emit EOS (alpaca_farm penalty_reward_value: -1; None: no penalty)."
+        -1.0,
+        description="Reward given instead of the reward model's score to responses that never emit EOS (alpaca_farm penalty_reward_value: -1; None: no penalty).",
     )
-    whiten_rewards: bool = Field(True, description="Whiten the shaped per-token rewards over the rollout batch before GAE, keeping their mean (alpaca_farm: True).")
+    whiten_rewards: bool = Field(
+        True,
+        description="Whiten the shaped per-token rewards over the rollout batch before GAE, keeping their mean (alpaca_farm: True).",
+    )
     gamma: float = Field(1.0, ge=0, le=1, description="Discount of GAE (paper: 1).")
     lam: float = Field(1.0, ge=0, le=1, description="Lambda of GAE (paper: 1).")
     clip_range: float = Field(0.2, gt=0, description="Clip range of the policy ratio (alpaca_farm cliprange: 0.2).")
-    clip_range_value: float = Field(0.2, gt=0, description="Clip range of value predictions around the rollout's values (alpaca_farm cliprange_value: 0.2).")
-    vf_coef: float = Field(0.1, ge=0, description="Weight of the value loss in the total loss (alpaca_farm vf_coef: 0.1).")
+    clip_range_value: float = Field(
+        0.2,
+        gt=0,
+        description="Clip range of value predictions around the rollout's values (alpaca_farm cliprange_value: 0.2).",
+    )
+    vf_coef: float = Field(
+        0.1, ge=0, description="Weight of the value loss in the total loss (alpaca_farm vf_coef: 0.1)."
+    )
     snapshot_every: int = Field(
-        0, ge=0, json_schema_extra={"stage_key": False},
+        0,
+        ge=0,
+        json_schema_extra={"stage_key": False},
         description="Also commit the policy every this many PPO steps as a 'ppo_snapshot' artifact, for over-optimization curves "
         "(0: off). Not part of PPO's key: a committed PPO run without these snapshots is trained again with the same seed to add "
         "them, and the over-optimization flow's PPO is the comparison's.",
@@ -162,29 +249,56 @@ class PPOConfig(Section):
 class QuarkConfig(Section):
     """Quark, top-quantile variant (AlpacaFarm §3.4 and Appendix B; alpaca_farm rl/quark_trainer.py)."""
 
-    epochs: float = Field(10.0, gt=0, description="Passes over the unlabeled prompts; steps = epochs x prompts / rollout_batch_size (alpaca_farm rlhf_quark.sh: total_epochs 10).")
+    epochs: float = Field(
+        10.0,
+        gt=0,
+        description="Passes over the unlabeled prompts; steps = epochs x prompts / rollout_batch_size (alpaca_farm rlhf_quark.sh: total_epochs 10).",
+    )
     rollout_batch_size: int = Field(
-        512, ge=1, description="Prompts sampled and scored per Quark step; the pool is reset to these every step (paper: 512). On several "
+        512,
+        ge=1,
+        description="Prompts sampled and scored per Quark step; the pool is reset to these every step (paper: 512). On several "
         "processes each samples an equal share: it must divide by their number.",
     )
-    step_batch_size: int = Field(256, ge=1, description="Top-quantile samples per optimizer step, cycled when the quantile is smaller (paper: 256).")
-    grad_steps_per_rollout: int = Field(1, ge=1, description="Optimizer steps per rollout (alpaca_farm num_gradient_steps_per_step: 1).")
+    step_batch_size: int = Field(
+        256,
+        ge=1,
+        description="Top-quantile samples per optimizer step, cycled when the quantile is smaller (paper: 256).",
+    )
+    grad_steps_per_rollout: int = Field(
+        1, ge=1, description="Optimizer steps per rollout (alpaca_farm num_gradient_steps_per_step: 1)."
+    )
     micro_batch_size: int = Field(
-        32, ge=1, json_schema_extra={"stage_key": False},
+        32,
+        ge=1,
+        json_schema_extra={"stage_key": False},
         description="Prompts per sampling batch, sequences per forward pass / gradient-accumulation chunk (memory only: not part of the stage key).",
     )
     num_quantiles: int = Field(
-        5, ge=1, description="Reward quantiles the rollout is split into; only the best one is trained on (Quark, Lu et al. 2022: 5 quantiles; top-quantile variant)."
+        5,
+        ge=1,
+        description="Reward quantiles the rollout is split into; only the best one is trained on (Quark, Lu et al. 2022: 5 quantiles; top-quantile variant).",
     )
     lr: float = Field(3e-6, gt=0, description="Peak AdamW learning rate (alpaca_farm rlhf_quark.sh: 3e-6).")
-    warmup_steps: int = Field(5, ge=0, description="Steps of linear warmup, then linear decay to 0 (alpaca_farm rlhf_quark.sh: 5).")
+    warmup_steps: int = Field(
+        5, ge=0, description="Steps of linear warmup, then linear decay to 0 (alpaca_farm rlhf_quark.sh: 5)."
+    )
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay (alpaca_farm: 0).")
     adam_eps: float = Field(1e-5, gt=0, description="AdamW epsilon (alpaca_farm: 1e-5).")
-    max_grad_norm: float = Field(1.0, gt=0, description="Gradient norm clipping (alpaca_farm: transformers' default 1.0).")
-    kl_coef: float = Field(0.05, ge=0, description="Coefficient of the per-token KL(policy || SFT) penalty (alpaca_farm rlhf_quark.sh: 0.05). No entropy term.")
-    temperature: float = Field(1.0, gt=0, description="Sampling temperature of rollouts and of the trained log-probs (paper: 1.0).")
+    max_grad_norm: float = Field(
+        1.0, gt=0, description="Gradient norm clipping (alpaca_farm: transformers' default 1.0)."
+    )
+    kl_coef: float = Field(
+        0.05,
+        ge=0,
+        description="Coefficient of the per-token KL(policy || SFT) penalty (alpaca_farm rlhf_quark.sh: 0.05). No entropy term.",
+    )
+    temperature: float = Field(
+        1.0, gt=0, description="Sampling temperature of rollouts and of the trained log-probs (paper: 1.0)."
+    )
     max_new_tokens: int = Field(300, ge=1, description="Longest response in tokens (alpaca_farm response_len: 300).")
     penalty_reward_value: float | None = Field(
-        -1.0, description="Score given to responses that never emit EOS, so they rank last (the value PPO uses; alpaca_farm's Quark applies none: None)."
+        -1.0,
+        description="Score given to responses that never emit EOS, so they rank last (the value PPO uses; alpaca_farm's Quark applies none: None).",
     )
     seed: int = Field(0, description="Seed for prompt order, rollout sampling and minibatch order.")

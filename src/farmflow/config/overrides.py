@@ -43,7 +43,9 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
     return path.strip().split("."), value
 
 
-def load_config(preset_name: str = "synthetic-tiny", overrides: list[str] | dict | None = None, base: FarmConfig | None = None) -> FarmConfig:
+def load_config(
+    preset_name: str = "synthetic-tiny", overrides: list[str] | dict | None = None, base: FarmConfig | None = None
+) -> FarmConfig:
     """A preset (or the config `base`) with overrides applied, validated as a whole.
 
     `overrides` is either a nested dict or a list of ``section.field=value`` strings whose
@@ -65,10 +67,14 @@ def load_config(preset_name: str = "synthetic-tiny", overrides: list[str] | dict
         if path[-1] == "preset" and "api_pool" in node and isinstance(value, str):  # annotation.preset=NAME
             _select_preset(node, value)
             continue
-        if isinstance(node[path[-1]], dict) and "preset" in node[path[-1]] and isinstance(value, str):  # annotation=NAME
+        if (
+            isinstance(node[path[-1]], dict) and "preset" in node[path[-1]] and isinstance(value, str)
+        ):  # annotation=NAME
             _select_preset(node[path[-1]], value)
             continue
-        if isinstance(node[path[-1]], dict) and node[path[-1]] and isinstance(value, dict):  # (an empty dict is a dict field)
+        if (
+            isinstance(node[path[-1]], dict) and node[path[-1]] and isinstance(value, dict)
+        ):  # (an empty dict is a dict field)
             _merge(node[path[-1]], value, ".".join(path))  # a section: update only the fields given
         else:
             node[path[-1]] = value

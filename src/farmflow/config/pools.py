@@ -3,8 +3,18 @@
 from __future__ import annotations
 
 
-def _api(name: str, model: str, fmt: str, batch: int, style: str = "neutral", temperature: float = 1.0, paper: str = "") -> dict:
-    return {"name": name, "model": model, "prompt_format": fmt, "batch_size": batch, "style": style, "temperature": temperature, "paper_name": paper}
+def _api(
+    name: str, model: str, fmt: str, batch: int, style: str = "neutral", temperature: float = 1.0, paper: str = ""
+) -> dict:
+    return {
+        "name": name,
+        "model": model,
+        "prompt_format": fmt,
+        "batch_size": batch,
+        "style": style,
+        "temperature": temperature,
+        "paper_name": paper,
+    }
 
 
 def _alpacafarm_pool() -> list[dict]:
@@ -16,8 +26,12 @@ def _alpacafarm_pool() -> list[dict]:
         _api("gpt4_1", g4, "json", 4, paper="gpt4_1: gpt-4-0314, chain-of-thought JSON, batch 4"),
         _api("gpt4_2", g4, "choice", 5, "strict", paper="gpt4_2: gpt-4-0314, short answer, persona prompt, batch 5"),
         _api("gpt4_3", g4, "choice", 5, paper="gpt4_3: gpt-4-0314, short answer, batch 5"),
-        _api("gpt4_4", g4, "choice", 1, "user", paper="gpt4_4: gpt-4-0314, chat prompt, favored answer tokens, batch 1"),
-        _api("gpt4_5", g4, "choice", 5, "user", paper="gpt4_5: gpt-4-0314, short answer, second persona prompt, batch 5"),
+        _api(
+            "gpt4_4", g4, "choice", 1, "user", paper="gpt4_4: gpt-4-0314, chat prompt, favored answer tokens, batch 1"
+        ),
+        _api(
+            "gpt4_5", g4, "choice", 5, "user", paper="gpt4_5: gpt-4-0314, short answer, second persona prompt, batch 5"
+        ),
         _api("chatgpt_1", g35, "choice", 1, paper="chatgpt_1: gpt-3.5-turbo-0301, short answer, batch 1"),
         _api("chatgpt_2", g35, "json", 1, paper="chatgpt_2: gpt-3.5-turbo-0301, chain-of-thought JSON, batch 1"),
         _api("chatgpt_3", g35, "choice", 1, "strict", paper="chatgpt_3: gpt-3.5-turbo-0301, chat prompt, batch 1"),
@@ -25,7 +39,14 @@ def _alpacafarm_pool() -> list[dict]:
         _api("davinci003_1", d3, "json", 4, "strict", paper="davinci003_1: text-davinci-003, reasoning, batch 4"),
         _api("davinci003_2", d3, "choice", 1, paper="davinci003_2: text-davinci-003, text prompt, batch 1"),
         _api("davinci003_3", d3, "choice", 5, paper="davinci003_3: text-davinci-003, text prompt, batch 5"),
-        _api("davinci003_4", d3, "logprobs", 1, "user", paper="davinci003_4: text-davinci-003, older text prompt, batch 1"),
+        _api(
+            "davinci003_4",
+            d3,
+            "logprobs",
+            1,
+            "user",
+            paper="davinci003_4: text-davinci-003, older text prompt, batch 1",
+        ),
     ]
 
 
@@ -35,7 +56,17 @@ ANNOTATOR_PRESETS: dict[str, dict] = {
     "p_sim_eval": {"kind": "api", "api_pool": _alpacafarm_pool(), "label_noise": 0.0},
     "p_sim_ann": {"kind": "api", "api_pool": _alpacafarm_pool(), "label_noise": 0.5},
     "p_sim_gpt4": {
-        "kind": "api", "label_noise": 0.0,
-        "api_pool": [_api("gpt4_greedy", "gpt-4.1", "choice", 5, temperature=0.0, paper="p_sim^GPT-4: gpt-4-0314, short answer, batch 5, temperature 0")],
+        "kind": "api",
+        "label_noise": 0.0,
+        "api_pool": [
+            _api(
+                "gpt4_greedy",
+                "gpt-4.1",
+                "choice",
+                5,
+                temperature=0.0,
+                paper="p_sim^GPT-4: gpt-4-0314, short answer, batch 5, temperature 0",
+            )
+        ],
     },
 }

@@ -11,8 +11,15 @@ from farmflow.config.evaluation import EvaluationConfig
 from farmflow.config.execution import ExecutionConfig
 from farmflow.config.farm import FarmConfig
 from farmflow.config.methods import (
-    BestOfNConfig, DPOConfig, ExpertIterationConfig, PPOConfig, QuarkConfig, RewardConditioningConfig, RewardConfig,
-    SampleConfig, SFTConfig,
+    BestOfNConfig,
+    DPOConfig,
+    ExpertIterationConfig,
+    PPOConfig,
+    QuarkConfig,
+    RewardConditioningConfig,
+    RewardConfig,
+    SampleConfig,
+    SFTConfig,
 )
 from farmflow.config.model import ModelConfig
 
@@ -43,7 +50,9 @@ def _synthetic_tiny() -> FarmConfig:
     """
     return FarmConfig(
         name="synthetic-tiny",
-        data=DataConfig(sft_size=4000, pref_size=4000, unlabeled_size=8000, val_size=800, eval_size=400, reference_error_rate=0.9),
+        data=DataConfig(
+            sft_size=4000, pref_size=4000, unlabeled_size=8000, val_size=800, eval_size=400, reference_error_rate=0.9
+        ),
         model=ModelConfig(hidden_size=128, num_layers=2, num_heads=4, intermediate_size=384, vocab_size=1024),
         sft=SFTConfig(epochs=16, batch_size=32, lr=3e-3),
         pairs=SampleConfig(temperature=1.0, max_new_tokens=48, batch_size=128),
@@ -52,11 +61,29 @@ def _synthetic_tiny() -> FarmConfig:
         feedme=SFTConfig(epochs=2, batch_size=32, lr=1e-4),
         reward_conditioning=RewardConditioningConfig(train=SFTConfig(epochs=1, batch_size=32, lr=3e-4)),
         dpo=DPOConfig(epochs=2, batch_size=32, lr=1e-4),
-        expert_iteration=ExpertIterationConfig(n=4, temperature=0.7, max_prompts=4000, train=SFTConfig(epochs=2, batch_size=32, lr=5e-4)),
-        ppo=PPOConfig(epochs=0.375, rollout_batch_size=128, step_batch_size=64, micro_batch_size=64, lr=1e-4, warmup_steps=2,
-                      kl_coef=0.05, max_new_tokens=48),
-        quark=QuarkConfig(epochs=1, rollout_batch_size=128, step_batch_size=32, micro_batch_size=64, lr=1e-4, warmup_steps=2,
-                          kl_coef=0.1, max_new_tokens=48),
+        expert_iteration=ExpertIterationConfig(
+            n=4, temperature=0.7, max_prompts=4000, train=SFTConfig(epochs=2, batch_size=32, lr=5e-4)
+        ),
+        ppo=PPOConfig(
+            epochs=0.375,
+            rollout_batch_size=128,
+            step_batch_size=64,
+            micro_batch_size=64,
+            lr=1e-4,
+            warmup_steps=2,
+            kl_coef=0.05,
+            max_new_tokens=48,
+        ),
+        quark=QuarkConfig(
+            epochs=1,
+            rollout_batch_size=128,
+            step_batch_size=32,
+            micro_batch_size=64,
+            lr=1e-4,
+            warmup_steps=2,
+            kl_coef=0.1,
+            max_new_tokens=48,
+        ),
         generation=SampleConfig(temperature=0.7, max_new_tokens=48, batch_size=128),
     )
 
@@ -66,7 +93,9 @@ def _synthetic_micro() -> FarmConfig:
     return FarmConfig(
         name="synthetic-micro",
         data=DataConfig(sft_size=120, pref_size=120, unlabeled_size=240, val_size=24, eval_size=16),
-        model=ModelConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, vocab_size=384, max_seq_len=128),
+        model=ModelConfig(
+            hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, vocab_size=384, max_seq_len=128
+        ),
         sft=SFTConfig(epochs=1, batch_size=16, lr=3e-3),
         pairs=SampleConfig(temperature=1.0, max_new_tokens=12, batch_size=64),
         reward=RewardConfig(epochs=1, batch_size=16, lr=1e-3),
@@ -75,8 +104,12 @@ def _synthetic_micro() -> FarmConfig:
         reward_conditioning=RewardConditioningConfig(train=SFTConfig(epochs=1, batch_size=16, lr=1e-3)),
         dpo=DPOConfig(epochs=1, batch_size=16, lr=1e-3),
         expert_iteration=ExpertIterationConfig(n=2, max_prompts=48, train=SFTConfig(epochs=1, batch_size=16, lr=1e-3)),
-        ppo=PPOConfig(epochs=1, rollout_batch_size=48, step_batch_size=24, micro_batch_size=24, lr=1e-4, max_new_tokens=12),
-        quark=QuarkConfig(epochs=1, rollout_batch_size=48, step_batch_size=8, micro_batch_size=24, lr=1e-4, max_new_tokens=12),
+        ppo=PPOConfig(
+            epochs=1, rollout_batch_size=48, step_batch_size=24, micro_batch_size=24, lr=1e-4, max_new_tokens=12
+        ),
+        quark=QuarkConfig(
+            epochs=1, rollout_batch_size=48, step_batch_size=8, micro_batch_size=24, lr=1e-4, max_new_tokens=12
+        ),
         generation=SampleConfig(temperature=0.7, max_new_tokens=12, batch_size=64),
     )
 
@@ -92,8 +125,16 @@ def _alpaca_small() -> FarmConfig:
     """
     return FarmConfig(
         name="alpaca-small",
-        data=DataConfig(source="local", instructions_path="data/alpaca_instructions.json", eval_path="data/alpaca_eval.json",
-                        sft_size=2000, pref_size=2000, unlabeled_size=4000, val_size=400, eval_size=805),
+        data=DataConfig(
+            source="local",
+            instructions_path="data/alpaca_instructions.json",
+            eval_path="data/alpaca_eval.json",
+            sft_size=2000,
+            pref_size=2000,
+            unlabeled_size=4000,
+            val_size=400,
+            eval_size=805,
+        ),
         model=ModelConfig(pretrained="smollm2-135m-instruct", dtype="bfloat16", max_seq_len=768),
         sft=SFTConfig(epochs=3, batch_size=32, lr=5e-5),
         pairs=SampleConfig(temperature=1.0, max_new_tokens=256, batch_size=32),
@@ -115,10 +156,14 @@ def _alpacafarm_7b() -> FarmConfig:
     return FarmConfig(
         name="alpacafarm-7b",
         data=DataConfig(source="hub"),
-        model=ModelConfig(pretrained="huggyllama/llama-7b", dtype="bfloat16", gradient_checkpointing=True, max_seq_len=512 + 300),
+        model=ModelConfig(
+            pretrained="huggyllama/llama-7b", dtype="bfloat16", gradient_checkpointing=True, max_seq_len=512 + 300
+        ),
         execution=ExecutionConfig(launcher="accelerate", accelerate_config="fsdp"),
-        sft=SFTConfig(micro_batch_size=4), feedme=SFTConfig(micro_batch_size=4),  # 4 sequences per GPU per pass, 128 per step
-        reward=RewardConfig(micro_batch_size=2), dpo=DPOConfig(micro_batch_size=2),
+        sft=SFTConfig(micro_batch_size=4),
+        feedme=SFTConfig(micro_batch_size=4),  # 4 sequences per GPU per pass, 128 per step
+        reward=RewardConfig(micro_batch_size=2),
+        dpo=DPOConfig(micro_batch_size=2),
         pairs=SampleConfig(temperature=1.0, max_new_tokens=300, batch_size=32),
         annotation=AnnotatorConfig(preset="p_sim_ann"),
         best_of_n=BestOfNConfig(n=1024),
@@ -142,45 +187,76 @@ def _smol(name: str, sizes: dict, max_seq_len: int, new_tokens: int, batch: int,
     so few steps)."""
     judge = {"kind": "hf", "hf": {"model": "smollm2-135m-instruct", "max_prompt_tokens": max_seq_len + 2 * new_tokens}}
     train = {"epochs": 1, "batch_size": batch, "lr": 2e-5}
-    rl = {"epochs": 1, "rollout_batch_size": rl_batch, "step_batch_size": rl_batch, "micro_batch_size": rl_batch,
-          "lr": 1e-5, "warmup_steps": 0, "max_new_tokens": new_tokens}
-    return FarmConfig.model_validate({
-        "name": name,
-        "data": {"source": "local", "instructions_path": f"{SHARED_DATA}/alpaca_en_demo.json",
-                 "eval_path": f"{SHARED_DATA}/alpaca_eval_davinci003_outputs.json", **sizes},
-        "model": {"pretrained": "smollm2-135m-instruct", "max_seq_len": max_seq_len},
-        "sft": train,
-        "pairs": {"temperature": 1.0, "max_new_tokens": new_tokens, "batch_size": 16},
-        "annotation": judge,
-        "reward": {"epochs": 1, "batch_size": batch, "lr": 1e-5},
-        "best_of_n": {"n": n},
-        "feedme": train,
-        "reward_conditioning": {"train": train},
-        "dpo": {"epochs": 1, "batch_size": batch, "lr": 5e-6},
-        "expert_iteration": {"n": n, "max_prompts": sizes["unlabeled_size"], "train": train},
-        "ppo": rl,
-        "quark": rl | {"num_quantiles": 2},
-        "generation": {"temperature": 0.7, "max_new_tokens": new_tokens, "batch_size": 16},
-        "evaluation": {"annotator": judge},
-    })
+    rl = {
+        "epochs": 1,
+        "rollout_batch_size": rl_batch,
+        "step_batch_size": rl_batch,
+        "micro_batch_size": rl_batch,
+        "lr": 1e-5,
+        "warmup_steps": 0,
+        "max_new_tokens": new_tokens,
+    }
+    return FarmConfig.model_validate(
+        {
+            "name": name,
+            "data": {
+                "source": "local",
+                "instructions_path": f"{SHARED_DATA}/alpaca_en_demo.json",
+                "eval_path": f"{SHARED_DATA}/alpaca_eval_davinci003_outputs.json",
+                **sizes,
+            },
+            "model": {"pretrained": "smollm2-135m-instruct", "max_seq_len": max_seq_len},
+            "sft": train,
+            "pairs": {"temperature": 1.0, "max_new_tokens": new_tokens, "batch_size": 16},
+            "annotation": judge,
+            "reward": {"epochs": 1, "batch_size": batch, "lr": 1e-5},
+            "best_of_n": {"n": n},
+            "feedme": train,
+            "reward_conditioning": {"train": train},
+            "dpo": {"epochs": 1, "batch_size": batch, "lr": 5e-6},
+            "expert_iteration": {"n": n, "max_prompts": sizes["unlabeled_size"], "train": train},
+            "ppo": rl,
+            "quark": rl | {"num_quantiles": 2},
+            "generation": {"temperature": 0.7, "max_new_tokens": new_tokens, "batch_size": 16},
+            "evaluation": {"annotator": judge},
+        }
+    )
 
 
 def _smol_cpu() -> FarmConfig:
     """The real farm on 2 CPU cores in under half an hour: every method, 48 evaluation instructions (time per stage
     in docs/real-farm.md)."""
-    return _smol("smol-cpu", {"sft_size": 64, "pref_size": 48, "unlabeled_size": 16, "val_size": 16, "eval_size": 48},
-                 max_seq_len=320, new_tokens=48, batch=8, n=4, rl_batch=16)
+    return _smol(
+        "smol-cpu",
+        {"sft_size": 64, "pref_size": 48, "unlabeled_size": 16, "val_size": 16, "eval_size": 48},
+        max_seq_len=320,
+        new_tokens=48,
+        batch=8,
+        n=4,
+        rl_batch=16,
+    )
 
 
 def _smol_micro() -> FarmConfig:
     """The smol-cpu path at toy sizes, for tests: a few minutes once the model is in the cache."""
-    return _smol("smol-micro", {"sft_size": 8, "pref_size": 8, "unlabeled_size": 8, "val_size": 4, "eval_size": 6},
-                 max_seq_len=192, new_tokens=16, batch=8, n=2, rl_batch=8)
+    return _smol(
+        "smol-micro",
+        {"sft_size": 8, "pref_size": 8, "unlabeled_size": 8, "val_size": 4, "eval_size": 6},
+        max_seq_len=192,
+        new_tokens=16,
+        batch=8,
+        n=2,
+        rl_batch=8,
+    )
 
 
 PRESETS: dict[str, Any] = {
-    "synthetic-tiny": _synthetic_tiny, "synthetic-micro": _synthetic_micro, "smol-cpu": _smol_cpu, "smol-micro": _smol_micro,
-    "alpaca-small": _alpaca_small, "alpacafarm-7b": _alpacafarm_7b,
+    "synthetic-tiny": _synthetic_tiny,
+    "synthetic-micro": _synthetic_micro,
+    "smol-cpu": _smol_cpu,
+    "smol-micro": _smol_micro,
+    "alpaca-small": _alpaca_small,
+    "alpacafarm-7b": _alpacafarm_7b,
 }
 
 

@@ -31,7 +31,13 @@ def build_synthetic_farm(cfg: DataConfig) -> pa.Table:
     unknown = [f for f in cfg.families if f not in synthetic.FAMILIES]
     if unknown:
         raise ValueError(f"data.families: unknown task family {unknown}; known: {list(synthetic.FAMILIES)}")
-    sizes = {"eval": cfg.eval_size, "sft": cfg.sft_size, "pref": cfg.pref_size, "unlabeled": cfg.unlabeled_size, "val": cfg.val_size}
+    sizes = {
+        "eval": cfg.eval_size,
+        "sft": cfg.sft_size,
+        "pref": cfg.pref_size,
+        "unlabeled": cfg.unlabeled_size,
+        "val": cfg.val_size,
+    }
     columns: dict[str, list] = {k: [] for k in ("id", "split", "family", "instruction", "input", "output", "task")}
     for split in ("eval", "sft", "pref", "unlabeled", "val"):
         rng = random.Random(f"{cfg.seed}/{split}")
@@ -45,8 +51,13 @@ def build_synthetic_farm(cfg: DataConfig) -> pa.Table:
             else:
                 output = ""
             for name, value in (
-                ("id", f"{split}-{i:05d}"), ("split", split), ("family", family), ("instruction", task.instruction),
-                ("input", task.input), ("output", output), ("task", synthetic.task_to_json(task)),
+                ("id", f"{split}-{i:05d}"),
+                ("split", split),
+                ("family", family),
+                ("instruction", task.instruction),
+                ("input", task.input),
+                ("output", output),
+                ("task", synthetic.task_to_json(task)),
             ):
                 columns[name].append(value)
     return pa.table(columns)
@@ -79,4 +90,12 @@ def prompts_of(rows: list[dict]) -> list[str]:
     return [format_prompt(r["instruction"], r["input"]) for r in rows]
 
 
-__all__ = ["SPLITS", "build_synthetic_farm", "format_prompt", "gold_reward", "prompts_of", "split_digests", "split_rows"]
+__all__ = [
+    "SPLITS",
+    "build_synthetic_farm",
+    "format_prompt",
+    "gold_reward",
+    "prompts_of",
+    "split_digests",
+    "split_rows",
+]

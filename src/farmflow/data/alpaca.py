@@ -78,8 +78,13 @@ def _read_records(path: str | Path) -> tuple[list, list[str] | None]:
     raise DataError(f"{path}: unknown file type {suffix!r}; use .json, .jsonl or .parquet")
 
 
-def check_records(rows: list, path: str | Path, required: dict[str, Any], optional: dict[str, Any] | None = None,
-                  names: list[str] | None = None) -> list[dict]:
+def check_records(
+    rows: list,
+    path: str | Path,
+    required: dict[str, Any],
+    optional: dict[str, Any] | None = None,
+    names: list[str] | None = None,
+) -> list[dict]:
     """Rows with every required column of the right type; `input` may be missing or null (then "").
 
     Errors name the row as "row i" (from 0), or as `names[i]` (a JSONL file's "line n")."""
@@ -99,11 +104,17 @@ def check_records(rows: list, path: str | Path, required: dict[str, Any], option
                 continue
             if col not in row or value is None:
                 if col in required:
-                    raise DataError(f"{path}: {where}: missing column {col!r}" if col not in row else f"{path}: {where}: column {col!r} is null")
+                    raise DataError(
+                        f"{path}: {where}: missing column {col!r}"
+                        if col not in row
+                        else f"{path}: {where}: column {col!r} is null"
+                    )
                 continue
             if isinstance(value, bool) or not isinstance(value, kind):
                 want = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
-                raise DataError(f"{path}: {where}: column {col!r} must be {want}, got {type(value).__name__} {str(value)[:40]!r}")
+                raise DataError(
+                    f"{path}: {where}: column {col!r} must be {want}, got {type(value).__name__} {str(value)[:40]!r}"
+                )
         if not clean["instruction"].strip():
             raise DataError(f"{path}: {where}: column 'instruction' is empty")
         out.append(clean)
@@ -143,7 +154,9 @@ def _dedupe(rows: list[dict]) -> tuple[list[dict], int]:
     return out, len(rows) - len(out)
 
 
-def split_instructions(rows: list[dict], cfg: DataConfig, source: str = "instructions") -> tuple[dict[str, list[dict]], dict[str, int]]:
+def split_instructions(
+    rows: list[dict], cfg: DataConfig, source: str = "instructions"
+) -> tuple[dict[str, list[dict]], dict[str, int]]:
     """One instruction file as AlpacaFarm's four splits, deterministic in cfg.seed.
 
     Repeated (instruction, input) pairs are kept once, so the splits are disjoint. The
@@ -155,13 +168,15 @@ def split_instructions(rows: list[dict], cfg: DataConfig, source: str = "instruc
     want = {"sft": cfg.sft_size, "pref": cfg.pref_size, "unlabeled": cfg.unlabeled_size, "val": cfg.val_size}
     total = min(len(rows), sum(want.values()))
     if total < sum(1 for v in want.values() if v):
-        raise DataError(f"{source}: {len(rows)} distinct instructions cannot fill the splits {[k for k, v in want.items() if v]}")
+        raise DataError(
+            f"{source}: {len(rows)} distinct instructions cannot fill the splits {[k for k, v in want.items() if v]}"
+        )
     sizes = want if total == sum(want.values()) else split_sizes(total, want)
     order = list(range(len(rows)))
     random.Random(f"{cfg.seed}/alpaca-split").shuffle(order)
     splits, at = {}, 0
     for name in TRAIN_SPLITS:
-        splits[name] = [rows[i] for i in sorted(order[at: at + sizes[name]])]  # file order within a split
+        splits[name] = [rows[i] for i in sorted(order[at : at + sizes[name]])]  # file order within a split
         at += sizes[name]
     return splits, {"duplicates_dropped": dropped, "rows_unused": len(rows) - total}
 
@@ -194,10 +209,17 @@ def load_hub(cfg: DataConfig) -> tuple[dict[str, list[dict]], list[dict]]:
         train = datasets.load_dataset(cfg.hub_name, "alpaca_instructions", revision=cfg.hub_revision)
         evals = datasets.load_dataset(cfg.hub_name, "alpaca_farm_evaluation", revision=cfg.hub_revision)
     except Exception as e:  # offline, unknown dataset, ...: one clear line
-        raise DataError(f"cannot load {cfg.hub_name!r} from the Hugging Face hub ({type(e).__name__}: {str(e)[:200]})") from None
-    splits = {ours: check_records(list(train[theirs]), f"{cfg.hub_name}:{theirs}", INSTRUCTION_COLUMNS) for ours, theirs in HUB_SPLITS.items()}
+        raise DataError(
+            f"cannot load {cfg.hub_name!r} from the Hugging Face hub ({type(e).__name__}: {str(e)[:200]})"
+        ) from None
+    splits = {
+        ours: check_records(list(train[theirs]), f"{cfg.hub_name}:{theirs}", INSTRUCTION_COLUMNS)
+        for ours, theirs in HUB_SPLITS.items()
+    }
     eval_split = next(iter(evals.values()))
-    rows = check_records(list(eval_split), f"{cfg.hub_name}:alpaca_farm_evaluation", {"instruction": str, "output": str}, {"input": str})
+    rows = check_records(
+        list(eval_split), f"{cfg.hub_name}:alpaca_farm_evaluation", {"instruction": str, "output": str}, {"input": str}
+    )
     return splits, rows
 
 
@@ -209,18 +231,28 @@ def build_real_farm(cfg: DataConfig) -> tuple[pa.Table, dict[str, float]]:
         sources = {s: f"{cfg.hub_name}:{HUB_SPLITS[s]}" for s in TRAIN_SPLITS}
     else:
         if cfg.eval_path is None:
-            raise DataError("data.eval_path: the real farm needs an evaluation file (AlpacaEval format: instruction, output, generator, dataset)")
+            raise DataError(
+                "data.eval_path: the real farm needs an evaluation file (AlpacaEval format: instruction, output, generator, dataset)"
+            )
         if cfg.split_paths:
             sources = dict(cfg.split_paths)
             loaded = {s: load_instructions(p) for s, p in cfg.split_paths.items()}
             sizes = {"sft": cfg.sft_size, "pref": cfg.pref_size, "unlabeled": cfg.unlabeled_size, "val": cfg.val_size}
             splits = {s: loaded[s][: sizes[s]] for s in TRAIN_SPLITS}
-            counts = {f"{s}_rows_unused": len(loaded[s]) - len(splits[s]) for s in TRAIN_SPLITS if len(loaded[s]) > len(splits[s])}
+            counts = {
+                f"{s}_rows_unused": len(loaded[s]) - len(splits[s])
+                for s in TRAIN_SPLITS
+                if len(loaded[s]) > len(splits[s])
+            }
         else:
             if cfg.instructions_path is None:
-                raise DataError("data.instructions_path (one file to split) or data.split_paths (one file per split) is needed for data.source='local'")
+                raise DataError(
+                    "data.instructions_path (one file to split) or data.split_paths (one file per split) is needed for data.source='local'"
+                )
             sources = {s: str(cfg.instructions_path) for s in TRAIN_SPLITS}
-            splits, counts = split_instructions(load_instructions(cfg.instructions_path), cfg, str(cfg.instructions_path))
+            splits, counts = split_instructions(
+                load_instructions(cfg.instructions_path), cfg, str(cfg.instructions_path)
+            )
         eval_rows = load_eval(cfg.eval_path)
         sources["eval"] = str(cfg.eval_path)
     eval_rows = eval_rows[: cfg.eval_size]
@@ -229,8 +261,15 @@ def build_real_farm(cfg: DataConfig) -> tuple[pa.Table, dict[str, float]]:
     columns: dict[str, list] = {k: [] for k in ("id", "split", "family", "instruction", "input", "output", "task")}
 
     def add(split: str, i: int, family: str, r: dict, output: str) -> None:
-        for name, value in (("id", f"{split}-{i:05d}"), ("split", split), ("family", family), ("instruction", r["instruction"]),
-                            ("input", r.get("input") or ""), ("output", output), ("task", None)):
+        for name, value in (
+            ("id", f"{split}-{i:05d}"),
+            ("split", split),
+            ("family", family),
+            ("instruction", r["instruction"]),
+            ("input", r.get("input") or ""),
+            ("output", output),
+            ("task", None),
+        ):
             columns[name].append(value)
 
     for i, r in enumerate(eval_rows):

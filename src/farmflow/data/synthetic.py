@@ -55,16 +55,37 @@ VERSION = "3"
 FAMILIES: tuple[str, ...] = ("arithmetic", "sort", "reverse", "list_items", "max_number", "categorize")
 
 CATEGORIES: dict[str, tuple[str, ...]] = {
-    "colors": ("red", "blue", "green", "yellow", "purple", "pink",
-               "brown", "black", "white", "gray", "gold", "silver"),
-    "animals": ("cat", "dog", "cow", "pig", "horse", "sheep",
-                "goat", "lion", "tiger", "bear", "wolf", "fox"),
-    "fruits": ("apple", "banana", "pear", "plum", "grape", "mango",
-               "cherry", "peach", "lemon", "melon", "kiwi", "berry"),
-    "tools": ("hammer", "drill", "wrench", "shovel", "rake", "axe",
-              "chisel", "pliers", "ladder", "spade", "trowel", "clamp"),
-    "vehicles": ("car", "bus", "truck", "bike", "train", "boat",
-                 "ship", "plane", "van", "taxi", "tram", "jeep"),
+    "colors": ("red", "blue", "green", "yellow", "purple", "pink", "brown", "black", "white", "gray", "gold", "silver"),
+    "animals": ("cat", "dog", "cow", "pig", "horse", "sheep", "goat", "lion", "tiger", "bear", "wolf", "fox"),
+    "fruits": (
+        "apple",
+        "banana",
+        "pear",
+        "plum",
+        "grape",
+        "mango",
+        "cherry",
+        "peach",
+        "lemon",
+        "melon",
+        "kiwi",
+        "berry",
+    ),
+    "tools": (
+        "hammer",
+        "drill",
+        "wrench",
+        "shovel",
+        "rake",
+        "axe",
+        "chisel",
+        "pliers",
+        "ladder",
+        "spade",
+        "trowel",
+        "clamp",
+    ),
+    "vehicles": ("car", "bus", "truck", "bike", "train", "boat", "ship", "plane", "van", "taxi", "tram", "jeep"),
 }
 ALL_WORDS: tuple[str, ...] = tuple(w for ws in CATEGORIES.values() for w in ws)
 VOCAB: frozenset[str] = frozenset(ALL_WORDS)
@@ -88,30 +109,53 @@ def _check_family(family: str) -> None:
 
 # ----------------------------------------------------------------------------- sampling
 
-ARITH_PROMPTS = ("What is {expr}?", "Calculate {expr}.", "Find the value of {expr}.",
-                 "Work out {expr}.", "Compute {expr}.")
+ARITH_PROMPTS = (
+    "What is {expr}?",
+    "Calculate {expr}.",
+    "Find the value of {expr}.",
+    "Work out {expr}.",
+    "Compute {expr}.",
+)
 SORT_PROMPTS = {
-    False: ("Sort the following numbers in ascending order.",
-            "Arrange these numbers from smallest to largest.",
-            "Put the numbers below in increasing order.",
-            "Order these numbers from lowest to highest."),
-    True: ("Sort the following numbers in descending order.",
-           "Arrange these numbers from largest to smallest.",
-           "Put the numbers below in decreasing order.",
-           "Order these numbers from highest to lowest."),
+    False: (
+        "Sort the following numbers in ascending order.",
+        "Arrange these numbers from smallest to largest.",
+        "Put the numbers below in increasing order.",
+        "Order these numbers from lowest to highest.",
+    ),
+    True: (
+        "Sort the following numbers in descending order.",
+        "Arrange these numbers from largest to smallest.",
+        "Put the numbers below in decreasing order.",
+        "Order these numbers from highest to lowest.",
+    ),
 }
-REVERSE_PROMPTS = ("Reverse the order of the words below.", "Write these words in reverse order.",
-                   "List the following words backwards, last word first.",
-                   "Reverse the following sequence of words.")
-LIST_PROMPTS = ("List {k} {cat}.", "Name {k} {cat}.", "Give me {k} examples of {cat}.",
-                "Write down {k} different {cat}.")
-CATEGORIZE_PROMPTS = ("What kind of thing is mentioned below?", "Which category does the thing below belong to?",
-                      "Classify the object mentioned below.", "Name the category of the item below.")
+REVERSE_PROMPTS = (
+    "Reverse the order of the words below.",
+    "Write these words in reverse order.",
+    "List the following words backwards, last word first.",
+    "Reverse the following sequence of words.",
+)
+LIST_PROMPTS = (
+    "List {k} {cat}.",
+    "Name {k} {cat}.",
+    "Give me {k} examples of {cat}.",
+    "Write down {k} different {cat}.",
+)
+CATEGORIZE_PROMPTS = (
+    "What kind of thing is mentioned below?",
+    "Which category does the thing below belong to?",
+    "Classify the object mentioned below.",
+    "Name the category of the item below.",
+)
 # The word sits inside a short sentence, so it is tokenized as in answers (" pear", not "pear").
 CATEGORIZE_INPUTS = ("I saw {a} {w}.", "There is {a} {w} here.", "Look at the {w}.", "My friend has {a} {w}.")
-MAX_PROMPTS = ("Which number is the largest?", "Find the largest number in the list.",
-               "What is the biggest of these numbers?",
-               "Identify the maximum of the following numbers.")
+MAX_PROMPTS = (
+    "Which number is the largest?",
+    "Find the largest number in the list.",
+    "What is the biggest of these numbers?",
+    "Identify the maximum of the following numbers.",
+)
 
 
 def _number(rng: random.Random) -> int:
@@ -130,8 +174,7 @@ def sample_task(family: str, rng: random.Random) -> Task:
         numbers = rng.sample(range(31), 3)
         descending = rng.random() < 0.3
         instruction = rng.choice(SORT_PROMPTS[descending])
-        return Task(family, instruction, ", ".join(map(str, numbers)),
-                    {"numbers": numbers, "descending": descending})
+        return Task(family, instruction, ", ".join(map(str, numbers)), {"numbers": numbers, "descending": descending})
     if family == "reverse":
         words = rng.sample(ALL_WORDS, 3)
         return Task(family, rng.choice(REVERSE_PROMPTS), " ".join(words), {"words": words})
@@ -145,8 +188,7 @@ def sample_task(family: str, rng: random.Random) -> Task:
         text = rng.choice(CATEGORIZE_INPUTS).format(a=_article(word), w=word)
         return Task(family, rng.choice(CATEGORIZE_PROMPTS), text, {"word": word, "category": CATEGORY_OF[word]})
     numbers = rng.sample(range(51), rng.randint(3, 4))  # max_number
-    return Task(family, rng.choice(MAX_PROMPTS), ", ".join(map(str, numbers)),
-                {"numbers": numbers})
+    return Task(family, rng.choice(MAX_PROMPTS), ", ".join(map(str, numbers)), {"numbers": numbers})
 
 
 # ----------------------------------------------------------------------------- parsing
@@ -160,8 +202,9 @@ def _int(digits: str) -> int:
 
 def _answer_number(text: str) -> int | None:
     """First integer after the last '=' or ':' that is followed by one (lead-ins, equations)."""
-    lines = (_MARKER.sub("", line.strip()) if re.search(r"\d\D+\d", line.strip()) else line
-             for line in text.splitlines())  # "1. 85" -> "85", but "85. Done" stays
+    lines = (
+        _MARKER.sub("", line.strip()) if re.search(r"\d\D+\d", line.strip()) else line for line in text.splitlines()
+    )  # "1. 85" -> "85", but "85. Done" stays
     for piece in reversed(re.split(r"[=:]", "\n".join(lines))):
         m = re.search(r"\d+", piece)
         if m:
@@ -197,6 +240,7 @@ def _lcs(a: list, b: list) -> int:
 
 
 # ----------------------------------------------------------------------------- gold reward
+
 
 def _categories_named(text: str) -> set[str]:
     """Categories mentioned by name, singular or plural ("animal", "fruits")."""
@@ -277,7 +321,8 @@ def garbled_tokens(output: str) -> int:
     """Chunks that are neither numbers nor words the farm's writers use ("4truck", "ghest", "\ufffd")."""
     known = _known_words()
     return sum(
-        1 for c in _CHUNK.findall(output)
+        1
+        for c in _CHUNK.findall(output)
         if not c.isascii() or not c.isprintable() or not (c.isdigit() or c.lower() in known)
     )
 
@@ -297,6 +342,7 @@ def gold_reward(family: str, params: dict, output: str) -> float:
 
 # ----------------------------------------------------------------------------- policies
 
+
 def _content(task: Task, rng: random.Random | None = None) -> int | list[str]:
     """The correct answer content: an int, or a list of items (numbers as strings, or words)."""
     p = task.params
@@ -311,15 +357,15 @@ def _content(task: Task, rng: random.Random | None = None) -> int | list[str]:
     if task.family == "categorize":
         return [p["category"]]
     words = CATEGORIES[p["category"]]  # list_items: canonical = first k, policies sample
-    return list(words[:p["count"]]) if rng is None else rng.sample(words, p["count"])
+    return list(words[: p["count"]]) if rng is None else rng.sample(words, p["count"])
 
 
 def _mistake(task: Task, content: int | list[str], rng: random.Random) -> int | list[str]:
     """A realistic, partially correct version of `content`."""
     p = task.params
     if task.family == "arithmetic":  # off-by-one or carry error in one digit
-        steps = (1, 10, 100)[:len(str(content))]
-        step = rng.choices(steps, weights=(4, 4, 2)[:len(steps)])[0]
+        steps = (1, 10, 100)[: len(str(content))]
+        step = rng.choices(steps, weights=(4, 4, 2)[: len(steps)])[0]
         wrong = content + rng.choice((-1, 1)) * step
         return wrong if wrong >= 0 else content + step
     if task.family == "categorize":  # a wrong category, or hedging between the right one and another
@@ -368,18 +414,29 @@ def _demo_text(task: Task, content: int | list[str], rng: random.Random) -> str:
     p = task.params
     if task.family == "arithmetic":
         expr = f"{p['a']} {p['op']} {p['b']}"
-        template = rng.choice(("{ans}", "{ans}.", "The answer is {ans}.", "{expr} = {ans}",
-                               "Sure! {expr} = {ans}.", "The result is {ans}."))
+        template = rng.choice(
+            (
+                "{ans}",
+                "{ans}.",
+                "The answer is {ans}.",
+                "{expr} = {ans}",
+                "Sure! {expr} = {ans}.",
+                "The result is {ans}.",
+            )
+        )
         return template.format(expr=expr, ans=content)
     if task.family == "max_number":
-        template = rng.choice(("{ans}", "The largest number is {ans}.",
-                               "{ans} is the largest number.", "Sure! The biggest one is {ans}."))
+        template = rng.choice(
+            ("{ans}", "The largest number is {ans}.", "{ans} is the largest number.", "Sure! The biggest one is {ans}.")
+        )
         return template.format(ans=content)
     if task.family == "categorize":
         kinds = [f"{_article(SINGULAR[c])} {SINGULAR[c]}" for c in content]
         if len(kinds) > 1:
             return rng.choice(("It is {0} or {1}.", "Maybe {0}, or {1}.")).format(*kinds)
-        template = rng.choice(("{plural}", "It is {kind}.", "{word} is {kind}.", "Sure! That is {kind}.", "The category is {plural}."))
+        template = rng.choice(
+            ("{plural}", "It is {kind}.", "{word} is {kind}.", "Sure! That is {kind}.", "The category is {plural}.")
+        )
         return template.format(plural=content[0], kind=kinds[0], word=p["word"].capitalize())
     if task.family == "sort":
         style = rng.choices(("comma", "numbered", "bullet"), weights=(5, 3, 2))[0]
@@ -390,8 +447,7 @@ def _demo_text(task: Task, content: int | list[str], rng: random.Random) -> str:
     else:
         style = rng.choices(("comma", "numbered", "bullet"), weights=(4, 3, 3))[0]
         cat = p["category"]
-        leads = (f"Here are {COUNT_WORDS[p['count']]} {cat}:", "Sure! Here you go:",
-                 f"Some {cat} are:")
+        leads = (f"Here are {COUNT_WORDS[p['count']]} {cat}:", "Sure! Here you go:", f"Some {cat} are:")
     lead = rng.choice(leads) if rng.random() < 0.5 else ""
     return _with_lead(lead, _format_items(content, style), style)
 
@@ -464,6 +520,7 @@ def reference_output(task: Task, rng: random.Random, error_rate: float) -> str:
 
 # ----------------------------------------------------------------------------- json
 
+
 def task_to_json(task: Task) -> str:
     return json.dumps(asdict(task), sort_keys=True)
 
@@ -471,5 +528,4 @@ def task_to_json(task: Task) -> str:
 def task_from_json(s: str) -> Task:
     d = json.loads(s)
     _check_family(d["family"])
-    return Task(family=d["family"], instruction=d["instruction"], input=d["input"],
-                params=d["params"])
+    return Task(family=d["family"], instruction=d["instruction"], input=d["input"], params=d["params"])

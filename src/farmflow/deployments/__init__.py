@@ -42,8 +42,14 @@ UNRESPONSIVE = "farmflow: crash unresponsive runs"
 
 
 def deployments(
-    preset: str = "synthetic-tiny", overrides: list[str] | None = None, nightly_cron: str = "0 3 * * *", timezone: str = "UTC",
-    nightly_methods: list[str] | None = None, cpu_pool: str | None = None, gpu_pool: str | None = None, cfg: Any = None,
+    preset: str = "synthetic-tiny",
+    overrides: list[str] | None = None,
+    nightly_cron: str = "0 3 * * *",
+    timezone: str = "UTC",
+    nightly_methods: list[str] | None = None,
+    cpu_pool: str | None = None,
+    gpu_pool: str | None = None,
+    cfg: Any = None,
     nightly_schedule: Any = None,
 ) -> list[Any]:
     """Runner deployments: one per flow, the nightly comparison and the GPU stage runner.
@@ -68,26 +74,38 @@ def deployments(
     cpu_pool, gpu_pool = cpu_pool or cfg.execution.cpu_pool, gpu_pool or cfg.execution.gpu_pool
     flow_name, _, stage_name = cfg.execution.stage_deployment.partition("/")
     if flow_name != stage_flow.name or not stage_name:
-        raise ValueError(f"execution.stage_deployment must be '{stage_flow.name}/<name>', got {cfg.execution.stage_deployment!r}")
+        raise ValueError(
+            f"execution.stage_deployment must be '{stage_flow.name}/<name>', got {cfg.execution.stage_deployment!r}"
+        )
     params = deployment_parameters(preset, overrides)
     heartbeat = {"env": {"PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(cfg.execution.heartbeat_s)}}
     common = {"entrypoint_type": EntrypointType.MODULE_PATH, "tags": [TAG], "job_variables": heartbeat}
     flows = [*FLOWS.values(), overoptimization_flow, reward_report_flow]
-    out = [fl.to_deployment(name=DEPLOYMENT, parameters=form_parameters(fl, params), work_pool_name=cpu_pool, **common)
-           for fl in flows]
+    out = [
+        fl.to_deployment(name=DEPLOYMENT, parameters=form_parameters(fl, params), work_pool_name=cpu_pool, **common)
+        for fl in flows
+    ]
     nightly = form_parameters(compare_flow, params | {"history": True, "methods": list(nightly_methods or []) or None})
     schedule = nightly_schedule or Cron(nightly_cron, timezone=timezone)
     when = f"every night ({nightly_cron}, {timezone})" if nightly_schedule is None else "on its schedule"
-    out.append(compare_flow.to_deployment(
-        name=NIGHTLY, parameters=nightly, schedules=[schedule], work_pool_name=cpu_pool,
-        description=f"The method comparison {when}; appends the leaderboard to leaderboard_history.",
-        **common,
-    ))
-    out.append(stage_flow.to_deployment(
-        name=stage_name, work_pool_name=gpu_pool,
-        description="One GPU stage per flow run (SFT, generation, reward and policy training) for flows with execution.mode=distributed.",
-        **common,
-    ))
+    out.append(
+        compare_flow.to_deployment(
+            name=NIGHTLY,
+            parameters=nightly,
+            schedules=[schedule],
+            work_pool_name=cpu_pool,
+            description=f"The method comparison {when}; appends the leaderboard to leaderboard_history.",
+            **common,
+        )
+    )
+    out.append(
+        stage_flow.to_deployment(
+            name=stage_name,
+            work_pool_name=gpu_pool,
+            description="One GPU stage per flow run (SFT, generation, reward and policy training) for flows with execution.mode=distributed.",
+            **common,
+        )
+    )
     return out
 
 
@@ -112,10 +130,14 @@ def ensure_pools(pools: dict[str, int | None]) -> list[str]:
             try:
                 client.read_work_pool(name)
             except ObjectNotFound:
-                client.create_work_pool(WorkPoolCreate(
-                    name=name, type="process", concurrency_limit=limit,
-                    base_job_template=ProcessWorker.get_default_base_job_template(),
-                ))
+                client.create_work_pool(
+                    WorkPoolCreate(
+                        name=name,
+                        type="process",
+                        concurrency_limit=limit,
+                        base_job_template=ProcessWorker.get_default_base_job_template(),
+                    )
+                )
                 created.append(name)
     return created
 
@@ -141,11 +163,22 @@ def unresponsive_automation(after_s: int) -> Any:
         "or process is gone. Marked Crashed, so the flow waiting on it retries the stage (execution.retries).",
         trigger=EventTrigger(
             match=ResourceSpecification({"prefect.resource.id": "prefect.flow-run.*"}),
-            match_related=ResourceSpecification({"prefect.resource.role": "tag", "prefect.resource.id": f"prefect.tag.{TAG}"}),
-            after={"prefect.flow-run.heartbeat"}, expect={"prefect.flow-run.heartbeat", *final},
-            for_each={"prefect.resource.id"}, posture=Posture.Proactive, threshold=1, within=timedelta(seconds=after_s),
+            match_related=ResourceSpecification(
+                {"prefect.resource.role": "tag", "prefect.resource.id": f"prefect.tag.{TAG}"}
+            ),
+            after={"prefect.flow-run.heartbeat"},
+            expect={"prefect.flow-run.heartbeat", *final},
+            for_each={"prefect.resource.id"},
+            posture=Posture.Proactive,
+            threshold=1,
+            within=timedelta(seconds=after_s),
         ),
-        actions=[ChangeFlowRunState(state=StateType.CRASHED, message=f"no heartbeat for {after_s} s: the machine or process running it is gone")],
+        actions=[
+            ChangeFlowRunState(
+                state=StateType.CRASHED,
+                message=f"no heartbeat for {after_s} s: the machine or process running it is gone",
+            )
+        ],
     )
 
 
@@ -169,8 +202,14 @@ def ensure_unresponsive_automation(after_s: int | None) -> str | None:
 
 
 def deploy(
-    preset: str = "synthetic-tiny", overrides: list[str] | None = None, nightly_cron: str = "0 3 * * *", timezone: str = "UTC",
-    nightly_methods: list[str] | None = None, gpu_slots: int | None = 1, cpu_slots: int | None = None, create_pools: bool = True,
+    preset: str = "synthetic-tiny",
+    overrides: list[str] | None = None,
+    nightly_cron: str = "0 3 * * *",
+    timezone: str = "UTC",
+    nightly_methods: list[str] | None = None,
+    gpu_slots: int | None = 1,
+    cpu_slots: int | None = None,
+    create_pools: bool = True,
     nightly_schedule: Any = None,
 ) -> list[dict[str, str]]:
     """Register every deployment on the Prefect server (``PREFECT_API_URL``), creating the work pools first.
@@ -182,12 +221,16 @@ def deploy(
     from prefect.settings import get_current_settings
 
     if not get_current_settings().api.url:
-        raise RuntimeError("PREFECT_API_URL is not set: start a server (`prefect server start`) and point PREFECT_API_URL at it "
-                           "(e.g. http://127.0.0.1:4200/api)")
+        raise RuntimeError(
+            "PREFECT_API_URL is not set: start a server (`prefect server start`) and point PREFECT_API_URL at it "
+            "(e.g. http://127.0.0.1:4200/api)"
+        )
     from farmflow.config import load_config
 
     cfg = load_config(preset, list(overrides or []))
-    deps = deployments(preset, overrides, nightly_cron, timezone, nightly_methods, cfg=cfg, nightly_schedule=nightly_schedule)
+    deps = deployments(
+        preset, overrides, nightly_cron, timezone, nightly_methods, cfg=cfg, nightly_schedule=nightly_schedule
+    )
     gpu_pool = deps[-1].work_pool_name
     cpu_pool = deps[0].work_pool_name
     if create_pools:
@@ -199,11 +242,24 @@ def deploy(
     after_s = cfg.execution.unresponsive_after_s
     automation = ensure_unresponsive_automation(after_s)
     if automation:
-        registered.append({"name": f"automation {UNRESPONSIVE!r}: a farmflow run silent for {after_s} s is marked Crashed", "id": automation})
+        registered.append(
+            {
+                "name": f"automation {UNRESPONSIVE!r}: a farmflow run silent for {after_s} s is marked Crashed",
+                "id": automation,
+            }
+        )
     return registered
 
 
 __all__ = [
-    "DEPLOYMENT", "NIGHTLY", "STAGE", "TAG", "UNRESPONSIVE", "deploy", "deployments", "ensure_pools", "ensure_unresponsive_automation",
+    "DEPLOYMENT",
+    "NIGHTLY",
+    "STAGE",
+    "TAG",
+    "UNRESPONSIVE",
+    "deploy",
+    "deployments",
+    "ensure_pools",
+    "ensure_unresponsive_automation",
     "unresponsive_automation",
 ]

@@ -18,17 +18,28 @@ import pyarrow as pa
 
 from farmflow.annotators import annotate
 from farmflow.config import AnnotatorConfig
-from farmflow.evaluation.stats import alpaca_eval_winrate, parse_preference, win_rate_stats
 from farmflow.evaluation.lc import instruction_difficulty, lc_of_rows, length_controlled_winrate, run_of_rows
-from farmflow.evaluation.leaderboard import annotator_label, leaderboard_markdown, leaderboard_rows, method_family, plot_leaderboard
+from farmflow.evaluation.leaderboard import (
+    annotator_label,
+    leaderboard_markdown,
+    leaderboard_rows,
+    method_family,
+    plot_leaderboard,
+)
+from farmflow.evaluation.stats import alpaca_eval_winrate, parse_preference, win_rate_stats
 from farmflow.progress import progress
 from farmflow.storage.schemas import SCHEMAS
 
-VERSION = "5"  # 3: LC win rate in the metrics; 4: gold_standard_error; 5: LC without the run's own labels in its difficulty
+VERSION = (
+    "5"  # 3: LC win rate in the metrics; 4: gold_standard_error; 5: LC without the run's own labels in its difficulty
+)
 
 
 def evaluate_outputs(
-    outputs: Sequence[dict], references: Sequence[dict], annotator: AnnotatorConfig, store_uri: str | None = None,
+    outputs: Sequence[dict],
+    references: Sequence[dict],
+    annotator: AnnotatorConfig,
+    store_uri: str | None = None,
 ) -> tuple[pa.Table, dict[str, float]]:
     """Judge each output against the reference output of the same instruction.
 
@@ -43,8 +54,15 @@ def evaluate_outputs(
     if missing:
         raise ValueError(f"{len(missing)} evaluated outputs have no reference output (first: {missing[0]!r})")
     pairs = [
-        {"id": o["id"], "split": "eval", "instruction": o["instruction"], "input": o["input"], "task": o["task"],
-         "output_1": ref_by_id[o["id"]], "output_2": o["output"]}
+        {
+            "id": o["id"],
+            "split": "eval",
+            "instruction": o["instruction"],
+            "input": o["input"],
+            "task": o["task"],
+            "output_1": ref_by_id[o["id"]],
+            "output_2": o["output"],
+        }
         for o in outputs
     ]
     if annotator.kind != "oracle":  # minutes for an API pool or an hf judge; the offline pool takes milliseconds
@@ -54,7 +72,20 @@ def evaluate_outputs(
         judged = annotate(pairs, annotator, store_uri)[0].to_pylist()
     generator = {o["id"]: o["generator"] for o in outputs}
     rows = [
-        {k: r[k] for k in ("id", "instruction", "input", "output_1", "output_2", "annotator", "preference", "gold_1", "gold_2")}
+        {
+            k: r[k]
+            for k in (
+                "id",
+                "instruction",
+                "input",
+                "output_1",
+                "output_2",
+                "annotator",
+                "preference",
+                "gold_1",
+                "gold_2",
+            )
+        }
         | {"generator": generator[r["id"]]}
         for r in judged
     ]
@@ -68,6 +99,18 @@ def evaluate_outputs(
 
 
 __all__ = [
-    "VERSION", "alpaca_eval_winrate", "annotator_label", "leaderboard_rows", "evaluate_outputs", "instruction_difficulty", "lc_of_rows", "leaderboard_markdown",
-    "length_controlled_winrate", "method_family", "parse_preference", "plot_leaderboard", "run_of_rows", "win_rate_stats",
+    "VERSION",
+    "alpaca_eval_winrate",
+    "annotator_label",
+    "leaderboard_rows",
+    "evaluate_outputs",
+    "instruction_difficulty",
+    "lc_of_rows",
+    "leaderboard_markdown",
+    "length_controlled_winrate",
+    "method_family",
+    "parse_preference",
+    "plot_leaderboard",
+    "run_of_rows",
+    "win_rate_stats",
 ]

@@ -42,7 +42,18 @@ from farmflow.annotators import OracleAnnotator, is_list, unit_hash
 from farmflow.config import AnnotatorConfig
 from farmflow.evaluation.stats import parse_preference
 
-COLUMNS = ("annotator", "labels", "pairs", "agreement", "bias", "variance", "length_pref", "list_pref", "price_per_1000", "seconds_per_1000")
+COLUMNS = (
+    "annotator",
+    "labels",
+    "pairs",
+    "agreement",
+    "bias",
+    "variance",
+    "length_pref",
+    "list_pref",
+    "price_per_1000",
+    "seconds_per_1000",
+)
 
 
 def agree(a: float, b: float) -> float:
@@ -60,7 +71,9 @@ def pair_key(row: dict) -> tuple[str, bool]:
     """(pair id, whether output_1/output_2 are in reversed canonical order)."""
     a, b = row.get("output_1") or "", row.get("output_2") or ""
     first, second = sorted((a, b))
-    h = hashlib.blake2b("\x1f".join((row.get("instruction") or "", row.get("input") or "", first, second)).encode(), digest_size=12)
+    h = hashlib.blake2b(
+        "\x1f".join((row.get("instruction") or "", row.get("input") or "", first, second)).encode(), digest_size=12
+    )
     return h.hexdigest(), a != first
 
 
@@ -72,13 +85,25 @@ def normalize(rows: Sequence[dict]) -> list[dict]:
         if p is None:
             continue
         key, flipped = pair_key(r)
-        a, b = (r.get("output_2") or "", r.get("output_1") or "") if flipped else (r.get("output_1") or "", r.get("output_2") or "")
+        a, b = (
+            (r.get("output_2") or "", r.get("output_1") or "")
+            if flipped
+            else (r.get("output_1") or "", r.get("output_2") or "")
+        )
         g1, g2 = (r.get("gold_2"), r.get("gold_1")) if flipped else (r.get("gold_1"), r.get("gold_2"))
         gold = None if g1 is None or g2 is None else (1.5 if g1 == g2 else 2.0 if g2 > g1 else 1.0)
-        out.append({
-            "pair": key, "annotator": str(r.get("annotator") or "?"), "preference": 3.0 - p if flipped else p, "gold": gold,
-            "len": (len(a), len(b)), "list": (is_list(a), is_list(b)), "price_usd": r.get("price_usd"), "latency_s": r.get("latency_s"),
-        })
+        out.append(
+            {
+                "pair": key,
+                "annotator": str(r.get("annotator") or "?"),
+                "preference": 3.0 - p if flipped else p,
+                "gold": gold,
+                "len": (len(a), len(b)),
+                "list": (is_list(a), is_list(b)),
+                "price_usd": r.get("price_usd"),
+                "latency_s": r.get("latency_s"),
+            }
+        )
     return out
 
 
@@ -138,18 +163,35 @@ def annotator_table(rows: Sequence[dict], reference: str = "auto") -> list[dict]
                 agreement += [agree(p, ref) for p in draws]
                 bias.append(1.0 - agree(mode(draws), ref))
             if len(draws) >= 2:
-                variance += [1.0 - agree(p, mode(draws[:i] + draws[i + 1:])) for i, p in enumerate(draws)]
-        table.append({
-            "annotator": annotator, "labels": len(mine), "pairs": len({lab["pair"] for lab in mine}),
-            "agreement": _mean(agreement), "bias": _mean(bias), "variance": _mean(variance),
-            **_preference_rates([(lab["preference"], lab) for lab in mine]),
-            "price_per_1000": 1000 * _mean(_known([lab["price_usd"] for lab in mine])),
-            "seconds_per_1000": 1000 * _mean(_known([lab["latency_s"] for lab in mine])),
-        })
+                variance += [1.0 - agree(p, mode(draws[:i] + draws[i + 1 :])) for i, p in enumerate(draws)]
+        table.append(
+            {
+                "annotator": annotator,
+                "labels": len(mine),
+                "pairs": len({lab["pair"] for lab in mine}),
+                "agreement": _mean(agreement),
+                "bias": _mean(bias),
+                "variance": _mean(variance),
+                **_preference_rates([(lab["preference"], lab) for lab in mine]),
+                "price_per_1000": 1000 * _mean(_known([lab["price_usd"] for lab in mine])),
+                "seconds_per_1000": 1000 * _mean(_known([lab["latency_s"] for lab in mine])),
+            }
+        )
     if has_gold:
         gold = [(info[pair]["gold"], info[pair]) for pair in by_pair]
-        table.append({"annotator": "gold", "labels": len(gold), "pairs": len(gold), "agreement": math.nan, "bias": math.nan,
-                      "variance": 0.0, **_preference_rates(gold), "price_per_1000": math.nan, "seconds_per_1000": math.nan})
+        table.append(
+            {
+                "annotator": "gold",
+                "labels": len(gold),
+                "pairs": len(gold),
+                "agreement": math.nan,
+                "bias": math.nan,
+                "variance": 0.0,
+                **_preference_rates(gold),
+                "price_per_1000": math.nan,
+                "seconds_per_1000": math.nan,
+            }
+        )
     return table
 
 
@@ -212,14 +254,26 @@ def oracle_labels(pairs: Sequence[dict], cfg: AnnotatorConfig, draws: int = 3) -
             g1, g2 = gold_reward(row.get("task"), row["output_1"]), gold_reward(row.get("task"), row["output_2"])
             for d in range(draws):
                 seed = cfg.seed * 1000 + d
-                swapped = unit_hash(seed, "order", a.name, row["instruction"], row["input"], row["output_1"], row["output_2"]) < 0.5
+                swapped = (
+                    unit_hash(seed, "order", a.name, row["instruction"], row["input"], row["output_1"], row["output_2"])
+                    < 0.5
+                )
                 first, second = (row["output_2"], row["output_1"]) if swapped else (row["output_1"], row["output_2"])
                 start = time.perf_counter()
                 shown = judge.judge(row, first, second, seed)
                 seconds = time.perf_counter() - start
-                out.append({k: row.get(k, "") for k in ("instruction", "input", "output_1", "output_2")} | {
-                    "annotator": a.name, "preference": 3.0 - shown if swapped else shown, "draw": d,
-                    "gold_1": g1, "gold_2": g2, "price_usd": 0.0, "latency_s": seconds})
+                out.append(
+                    {k: row.get(k, "") for k in ("instruction", "input", "output_1", "output_2")}
+                    | {
+                        "annotator": a.name,
+                        "preference": 3.0 - shown if swapped else shown,
+                        "draw": d,
+                        "gold_1": g1,
+                        "gold_2": g2,
+                        "price_usd": 0.0,
+                        "latency_s": seconds,
+                    }
+                )
     return out
 
 
@@ -235,8 +289,16 @@ def synthetic_pairs(instructions: Sequence[dict], seed: int = 0, error_rate: flo
     for r in instructions:
         task = synthetic.task_from_json(r["task"])
         rng = random.Random(f"{seed}/{r['id']}")
-        out.append({"id": r["id"], "instruction": r["instruction"], "input": r["input"], "task": r["task"],
-                    "output_1": synthetic.demonstrate(task, rng, error_rate), "output_2": synthetic.reference_output(task, rng, error_rate)})
+        out.append(
+            {
+                "id": r["id"],
+                "instruction": r["instruction"],
+                "input": r["input"],
+                "task": r["task"],
+                "output_1": synthetic.demonstrate(task, rng, error_rate),
+                "output_2": synthetic.reference_output(task, rng, error_rate),
+            }
+        )
     return out
 
 
@@ -252,7 +314,11 @@ def plot_agreement(table: Sequence[dict], path: str, title: str = "Annotators: a
     if not rows:
         raise ValueError("no annotator has an agreement to plot")
     priced = any(not math.isnan(r["price_per_1000"]) and r["price_per_1000"] > 0 for r in rows)
-    col, label = ("price_per_1000", "price per 1000 annotations (USD)") if priced else ("seconds_per_1000", "seconds per 1000 annotations")
+    col, label = (
+        ("price_per_1000", "price per 1000 annotations (USD)")
+        if priced
+        else ("seconds_per_1000", "seconds per 1000 annotations")
+    )
     fig, ax = plt.subplots(figsize=(6, 4.2), dpi=120)
     xs = [0.0 if math.isnan(r[col]) else r[col] for r in rows]
     ys = [100 * r["agreement"] for r in rows]
@@ -291,10 +357,18 @@ def load_labels(path: str) -> list[dict]:
             raise ValueError(f"cannot read {p}: {err}") from None
         if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
             raise ValueError(f"{p}: expected a JSON list of annotation objects")
-        rows = [r | {"price_usd": r.get("price_usd", r.get("price_per_example")), "latency_s": r.get("latency_s", r.get("time_per_example"))}
-                for r in rows]
+        rows = [
+            r
+            | {
+                "price_usd": r.get("price_usd", r.get("price_per_example")),
+                "latency_s": r.get("latency_s", r.get("time_per_example")),
+            }
+            for r in rows
+        ]
     for i, r in enumerate(rows):
         missing = [k for k in ("instruction", "output_1", "output_2", "annotator", "preference") if k not in r]
         if missing:
-            raise ValueError(f"{p}: row {i} has no {missing} (needed: instruction, output_1, output_2, annotator, preference)")
+            raise ValueError(
+                f"{p}: row {i} has no {missing} (needed: instruction, output_1, output_2, annotator, preference)"
+            )
     return rows

@@ -27,12 +27,32 @@ from farmflow.storage.schemas import SCHEMAS
 
 DEFAULT_PRESET = "synthetic-tiny"
 RUN_COLUMNS = (
-    "run_id", "flow_run_id", "flow_run_name", "flow", "run_at", "preset", "config_key", "history", "leaderboard_key",
+    "run_id",
+    "flow_run_id",
+    "flow_run_name",
+    "flow",
+    "run_at",
+    "preset",
+    "config_key",
+    "history",
+    "leaderboard_key",
 )
 """The columns of a ``runs`` row that describe the run (the same on each of its method rows)."""
 LONG_COLUMNS = (
-    "run_id", "run_at", "preset", "config_key", "method", "win_rate", "standard_error", "n", "lc_win_rate", "mean_gold",
-    "gold_standard_error", "avg_length", "delta", "flag",
+    "run_id",
+    "run_at",
+    "preset",
+    "config_key",
+    "method",
+    "win_rate",
+    "standard_error",
+    "n",
+    "lc_win_rate",
+    "mean_gold",
+    "gold_standard_error",
+    "avg_length",
+    "delta",
+    "flag",
 )
 """The columns of `trend_long` (CSV and JSON): one row per run and method; delta and flag against its previous run."""
 RISE, DROP = "▲", "▼"
@@ -112,8 +132,10 @@ def pick_run(rows: Sequence[dict], run: str | None = None, preset: str | None = 
 
 def significant(before: dict, after: dict) -> bool:
     """Did the win rate change by more than two combined standard errors? (False when a value is missing.)"""
-    w1, w2, s1, s2 = (_finite(d.get(k)) for k, d in (("win_rate", before), ("win_rate", after),
-                                                         ("standard_error", before), ("standard_error", after)))
+    w1, w2, s1, s2 = (
+        _finite(d.get(k))
+        for k, d in (("win_rate", before), ("win_rate", after), ("standard_error", before), ("standard_error", after))
+    )
     if None in (w1, w2, s1, s2):
         return False
     return abs(w2 - w1) > 2 * math.sqrt(s1**2 + s2**2)
@@ -132,12 +154,18 @@ def flag_changes(rows: Sequence[dict]) -> list[dict]:
         for before, after in zip(seq, seq[1:]):
             if significant(before, after):
                 delta = after["win_rate"] - before["win_rate"]
-                changes.append({
-                    "method": method, "from_run": before["run_id"], "to_run": after["run_id"],
-                    "before": before["win_rate"], "after": after["win_rate"], "delta": delta,
-                    "threshold": 2 * math.sqrt(before["standard_error"] ** 2 + after["standard_error"] ** 2),
-                    "mark": RISE if delta > 0 else DROP,
-                })
+                changes.append(
+                    {
+                        "method": method,
+                        "from_run": before["run_id"],
+                        "to_run": after["run_id"],
+                        "before": before["win_rate"],
+                        "after": after["win_rate"],
+                        "delta": delta,
+                        "threshold": 2 * math.sqrt(before["standard_error"] ** 2 + after["standard_error"] ** 2),
+                        "mark": RISE if delta > 0 else DROP,
+                    }
+                )
     return sorted(changes, key=lambda c: (order[c["to_run"]], c["method"]))
 
 
@@ -314,8 +342,16 @@ def plot_trend(rows: Sequence[dict] | dict[str, Any], path: str, title: str = "W
     for m in t["methods"]:
         points = [(i, c) for i, c in enumerate(m["cells"]) if c is not None and _finite(c["win_rate"]) is not None]
         xs = [i for i, _ in points]
-        ax.errorbar(xs, [c["win_rate"] for _, c in points], yerr=[_finite(c["standard_error"]) or 0 for _, c in points],
-                    marker="o", ms=4, capsize=3, lw=1.2, label=m["method"])
+        ax.errorbar(
+            xs,
+            [c["win_rate"] for _, c in points],
+            yerr=[_finite(c["standard_error"]) or 0 for _, c in points],
+            marker="o",
+            ms=4,
+            capsize=3,
+            lw=1.2,
+            label=m["method"],
+        )
         flagged = [(i, c["win_rate"]) for i, c in points if c["flag"]]
         if flagged:
             ax.scatter(*zip(*flagged), s=140, facecolors="none", edgecolors="red", zorder=3)

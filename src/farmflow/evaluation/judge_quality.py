@@ -51,19 +51,30 @@ from farmflow.evaluation.stats import parse_preference
 Z95 = 1.959963984540054  # standard normal quantile at 0.975
 INTERVAL = "Wilson score interval, 95%"
 ORDER_CAP = (1, 2)  # completion tokens above the format's default cap: output_1 shown first, output_1 shown second
-SPEC_HELP = ("hf:MODEL[?batch_size=N&max_prompt_tokens=N&dtype=D&device=D&gguf_file=F&revision=R] "
-             "(a model-cache name, folder or hub id), api:BASE_URL@MODEL[?temperature=T&format=F&style=S"
-             "&max_in_flight=N&timeout_s=S] "
-             "(an OpenAI-compatible endpoint; key in $OPENAI_API_KEY; default format choice, temperature 0), "
-             "longer or coin (the baselines, always included)")
+SPEC_HELP = (
+    "hf:MODEL[?batch_size=N&max_prompt_tokens=N&dtype=D&device=D&gguf_file=F&revision=R] "
+    "(a model-cache name, folder or hub id), api:BASE_URL@MODEL[?temperature=T&format=F&style=S"
+    "&max_in_flight=N&timeout_s=S] "
+    "(an OpenAI-compatible endpoint; key in $OPENAI_API_KEY; default format choice, temperature 0), "
+    "longer or coin (the baselines, always included)"
+)
 # Agreement of other judges with human majority labels, for scale (the reference here is a file's judge instead).
 PAPER = [
-    {"who": "GPT-4 vs human majority", "agreement": 0.65,
-     "source": "AlpacaFarm (Dubois et al., 2023), annotator agreement"},
-    {"who": "human vs human majority", "agreement": 0.66,
-     "source": "AlpacaFarm (Dubois et al., 2023), annotator agreement"},
-    {"who": "longest output vs human majority", "agreement": 0.622,
-     "source": "AlpacaEval annotator leaderboard ('longest'; there 'gpt4' 66.6%, 'humans' 65.7%)"},
+    {
+        "who": "GPT-4 vs human majority",
+        "agreement": 0.65,
+        "source": "AlpacaFarm (Dubois et al., 2023), annotator agreement",
+    },
+    {
+        "who": "human vs human majority",
+        "agreement": 0.66,
+        "source": "AlpacaFarm (Dubois et al., 2023), annotator agreement",
+    },
+    {
+        "who": "longest output vs human majority",
+        "agreement": 0.622,
+        "source": "AlpacaEval annotator leaderboard ('longest'; there 'gpt4' 66.6%, 'humans' 65.7%)",
+    },
 ]
 HF_OPTIONS = {"batch_size", "max_prompt_tokens", "dtype", "device", "gguf_file", "revision"}
 API_OPTIONS = {"temperature": "temperature", "format": "prompt_format", "style": "style"}
@@ -102,22 +113,30 @@ def read_pairs(path: str | Path, limit: int | None = None) -> tuple[list[Pair], 
             raise ValueError(f"{p}: row {i} is not an object")
         for k in ("instruction", "output_1", "output_2"):
             if not isinstance(r.get(k), str):
-                raise ValueError(f"{p}: row {i} has no string field {k!r} (needed: instruction, output_1, output_2, "
-                                 "preference)")
+                raise ValueError(
+                    f"{p}: row {i} has no string field {k!r} (needed: instruction, output_1, output_2, preference)"
+                )
         ref = parse_preference(r.get("preference"))
         if ref is None:
             skipped["invalid"] += 1
         elif ref == 1.5:
             skipped["tie"] += 1
         else:
-            pairs.append(Pair(r["instruction"], r.get("input") or "", r["output_1"], r["output_2"],
-                              1.0 if ref < 1.5 else 2.0))
+            pairs.append(
+                Pair(r["instruction"], r.get("input") or "", r["output_1"], r["output_2"], 1.0 if ref < 1.5 else 2.0)
+            )
             names[str(r.get("annotator") or "reference")] += 1
     if not pairs:
-        raise ValueError(f"{p}: no row with a decisive reference preference ({skipped['tie']} ties, "
-                         f"{skipped['invalid']} missing or malformed)")
-    return pairs, {"rows_read": len(pairs) + sum(skipped.values()), "skipped_ties": skipped["tie"],
-                   "skipped_invalid": skipped["invalid"], "reference": names.most_common(1)[0][0]}
+        raise ValueError(
+            f"{p}: no row with a decisive reference preference ({skipped['tie']} ties, "
+            f"{skipped['invalid']} missing or malformed)"
+        )
+    return pairs, {
+        "rows_read": len(pairs) + sum(skipped.values()),
+        "skipped_ties": skipped["tie"],
+        "skipped_invalid": skipped["invalid"],
+        "reference": names.most_common(1)[0][0],
+    }
 
 
 # ----------------------------------------------------------------------------- metrics (plain numbers in and out)
@@ -145,8 +164,13 @@ def agreement(choices: Sequence[float], references: Sequence[float]) -> dict:
     score = sum(1.0 if c == r else 0.5 if c == 1.5 else 0.0 for c, r in zip(choices, references, strict=True))
     n = len(choices)
     low, high = wilson(score, n)
-    return {"agreement": score / n if n else math.nan, "ci_low": low, "ci_high": high, "n": n,
-            "undecided": sum(c == 1.5 for c in choices)}
+    return {
+        "agreement": score / n if n else math.nan,
+        "ci_low": low,
+        "ci_high": high,
+        "n": n,
+        "undecided": sum(c == 1.5 for c in choices),
+    }
 
 
 def position_bias(verdicts: Sequence[Verdict]) -> dict:
@@ -159,36 +183,54 @@ def position_bias(verdicts: Sequence[Verdict]) -> dict:
     second = sum(f < 0.5 and s > 0.5 for f, s in both)
     n = len(both)
     share = (lambda k: k / n) if n else (lambda k: math.nan)
-    return {"position_bias": share(first + second), "first_slot": share(first), "second_slot": share(second),
-            "position_pairs": n}
+    return {
+        "position_bias": share(first + second),
+        "first_slot": share(first),
+        "second_slot": share(second),
+        "position_pairs": n,
+    }
 
 
 def length_bias(choices: Sequence[float], pairs: Sequence[Pair]) -> dict:
     """Share of decided choices for the longer output, over pairs whose outputs differ in length."""
-    decided = [(c, len(p.output_1), len(p.output_2)) for c, p in zip(choices, pairs, strict=True)
-               if c != 1.5 and len(p.output_1) != len(p.output_2)]
+    decided = [
+        (c, len(p.output_1), len(p.output_2))
+        for c, p in zip(choices, pairs, strict=True)
+        if c != 1.5 and len(p.output_1) != len(p.output_2)
+    ]
     longer = sum((c == 2.0) == (l2 > l1) for c, l1, l2 in decided)
     return {"prefers_longer": longer / len(decided) if decided else math.nan, "length_pairs": len(decided)}
 
 
 def longer_choices(pairs: Sequence[Pair]) -> list[float]:
     """The `longer` baseline: the output with more characters wins; equal lengths are undecided."""
-    return [1.0 if len(p.output_1) > len(p.output_2) else 2.0 if len(p.output_2) > len(p.output_1) else 1.5
-            for p in pairs]
+    return [
+        1.0 if len(p.output_1) > len(p.output_2) else 2.0 if len(p.output_2) > len(p.output_1) else 1.5 for p in pairs
+    ]
 
 
 def coin_choices(pairs: Sequence[Pair], seed: int) -> list[float]:
     """The `coin` baseline: a fair coin per pair, from a hash of `seed` and the pair (the same whatever the order)."""
-    return [1.0 if unit_hash(seed, "coin", p.instruction, p.input, p.output_1, p.output_2) < 0.5 else 2.0
-            for p in pairs]
+    return [
+        1.0 if unit_hash(seed, "coin", p.instruction, p.input, p.output_1, p.output_2) < 0.5 else 2.0 for p in pairs
+    ]
 
 
-def summary(name: str, kind: str, choices: Sequence[float], pairs: Sequence[Pair],
-            verdicts: Sequence[Verdict] | None = None, **extra) -> dict:
+def summary(
+    name: str,
+    kind: str,
+    choices: Sequence[float],
+    pairs: Sequence[Pair],
+    verdicts: Sequence[Verdict] | None = None,
+    **extra,
+) -> dict:
     """One row of the report: agreement (with interval), position bias (judges only), length bias, `extra`."""
     out = {"judge": name, "kind": kind, **agreement(choices, [p.reference for p in pairs])}
-    out |= position_bias(verdicts) if verdicts is not None else {
-        "position_bias": None, "first_slot": None, "second_slot": None, "position_pairs": 0}
+    out |= (
+        position_bias(verdicts)
+        if verdicts is not None
+        else {"position_bias": None, "first_slot": None, "second_slot": None, "position_pairs": 0}
+    )
     return out | length_bias(choices, pairs) | extra
 
 
@@ -208,8 +250,12 @@ class JudgeSpec:
         return HFJudgeConfig(model=self.model, **self.options)
 
     def api_annotator(self) -> ApiAnnotatorConfig:
-        return ApiAnnotatorConfig(name=self.spec, model=self.model, base_url=self.base_url,
-                                  **({"temperature": 0.0, "prompt_format": "choice"} | self.options))
+        return ApiAnnotatorConfig(
+            name=self.spec,
+            model=self.model,
+            base_url=self.base_url,
+            **({"temperature": 0.0, "prompt_format": "choice"} | self.options),
+        )
 
 
 def split_api_target(target: str) -> tuple[str, str]:
@@ -222,7 +268,7 @@ def split_api_target(target: str) -> tuple[str, str]:
         at = target.rfind("@")
     if at <= 0 or at == len(target) - 1:
         raise ValueError("an api judge is api:BASE_URL@MODEL, e.g. api:http://127.0.0.1:8000/v1@my-model")
-    return target[:at], target[at + 1:]
+    return target[:at], target[at + 1 :]
 
 
 def parse_judge(spec: str) -> JudgeSpec | None:
@@ -251,9 +297,14 @@ def parse_judge(spec: str) -> JudgeSpec | None:
             base_url, model = split_api_target(target)
         except ValueError as err:
             raise ValueError(f"{label}: {err}") from None
-        parsed = JudgeSpec(spec, "api", model, base_url,
-                           {API_OPTIONS[k]: v for k, v in options.items() if k in API_OPTIONS},
-                           {k: v for k, v in options.items() if k in POOL_OPTIONS})
+        parsed = JudgeSpec(
+            spec,
+            "api",
+            model,
+            base_url,
+            {API_OPTIONS[k]: v for k, v in options.items() if k in API_OPTIONS},
+            {k: v for k, v in options.items() if k in POOL_OPTIONS},
+        )
     try:  # pydantic checks the values (a type, a range, a literal) and names the field
         parsed.hf_config() if kind == "hf" else (parsed.api_annotator(), AnnotatorConfig(**parsed.pool))
     except ValidationError as err:
@@ -277,20 +328,35 @@ def check_judges(specs: Sequence[JudgeSpec]) -> None:
 
 # ----------------------------------------------------------------------------- running judges
 def rows_of(pairs: Sequence[Pair]) -> list[dict]:
-    return [{"id": str(i), "split": "", "instruction": p.instruction, "input": p.input, "output_1": p.output_1,
-             "output_2": p.output_2, "task": None} for i, p in enumerate(pairs)]
+    return [
+        {
+            "id": str(i),
+            "split": "",
+            "instruction": p.instruction,
+            "input": p.input,
+            "output_1": p.output_1,
+            "output_2": p.output_2,
+            "task": None,
+        }
+        for i, p in enumerate(pairs)
+    ]
 
 
-def hf_verdicts(spec: JudgeSpec, pairs: Sequence[Pair], store_uri: str | None,
-                progress: Callable[[int], None] | None = None) -> tuple[list[Verdict], dict]:
+def hf_verdicts(
+    spec: JudgeSpec, pairs: Sequence[Pair], store_uri: str | None, progress: Callable[[int], None] | None = None
+) -> tuple[list[Verdict], dict]:
     """The hf judge's per-order probabilities on `pairs` (identical outputs: .5 both), and its run counts."""
     cfg = AnnotatorConfig(kind="hf", hf=spec.hf_config(), label_noise=0.0)
     table, metrics = annotate(rows_of(pairs), cfg, store_uri, allow_incomplete=True, progress=progress)
     first, second = table.column("p_1_shown_first").to_pylist(), table.column("p_1_shown_second").to_pylist()
     verdicts = [(0.5, 0.5) if f is None and s is None else (f, s) for f, s in zip(first, second)]
     judged = int(metrics.get("judged", 0))
-    return verdicts, {"parse_failures": 0, "judged": judged, "cached": int(metrics.get("cached", 0)),
-                      "seconds_per_pair": metrics.get("judge_seconds", 0.0) / judged if judged else None}
+    return verdicts, {
+        "parse_failures": 0,
+        "judged": judged,
+        "cached": int(metrics.get("cached", 0)),
+        "seconds_per_pair": metrics.get("judge_seconds", 0.0) / judged if judged else None,
+    }
 
 
 def order_seed(pair: Pair, output_1_second: bool) -> int:
@@ -306,8 +372,9 @@ def order_seed(pair: Pair, output_1_second: bool) -> int:
     raise AssertionError("unreachable")
 
 
-def api_verdicts(spec: JudgeSpec, pairs: Sequence[Pair], store_uri: str | None,
-                 progress: Callable[[int], None] | None = None) -> tuple[list[Verdict], dict]:
+def api_verdicts(
+    spec: JudgeSpec, pairs: Sequence[Pair], store_uri: str | None, progress: Callable[[int], None] | None = None
+) -> tuple[list[Verdict], dict]:
     """The api judge's answer on `pairs` in both orders (module doc), and its run counts."""
     base = spec.api_annotator()
     per_order: list[list[float | None]] = []
@@ -321,12 +388,15 @@ def api_verdicts(spec: JudgeSpec, pairs: Sequence[Pair], store_uri: str | None,
         p1: list[float | None] = [None] * len(pairs)
         for seed, idx in sorted(groups.items()):
             cfg = AnnotatorConfig(kind="api", api_pool=[annotator], label_noise=0.0, seed=seed, **spec.pool)
-            table, metrics = annotate(rows_of([pairs[i] for i in idx]), cfg, store_uri, allow_incomplete=True,
-                                      progress=progress)
+            table, metrics = annotate(
+                rows_of([pairs[i] for i in idx]), cfg, store_uri, allow_incomplete=True, progress=progress
+            )
             shown = table.column("swapped").to_pylist()
             if any(s != second for s in shown):
-                raise RuntimeError(f"--judge {spec.spec!r}: the api annotator did not show the outputs in the order "
-                                   "its seed chose (farmflow.annotators changed how the order is drawn)")
+                raise RuntimeError(
+                    f"--judge {spec.spec!r}: the api annotator did not show the outputs in the order "
+                    "its seed chose (farmflow.annotators changed how the order is drawn)"
+                )
             for i, pref in zip(idx, table.column("preference").to_pylist()):
                 p1[i] = None if pref is None else 2.0 - pref
             judged += int(metrics.get("judged", 0))
@@ -334,13 +404,18 @@ def api_verdicts(spec: JudgeSpec, pairs: Sequence[Pair], store_uri: str | None,
             failed += int(metrics.get("failed", 0) + metrics.get("unsent", 0))
         per_order.append(p1)
     seconds = time.perf_counter() - start
-    return list(zip(*per_order)), {"parse_failures": failed, "judged": judged // 2, "cached": cached // 2,
-                                   "seconds_per_pair": 2 * seconds / judged if judged else None}
+    return list(zip(*per_order)), {
+        "parse_failures": failed,
+        "judged": judged // 2,
+        "cached": cached // 2,
+        "seconds_per_pair": 2 * seconds / judged if judged else None,
+    }
 
 
 # ----------------------------------------------------------------------------- the report
-def judge_quality(path: str | Path, specs: Sequence[str], limit: int | None = None, seed: int = 0,
-                  store_uri: str | None = None) -> dict:
+def judge_quality(
+    path: str | Path, specs: Sequence[str], limit: int | None = None, seed: int = 0, store_uri: str | None = None
+) -> dict:
     """Run each judge of `specs` on the first `limit` decisive pairs of `path`; the report (module doc) as a dict:
     the file's counts, one row per judge, the `longer` and `coin` baselines, the paper's reference points."""
     from farmflow.progress import progress
@@ -353,49 +428,100 @@ def judge_quality(path: str | Path, specs: Sequence[str], limit: int | None = No
         with progress(f"judge {j.spec}", len(pairs) * (2 if j.kind == "api" else 1), unit="pair") as bar:
             verdicts, stats = (hf_verdicts if j.kind == "hf" else api_verdicts)(j, pairs, store_uri, bar.update)
         rows.append(summary(j.spec, j.kind, [choice(v) for v in verdicts], pairs, verdicts, **stats))
-    baselines = [summary("longer", "baseline", longer_choices(pairs), pairs),
-                 summary("coin", "baseline", coin_choices(pairs, seed), pairs, expected_agreement=0.5)]
+    baselines = [
+        summary("longer", "baseline", longer_choices(pairs), pairs),
+        summary("coin", "baseline", coin_choices(pairs, seed), pairs, expected_agreement=0.5),
+    ]
     reference_longer = length_bias([p.reference for p in pairs], pairs)
-    return {"file": str(path), "reference": info["reference"], "pairs": len(pairs), "limit": limit, "seed": seed,
-            "rows_read": info["rows_read"], "skipped_ties": info["skipped_ties"],
-            "skipped_invalid": info["skipped_invalid"], "interval": INTERVAL,
-            "reference_prefers_longer": reference_longer["prefers_longer"], "judges": rows, "baselines": baselines,
-            "paper": PAPER}
+    return {
+        "file": str(path),
+        "reference": info["reference"],
+        "pairs": len(pairs),
+        "limit": limit,
+        "seed": seed,
+        "rows_read": info["rows_read"],
+        "skipped_ties": info["skipped_ties"],
+        "skipped_invalid": info["skipped_invalid"],
+        "interval": INTERVAL,
+        "reference_prefers_longer": reference_longer["prefers_longer"],
+        "judges": rows,
+        "baselines": baselines,
+        "paper": PAPER,
+    }
 
 
 def report_markdown(report: dict) -> str:
     """The report as a Markdown table: judges, then the baselines, then the paper's reference points."""
+
     def pct(x: float | None) -> str:
         return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.1f}"
 
     lines = [
-        (f"Reference: {report['reference']} in {report['file']}: {report['pairs']} pairs (the first with a decisive "
-         f"preference; {report['skipped_ties']} ties and {report['skipped_invalid']} unreadable skipped before them). "
-         f"The reference prefers the longer output in {pct(report['reference_prefers_longer'])}%. "
-         f"Interval: {report['interval']}."),
+        (
+            f"Reference: {report['reference']} in {report['file']}: {report['pairs']} pairs (the first with a decisive "
+            f"preference; {report['skipped_ties']} ties and {report['skipped_invalid']} unreadable skipped before them). "
+            f"The reference prefers the longer output in {pct(report['reference_prefers_longer'])}%. "
+            f"Interval: {report['interval']}."
+        ),
         "",
-        ("| judge | agreement % | 95% interval | undecided | same slot both orders % | prefers longer % "
-         "| parse failures | s / pair |"),
+        (
+            "| judge | agreement % | 95% interval | undecided | same slot both orders % | prefers longer % "
+            "| parse failures | s / pair |"
+        ),
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in report["judges"] + report["baselines"]:
-        name = r["judge"] + (" (baseline, expected 50.0)" if "expected_agreement" in r else
-                             " (baseline)" if r["kind"] == "baseline" else "")
+        name = r["judge"] + (
+            " (baseline, expected 50.0)"
+            if "expected_agreement" in r
+            else " (baseline)"
+            if r["kind"] == "baseline"
+            else ""
+        )
         secs = r.get("seconds_per_pair")
         speed = f"{secs:.2f}" if secs is not None else "cached" if r.get("cached") else "—"
-        slots = "—" if r["position_bias"] is None else \
-            f"{pct(r['position_bias'])} (a {pct(r['first_slot'])}, b {pct(r['second_slot'])})"
-        lines.append(f"| {name} | {pct(r['agreement'])} | {pct(r['ci_low'])}–{pct(r['ci_high'])} | {r['undecided']} "
-                     f"| {slots} | {pct(r['prefers_longer'])} | {r.get('parse_failures', '—')} | {speed} |")
+        slots = (
+            "—"
+            if r["position_bias"] is None
+            else f"{pct(r['position_bias'])} (a {pct(r['first_slot'])}, b {pct(r['second_slot'])})"
+        )
+        lines.append(
+            f"| {name} | {pct(r['agreement'])} | {pct(r['ci_low'])}–{pct(r['ci_high'])} | {r['undecided']} "
+            f"| {slots} | {pct(r['prefers_longer'])} | {r.get('parse_failures', '—')} | {speed} |"
+        )
     for ref in report["paper"]:
         lines.append(f"| {ref['who']} (published) | {pct(ref['agreement'])} | | | | | | |")
-    lines += ["", "Published points agree with human majority labels, not with this file's reference: "
-              + "; ".join(f"{ref['who']}: {ref['source']}" for ref in report["paper"]) + "."]
+    lines += [
+        "",
+        "Published points agree with human majority labels, not with this file's reference: "
+        + "; ".join(f"{ref['who']}: {ref['source']}" for ref in report["paper"])
+        + ".",
+    ]
     return "\n".join(lines) + "\n"
 
 
 __all__ = [
-    "INTERVAL", "JudgeSpec", "ORDER_CAP", "PAPER", "Pair", "SPEC_HELP", "agreement", "api_verdicts", "check_judges",
-    "choice", "coin_choices", "hf_verdicts", "judge_quality", "length_bias", "longer_choices", "order_seed",
-    "parse_judge", "position_bias", "read_pairs", "report_markdown", "split_api_target", "summary", "wilson",
+    "INTERVAL",
+    "JudgeSpec",
+    "ORDER_CAP",
+    "PAPER",
+    "Pair",
+    "SPEC_HELP",
+    "agreement",
+    "api_verdicts",
+    "check_judges",
+    "choice",
+    "coin_choices",
+    "hf_verdicts",
+    "judge_quality",
+    "length_bias",
+    "longer_choices",
+    "order_seed",
+    "parse_judge",
+    "position_bias",
+    "read_pairs",
+    "report_markdown",
+    "split_api_target",
+    "summary",
+    "wilson",
 ]

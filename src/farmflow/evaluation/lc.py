@@ -57,8 +57,14 @@ def _nll(eta: np.ndarray, y: np.ndarray) -> float:
 
 
 def fit_logistic(
-    X: np.ndarray, y: np.ndarray, penalty: np.ndarray, groups: np.ndarray | None = None, n_groups: int = 0,
-    group_penalty: float = 1.0, max_iter: int = 200, tol: float = 1e-10,
+    X: np.ndarray,
+    y: np.ndarray,
+    penalty: np.ndarray,
+    groups: np.ndarray | None = None,
+    n_groups: int = 0,
+    group_penalty: float = 1.0,
+    max_iter: int = 200,
+    tol: float = 1e-10,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Penalized logistic regression with soft labels y in [0, 1], by Newton–Raphson.
 
@@ -110,14 +116,18 @@ def length_feature(delta_len: Sequence[float]) -> np.ndarray:
     return np.tanh(d / sd) if sd > 0 else np.zeros_like(d)
 
 
-def _clean(instructions: Sequence[str], preferences: Sequence[object], delta_len: Sequence[float]) -> tuple[list[str], np.ndarray, np.ndarray]:
+def _clean(
+    instructions: Sequence[str], preferences: Sequence[object], delta_len: Sequence[float]
+) -> tuple[list[str], np.ndarray, np.ndarray]:
     rows = [(x, parse_preference(p), d) for x, p, d in zip(instructions, preferences, delta_len, strict=True)]
     rows = [(x, p - 1.0, float(d)) for x, p, d in rows if p is not None]
     return [r[0] for r in rows], np.array([r[1] for r in rows]), np.array([r[2] for r in rows])
 
 
 def instruction_difficulty(
-    runs: Sequence[dict], penalty: float = PENALTY, difficulty_penalty: float = DIFFICULTY_PENALTY,
+    runs: Sequence[dict],
+    penalty: float = PENALTY,
+    difficulty_penalty: float = DIFFICULTY_PENALTY,
 ) -> dict[str, float]:
     """Standardized difficulty of each instruction from several annotated runs.
 
@@ -147,8 +157,11 @@ def instruction_difficulty(
 
 
 def length_controlled_winrate(
-    instructions: Sequence[str], preferences: Sequence[object], delta_len: Sequence[float],
-    difficulty: dict[str, float] | None = None, penalty: float = PENALTY,
+    instructions: Sequence[str],
+    preferences: Sequence[object],
+    delta_len: Sequence[float],
+    difficulty: dict[str, float] | None = None,
+    penalty: float = PENALTY,
 ) -> dict[str, float]:
     """LC win rate and its standard error for one run (module doc).
 
@@ -164,8 +177,13 @@ def length_controlled_winrate(
     gam = np.array([(difficulty or {}).get(x, 0.0) for x in xs])
     out = {"lc_length_sd": float(d.std()) if n > 1 else 0.0}
     if np.all(y == y[0]):  # all wins, all losses or all ties: nothing to adjust
-        return out | {"lc_win_rate": 100.0 * float(y[0]), "lc_standard_error": 0.0 if n > 1 else math.nan,
-                      "lc_intercept": math.nan, "lc_length_coef": 0.0, "lc_difficulty_coef": 0.0}
+        return out | {
+            "lc_win_rate": 100.0 * float(y[0]),
+            "lc_standard_error": 0.0 if n > 1 else math.nan,
+            "lc_intercept": math.nan,
+            "lc_length_coef": 0.0,
+            "lc_difficulty_coef": 0.0,
+        }
     X = np.column_stack([np.ones(n), length_feature(d), gam])
     pen = np.array([INTERCEPT_PENALTY, penalty, penalty])
     w, _ = fit_logistic(X, y, pen)
@@ -178,8 +196,13 @@ def length_controlled_winrate(
     scores = X * (q - y)[:, None]
     influence = (f - lc) / n - scores @ np.linalg.solve(H, grad_f)
     se = float(np.sqrt(n / (n - 1) * np.sum(influence**2))) if n > 1 else math.nan
-    return out | {"lc_win_rate": 100.0 * lc, "lc_standard_error": 100.0 * se,
-                  "lc_intercept": float(w[0]), "lc_length_coef": float(w[1]), "lc_difficulty_coef": float(w[2])}
+    return out | {
+        "lc_win_rate": 100.0 * lc,
+        "lc_standard_error": 100.0 * se,
+        "lc_intercept": float(w[0]),
+        "lc_length_coef": float(w[1]),
+        "lc_difficulty_coef": float(w[2]),
+    }
 
 
 def run_of_rows(rows: Sequence[dict]) -> dict:
@@ -196,7 +219,9 @@ def instruction_key(row: dict) -> str:
     return f"{row.get('instruction') or ''}\x1f{row.get('input') or ''}"
 
 
-def lc_of_rows(rows: Sequence[dict], difficulty_runs: Sequence[dict] = (), penalty: float = PENALTY) -> dict[str, float]:
+def lc_of_rows(
+    rows: Sequence[dict], difficulty_runs: Sequence[dict] = (), penalty: float = PENALTY
+) -> dict[str, float]:
     """LC win rate of one run's rows; difficulty from the other runs in `difficulty_runs` (leave-one-run-out).
 
     `difficulty_runs` are runs (`run_of_rows`) judged by the same annotator against the same

@@ -18,8 +18,22 @@ from typing import Any, Sequence
 
 from farmflow.evaluation.lc import instruction_difficulty, length_controlled_winrate, run_of_rows
 
-COLUMNS = ("method", "family", "win_rate", "standard_error", "discrete_win_rate", "lc_win_rate", "lc_standard_error",
-           "mean_gold", "gold_standard_error", "avg_length", "n", "annotator", "reference", "evaluation_key")
+COLUMNS = (
+    "method",
+    "family",
+    "win_rate",
+    "standard_error",
+    "discrete_win_rate",
+    "lc_win_rate",
+    "lc_standard_error",
+    "mean_gold",
+    "gold_standard_error",
+    "avg_length",
+    "n",
+    "annotator",
+    "reference",
+    "evaluation_key",
+)
 FAMILY_COLOURS = {"baseline": "#9e9e9e", "sft": "#4c72b0", "reward model": "#dd8452", "preferences": "#55a868"}
 
 
@@ -67,7 +81,8 @@ def judge_quality(label: str | None) -> str | None:
         return None
     model = label.removeprefix("hf judge ").split(",")[0]
     return MEASURED_JUDGES.get(model) or (
-        f"agreement with human or GPT-4 labels not measured: farmflow eval annotators --judge hf:{model} FILE")
+        f"agreement with human or GPT-4 labels not measured: farmflow eval annotators --judge hf:{model} FILE"
+    )
 
 
 def reference_label(data_key: str, data_config: dict[str, Any] | None = None) -> str:
@@ -97,18 +112,34 @@ def leaderboard_rows(entries: Sequence[dict], peer_runs: dict[str, list[dict]] |
     out = []
     for e, run in zip(entries, runs):
         m = e["metrics"]
-        pooled = [r for r, other in zip(runs, entries) if other["group"] == e["group"]] + list((peer_runs or {}).get(e["group"], []))
+        pooled = [r for r, other in zip(runs, entries) if other["group"] == e["group"]] + list(
+            (peer_runs or {}).get(e["group"], [])
+        )
         others = [r for r in pooled if r is not run and r != run]  # leave-one-run-out
-        lc = length_controlled_winrate(run["instructions"], run["preferences"], run["delta_len"],
-                                       instruction_difficulty(others) if others else None)
-        out.append({
-            "method": e["method"], "family": method_family(e["method"]),
-            "win_rate": m["win_rate"], "standard_error": m["standard_error"], "discrete_win_rate": _nan(m.get("discrete_win_rate")),
-            "lc_win_rate": lc["lc_win_rate"], "lc_standard_error": lc["lc_standard_error"], "mean_gold": _nan(m.get("mean_gold")),
-            "gold_standard_error": _nan(m.get("gold_standard_error")),
-            "avg_length": int(m["avg_length"]), "n": int(m["n_total"]), "annotator": e["annotator"], "reference": e["reference"],
-            "evaluation_key": e["evaluation_key"],
-        })
+        lc = length_controlled_winrate(
+            run["instructions"],
+            run["preferences"],
+            run["delta_len"],
+            instruction_difficulty(others) if others else None,
+        )
+        out.append(
+            {
+                "method": e["method"],
+                "family": method_family(e["method"]),
+                "win_rate": m["win_rate"],
+                "standard_error": m["standard_error"],
+                "discrete_win_rate": _nan(m.get("discrete_win_rate")),
+                "lc_win_rate": lc["lc_win_rate"],
+                "lc_standard_error": lc["lc_standard_error"],
+                "mean_gold": _nan(m.get("mean_gold")),
+                "gold_standard_error": _nan(m.get("gold_standard_error")),
+                "avg_length": int(m["avg_length"]),
+                "n": int(m["n_total"]),
+                "annotator": e["annotator"],
+                "reference": e["reference"],
+                "evaluation_key": e["evaluation_key"],
+            }
+        )
     out.sort(key=lambda r: -r["win_rate"])
     return out
 
@@ -120,7 +151,8 @@ def _num(x: object, fmt: str) -> str:
 def leaderboard_markdown(rows: Sequence[dict], title: str = "Leaderboard") -> str:
     """A Markdown table of leaderboard rows (already sorted), with the annotator and references below."""
     lines = [
-        f"### {title}", "",
+        f"### {title}",
+        "",
         "| method | win rate | ± SE | discrete | LC win rate | ± SE | mean gold | ± SE | avg length | n |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
@@ -150,12 +182,21 @@ def plot_leaderboard(rows: Sequence[dict], path: str, title: str = "Win rate vs 
     fig, ax = plt.subplots(figsize=(6.5, 0.5 * len(ordered) + 1.4), dpi=120)
     y = range(len(ordered))
     ax.barh(
-        list(y), [r["win_rate"] for r in ordered], xerr=[se(r["standard_error"]) for r in ordered],
-        color=[FAMILY_COLOURS[method_family(r["method"])] for r in ordered], capsize=3,
+        list(y),
+        [r["win_rate"] for r in ordered],
+        xerr=[se(r["standard_error"]) for r in ordered],
+        color=[FAMILY_COLOURS[method_family(r["method"])] for r in ordered],
+        capsize=3,
     )
-    lc = [(i, r["lc_win_rate"]) for i, r in zip(y, ordered) if r.get("lc_win_rate") is not None and not math.isnan(r["lc_win_rate"])]
+    lc = [
+        (i, r["lc_win_rate"])
+        for i, r in zip(y, ordered)
+        if r.get("lc_win_rate") is not None and not math.isnan(r["lc_win_rate"])
+    ]
     if lc:
-        ax.scatter([v for _, v in lc], [i for i, _ in lc], marker="D", color="black", s=18, zorder=3, label="LC win rate")
+        ax.scatter(
+            [v for _, v in lc], [i for i, _ in lc], marker="D", color="black", s=18, zorder=3, label="LC win rate"
+        )
     ax.set_yticks(list(y), [r["method"] for r in ordered])
     ax.axvline(50, color="black", lw=0.8, ls="--")
     ax.set_xlim(0, 100)

@@ -37,7 +37,9 @@ def greedy_oracle(seed: int = 0) -> AnnotatorConfig:
     picks the output with the higher gold reward, and the longer one when gold is equal
     (a small length bias, as LLM judges have). No label noise, no position bias.
     """
-    return AnnotatorConfig(pool=[OracleAnnotatorConfig(name="greedy", sharpness=1000.0, length_bias=10.0)], label_noise=0.0, seed=seed)
+    return AnnotatorConfig(
+        pool=[OracleAnnotatorConfig(name="greedy", sharpness=1000.0, length_bias=10.0)], label_noise=0.0, seed=seed
+    )
 
 
 GREEDY_ORACLE = greedy_oracle()
@@ -48,9 +50,13 @@ class CurvePoint(BaseModel):
     """One optimization pressure on an over-optimization curve."""
 
     label: str = Field(description="Name of the point, e.g. 'best_of_16' or 'ppo step 200'.")
-    family: str = Field(description="Method whose pressure this is: 'best_of_n', 'ppo', 'quark', ... (one line per family).")
+    family: str = Field(
+        description="Method whose pressure this is: 'best_of_n', 'ppo', 'quark', ... (one line per family)."
+    )
     pressure: float = Field(description="Optimization pressure: n for best-of-n, training steps (or KL) for PPO.")
-    outputs: ArtifactRef = Field(description="The point's evaluation-set outputs (an 'outputs' table: one per eval instruction).")
+    outputs: ArtifactRef = Field(
+        description="The point's evaluation-set outputs (an 'outputs' table: one per eval instruction)."
+    )
 
 
 def curve_rows(points: Sequence[dict]) -> list[dict]:
@@ -64,12 +70,24 @@ def curve_rows(points: Sequence[dict]) -> list[dict]:
     for p in points:
         for annotator, ev in p["evaluations"].items():
             m = ev["metrics"]
-            rows.append({
-                "labeller": p["labeller"], "label": p["label"], "family": p["family"], "pressure": float(p["pressure"]), "annotator": annotator,
-                "proxy_reward": float(p["proxy_reward"]), "win_rate": m["win_rate"], "standard_error": m["standard_error"],
-                "lc_win_rate": m.get("lc_win_rate", math.nan), "mean_gold": m.get("mean_gold", math.nan),
-                "avg_length": int(m["avg_length"]), "n": int(m["n_total"]), "outputs_key": p["outputs_key"], "evaluation_key": ev["key"],
-            })
+            rows.append(
+                {
+                    "labeller": p["labeller"],
+                    "label": p["label"],
+                    "family": p["family"],
+                    "pressure": float(p["pressure"]),
+                    "annotator": annotator,
+                    "proxy_reward": float(p["proxy_reward"]),
+                    "win_rate": m["win_rate"],
+                    "standard_error": m["standard_error"],
+                    "lc_win_rate": m.get("lc_win_rate", math.nan),
+                    "mean_gold": m.get("mean_gold", math.nan),
+                    "avg_length": int(m["avg_length"]),
+                    "n": int(m["n_total"]),
+                    "outputs_key": p["outputs_key"],
+                    "evaluation_key": ev["key"],
+                }
+            )
     rows.sort(key=lambda r: (r["labeller"], r["family"], r["pressure"], r["annotator"]))
     return rows
 
@@ -84,13 +102,22 @@ def curve_markdown(rows: Sequence[dict], title: str = "Over-optimization") -> st
     points: dict[tuple, dict[str, dict]] = {}
     for r in rows:
         points.setdefault((r["labeller"], r["family"], r["pressure"], r["label"]), {})[r["annotator"]] = r
-    head = "| labeller | point | pressure | proxy reward | mean gold | avg length | " + " | ".join(f"win rate ({a})" for a in annotators) + " |"
+    head = (
+        "| labeller | point | pressure | proxy reward | mean gold | avg length | "
+        + " | ".join(f"win rate ({a})" for a in annotators)
+        + " |"
+    )
     lines = [f"### {title}", "", head, "|---|---|---:|---:|---:|---:|" + "---:|" * len(annotators)]
     for (labeller, family, pressure, label), per in points.items():
         any_row = next(iter(per.values()))
-        cells = [f"{_f(per[a]['win_rate'], '.1f')} ± {_f(per[a]['standard_error'], '.1f')}" if a in per else "—" for a in annotators]
-        lines.append(f"| {labeller} | {label} | {pressure:g} | {any_row['proxy_reward']:.3f} | {_f(any_row['mean_gold'], '.3f')} | "
-                     f"{any_row['avg_length']} | " + " | ".join(cells) + " |")
+        cells = [
+            f"{_f(per[a]['win_rate'], '.1f')} ± {_f(per[a]['standard_error'], '.1f')}" if a in per else "—"
+            for a in annotators
+        ]
+        lines.append(
+            f"| {labeller} | {label} | {pressure:g} | {any_row['proxy_reward']:.3f} | {_f(any_row['mean_gold'], '.3f')} | "
+            f"{any_row['avg_length']} | " + " | ".join(cells) + " |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -115,14 +142,20 @@ def plot_curves(rows: Sequence[dict], path: str, title: str = "Over-optimization
     annotators = list(dict.fromkeys(r["annotator"] for r in rows))
 
     def line_of(labeller: str, family: str, annotator: str | None = None) -> list[dict]:
-        picked = [r for r in rows if r["labeller"] == labeller and r["family"] == family and annotator in (None, r["annotator"])]
+        picked = [
+            r
+            for r in rows
+            if r["labeller"] == labeller and r["family"] == family and annotator in (None, r["annotator"])
+        ]
         if annotator is None:  # one row per point: gold and proxy do not depend on the annotator
             picked = list({r["label"]: r for r in picked if not math.isnan(r["mean_gold"])}.values())
         return sorted(picked, key=lambda r: r["pressure"])
 
     def annotate(ax, line: list[dict], y: str) -> None:
         for r in line:
-            ax.annotate(f"{r['pressure']:g}", (r["proxy_reward"], r[y]), textcoords="offset points", xytext=(3, 3), fontsize=6)
+            ax.annotate(
+                f"{r['pressure']:g}", (r["proxy_reward"], r[y]), textcoords="offset points", xytext=(3, 3), fontsize=6
+            )
 
     for li, labeller in enumerate(labellers):
         for fi, family in enumerate(families):
@@ -130,15 +163,26 @@ def plot_curves(rows: Sequence[dict], path: str, title: str = "Over-optimization
                 line = line_of(labeller, family, annotator)
                 if not line:
                     continue
-                left.errorbar([r["proxy_reward"] for r in line], [r["win_rate"] for r in line],
-                              yerr=[0 if math.isnan(r["standard_error"]) else r["standard_error"] for r in line],
-                              marker=markers[fi % len(markers)], color=f"C{li}", linestyle="-" if annotator == labeller else "--",
-                              capsize=2, label=f"RM on {labeller} · {family} · judged by {annotator}")
+                left.errorbar(
+                    [r["proxy_reward"] for r in line],
+                    [r["win_rate"] for r in line],
+                    yerr=[0 if math.isnan(r["standard_error"]) else r["standard_error"] for r in line],
+                    marker=markers[fi % len(markers)],
+                    color=f"C{li}",
+                    linestyle="-" if annotator == labeller else "--",
+                    capsize=2,
+                    label=f"RM on {labeller} · {family} · judged by {annotator}",
+                )
                 annotate(left, line, "win_rate")
             line = line_of(labeller, family)
             if line:
-                right.plot([r["proxy_reward"] for r in line], [r["mean_gold"] for r in line], marker=markers[fi % len(markers)],
-                           color=f"C{li}", label=f"RM on {labeller} · {family}")
+                right.plot(
+                    [r["proxy_reward"] for r in line],
+                    [r["mean_gold"] for r in line],
+                    marker=markers[fi % len(markers)],
+                    color=f"C{li}",
+                    label=f"RM on {labeller} · {family}",
+                )
                 annotate(right, line, "mean_gold")
     left.set_xlabel("proxy reward (its reward model, mean over eval outputs)")
     left.set_ylabel("simulated win rate vs reference (%)")

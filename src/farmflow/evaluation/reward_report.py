@@ -28,7 +28,9 @@ from typing import Sequence
 TARGETS = ("labels", "unnoised", "gold", "gold_ties")
 
 
-def pairwise_hits(reward_1: Sequence[float], reward_2: Sequence[float], preferences: Sequence[float]) -> tuple[int, int]:
+def pairwise_hits(
+    reward_1: Sequence[float], reward_2: Sequence[float], preferences: Sequence[float]
+) -> tuple[int, int]:
     """(pairs where the higher reward goes to the preferred output, pairs counted); label and reward ties left out."""
     hits = [(b > a) == (p > 1.5) for a, b, p in zip(reward_1, reward_2, preferences) if p != 1.5 and a != b]
     return sum(hits), len(hits)
@@ -68,14 +70,18 @@ def family_of(row: dict) -> str:
         return ""
 
 
-def report_rows(rows: Sequence[dict], scorers: dict[str, tuple[Sequence[float], Sequence[float]]], by_family: bool = True) -> list[dict]:
+def report_rows(
+    rows: Sequence[dict], scorers: dict[str, tuple[Sequence[float], Sequence[float]]], by_family: bool = True
+) -> list[dict]:
     """One row per (scorer, family, target): accuracy, standard error and pairs counted (`reward_report` schema).
 
     `scorers` maps a name to (score of output_1, score of output_2) for every row. Family
     "all" is every row; with `by_family`, each task family gets its own rows when the rows have tasks.
     """
     families = sorted({family_of(r) for r in rows} - {""}) if by_family else []
-    groups = [("all", list(range(len(rows))))] + [(f, [i for i, r in enumerate(rows) if family_of(r) == f]) for f in families]
+    groups = [("all", list(range(len(rows))))] + [
+        (f, [i for i, r in enumerate(rows) if family_of(r) == f]) for f in families
+    ]
     labels = {t: target_labels(rows, t) for t in TARGETS}
     out = []
     for name, (s1, s2) in scorers.items():
@@ -88,7 +94,16 @@ def report_rows(rows: Sequence[dict], scorers: dict[str, tuple[Sequence[float], 
                 hits, n = pairwise_hits([s1[i] for i in idx], [s2[i] for i in idx], [lab[i] for i in idx])
                 acc = hits / n if n else float("nan")
                 se = math.sqrt(acc * (1 - acc) / n) if n else float("nan")
-                out.append({"scorer": name, "family": family, "target": target, "accuracy": acc, "standard_error": se, "pairs": n})
+                out.append(
+                    {
+                        "scorer": name,
+                        "family": family,
+                        "target": target,
+                        "accuracy": acc,
+                        "standard_error": se,
+                        "pairs": n,
+                    }
+                )
     return out
 
 
@@ -98,15 +113,31 @@ def report_markdown(rows: Sequence[dict], title: str) -> str:
     targets = [t for t in TARGETS if any(r["target"] == t for r in rows)]
     cell = {(r["scorer"], r["family"], r["target"]): r for r in rows}
     fmt = lambda r: "—" if r is None or r["pairs"] == 0 else f"{r['accuracy']:.3f} ± {r['standard_error']:.3f}"  # noqa: E731
-    lines = [f"# {title}", "", "| scorer | " + " | ".join(f"vs {t} (pairs)" for t in targets) + " |", "|---" * (len(targets) + 1) + "|"]
+    lines = [
+        f"# {title}",
+        "",
+        "| scorer | " + " | ".join(f"vs {t} (pairs)" for t in targets) + " |",
+        "|---" * (len(targets) + 1) + "|",
+    ]
     for s in scorers:
-        lines.append(f"| {s} | " + " | ".join(
-            f"{fmt(cell.get((s, 'all', t)))} ({cell[(s, 'all', t)]['pairs']})" if (s, "all", t) in cell else "—" for t in targets) + " |")
+        lines.append(
+            f"| {s} | "
+            + " | ".join(
+                f"{fmt(cell.get((s, 'all', t)))} ({cell[(s, 'all', t)]['pairs']})" if (s, "all", t) in cell else "—"
+                for t in targets
+            )
+            + " |"
+        )
     families = list(dict.fromkeys(r["family"] for r in rows if r["family"] != "all"))
     if families:
         target = "unnoised" if "unnoised" in targets else targets[0]
-        lines += ["", f"Per task family, against {target} labels:", "", "| scorer | " + " | ".join(families) + " |",
-                  "|---" * (len(families) + 1) + "|"]
+        lines += [
+            "",
+            f"Per task family, against {target} labels:",
+            "",
+            "| scorer | " + " | ".join(families) + " |",
+            "|---" * (len(families) + 1) + "|",
+        ]
         for s in scorers:
             lines.append(f"| {s} | " + " | ".join(fmt(cell.get((s, f, target))) for f in families) + " |")
     return "\n".join(lines) + "\n"

@@ -49,7 +49,9 @@ def _mean_sem(values: Sequence[float]) -> tuple[float, float]:
     return mean, sd / math.sqrt(n)
 
 
-def win_rate_stats(preferences: Sequence[object], outputs: Sequence[str], golds: Sequence[float | None] = ()) -> dict[str, float]:
+def win_rate_stats(
+    preferences: Sequence[object], outputs: Sequence[str], golds: Sequence[float | None] = ()
+) -> dict[str, float]:
     """Summary statistics of one evaluated model, as AlpacaEval defines them (module doc).
 
     Unusable preferences (missing, malformed, out of [1, 2]) are left out of every
@@ -59,7 +61,9 @@ def win_rate_stats(preferences: Sequence[object], outputs: Sequence[str], golds:
     prefs = [p for p in parsed if p is not None]
     n = len(prefs)
     if n == 0:
-        raise ValueError(f"no valid preferences to compute a win rate from ({len(parsed)} rows, all missing or malformed)")
+        raise ValueError(
+            f"no valid preferences to compute a win rate from ({len(parsed)} rows, all missing or malformed)"
+        )
     mean, sem = _mean_sem([p - 1.0 for p in prefs])
     n_wins, n_base, n_draws = sum(p > 1.5 for p in prefs), sum(p < 1.5 for p in prefs), sum(p == 1.5 for p in prefs)
     gold_mean, gold_sem = _mean_sem([g for g in golds if g is not None])
@@ -82,7 +86,9 @@ def alpaca_eval_winrate(rows: Sequence[dict], where: str = "annotations") -> dic
     """Leaderboard statistics of an AlpacaEval annotations file (rows with preference, output_2)."""
     missing = [i for i, r in enumerate(rows) if "preference" not in r or "output_2" not in r]
     if missing:
-        raise ValueError(f"{where}: row {missing[0]} has no 'preference' or 'output_2' field ({len(missing)} such rows)")
+        raise ValueError(
+            f"{where}: row {missing[0]} has no 'preference' or 'output_2' field ({len(missing)} such rows)"
+        )
     stats = win_rate_stats([r["preference"] for r in rows], [r["output_2"] or "" for r in rows])
     stats.pop("mean_gold")
     stats.pop("gold_standard_error")

@@ -23,8 +23,13 @@ from farmflow.storage import ArtifactRef
 
 @flow(name="stage", log_prints=True)  # run name: given by run_remote (label/preset/key)
 def stage_flow(
-    stage: str, store_uri: str, config: Any = None, inputs: dict[str, ArtifactRef] | None = None,
-    options: dict[str, Any] | None = None, label: str | None = None, launcher: dict[str, Any] | None = None,
+    stage: str,
+    store_uri: str,
+    config: Any = None,
+    inputs: dict[str, ArtifactRef] | None = None,
+    options: dict[str, Any] | None = None,
+    label: str | None = None,
+    launcher: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One stage in its own process (what the GPU pool runs in distributed mode); returns its artifact ref.
 

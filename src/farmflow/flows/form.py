@@ -145,16 +145,22 @@ def base_config(preset: str | None, advanced: FarmConfig | dict | None) -> FarmC
     if preset is None or preset == cfg.name:
         return cfg
     if cfg.name not in PRESETS:
-        raise ConfigError(f"advanced.name {cfg.name!r} is not a preset, so its fields cannot be moved onto preset "
-                          f"{preset!r}: set advanced.name to the preset it was made from, or preset to None to run it "
-                          "as it is")
+        raise ConfigError(
+            f"advanced.name {cfg.name!r} is not a preset, so its fields cannot be moved onto preset "
+            f"{preset!r}: set advanced.name to the preset it was made from, or preset to None to run it "
+            "as it is"
+        )
     chosen = preset_config(preset)
     return with_edits(chosen, edits(cfg, preset_config(cfg.name)))
 
 
 def run_config(
-    preset: str | None = None, advanced: FarmConfig | dict | None = None, overrides: list[str] | None = None,
-    seed: int | None = None, eval_size: int | None = None, pref_size: int | None = None,
+    preset: str | None = None,
+    advanced: FarmConfig | dict | None = None,
+    overrides: list[str] | None = None,
+    seed: int | None = None,
+    eval_size: int | None = None,
+    pref_size: int | None = None,
 ) -> FarmConfig:
     """The farm config a run form means (module docstring): base, then `overrides`, then the knobs that are set."""
     base = base_config(preset, advanced)
@@ -174,8 +180,12 @@ def deployment_parameters(preset: str, overrides: list[str] | None = None) -> di
     """
     advanced = preset_config(preset).model_dump(mode="json")
     del advanced["store"]["uri"]
-    return {"preset": preset, **dict.fromkeys(KNOBS), "overrides": list(overrides) if overrides else None,
-            "advanced": advanced}
+    return {
+        "preset": preset,
+        **dict.fromkeys(KNOBS),
+        "overrides": list(overrides) if overrides else None,
+        "advanced": advanced,
+    }
 
 
 def config_of(parameters: dict[str, Any]) -> FarmConfig:

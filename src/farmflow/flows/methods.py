@@ -18,7 +18,13 @@ from farmflow.evaluation.overopt import CurvePoint
 from farmflow.flows.form import MethodName, PresetName, prefect_run_name, run_config, with_form_doc
 from farmflow.flows.overoptimization import evaluate_points
 from farmflow.flows.pipeline import (
-    BASELINES, Upstream, config_key, fan_out, method_label, method_outputs, shared_upstream,
+    BASELINES,
+    Upstream,
+    config_key,
+    fan_out,
+    method_label,
+    method_outputs,
+    shared_upstream,
 )
 from farmflow.flows.record import history_task, publish_curve, record_run_task
 from farmflow.flows.runner import StageRunner
@@ -30,8 +36,9 @@ ENTRYPOINT_MODULE = "farmflow.flows"
 """Where workers import the flows from (``farmflow.flows.<method>_flow``): the package re-exports every flow."""
 
 
-def run_methods(cfg: FarmConfig, methods: list[str] | tuple[str, ...], title: str, curve: bool = False,
-                history: bool = False) -> dict[str, Any]:
+def run_methods(
+    cfg: FarmConfig, methods: list[str] | tuple[str, ...], title: str, curve: bool = False, history: bool = False
+) -> dict[str, Any]:
     """Baselines plus `methods` on one farm config: train, generate, evaluate, one leaderboard.
 
     The shared upstream stages run first, then the methods fan out (`fan_out`). With
@@ -55,7 +62,14 @@ def run_methods(cfg: FarmConfig, methods: list[str] | tuple[str, ...], title: st
         outputs = method_outputs(up, m)
         evaluation = run(evaluate_task, cfg.evaluation.annotator, f"evaluate {names[m]}", outputs=outputs, data=up.data)
         if with_proxy and m != "untrained":
-            run(proxy_reward_task, {}, f"proxy_reward {names[m]}", outputs=outputs, reward=up.reward, batch_size=cfg.generation.batch_size)
+            run(
+                proxy_reward_task,
+                {},
+                f"proxy_reward {names[m]}",
+                outputs=outputs,
+                reward=up.reward,
+                batch_size=cfg.generation.batch_size,
+            )
         return outputs, evaluation
 
     done = fan_out(list(names), branch, cfg.execution)
@@ -69,13 +83,25 @@ def run_methods(cfg: FarmConfig, methods: list[str] | tuple[str, ...], title: st
         "store": str(run.store.root),
         "leaderboard": run.store.read_table(board).to_pylist(),
         "reference_mean_gold": next(iter(evaluations.values())).metrics.get("reference_mean_gold"),
-        "reward_model": {k: v for k, v in refs["reward"].metrics.items() if k.startswith("heldout")} if "reward" in refs else {},
+        "reward_model": {k: v for k, v in refs["reward"].metrics.items() if k.startswith("heldout")}
+        if "reward" in refs
+        else {},
         "stages": run.timings,
-        "artifacts": {**{name: ref.uri for name, ref in refs.items() if name in ("sft", "reward", "preferences")}, "leaderboard": board.uri},
+        "artifacts": {
+            **{name: ref.uri for name, ref in refs.items() if name in ("sft", "reward", "preferences")},
+            "leaderboard": board.uri,
+        },
     }
     if with_proxy:
-        points = [CurvePoint(label=names[m], family=m, pressure=cfg.best_of_n.n if m == "best_of_n" else float(m != "sft"), outputs=outputs[names[m]])
-                  for m in ("sft", *methods)]
+        points = [
+            CurvePoint(
+                label=names[m],
+                family=m,
+                pressure=cfg.best_of_n.n if m == "best_of_n" else float(m != "sft"),
+                outputs=outputs[names[m]],
+            )
+            for m in ("sft", *methods)
+        ]
         curve_title = f"Over-optimization: {cfg.name} (one point per method)"
         curve_ref = evaluate_points(up, points, {"p_sim^eval": cfg.evaluation.annotator}, curve_title)
         summary["overoptimization"] = {"rows": publish_curve(run, curve_ref, curve_title), "artifact": curve_ref.uri}
@@ -86,15 +112,24 @@ def run_methods(cfg: FarmConfig, methods: list[str] | tuple[str, ...], title: st
     return summary
 
 
-
 METHOD_FLOWS = {
-    "best-of-n": ("best_of_n", "SFT → pairs → simulated preferences → reward model → best-of-n reranking, evaluated with the baselines."),
-    "feedme": ("feedme", "SFT → pairs → simulated preferences → binary FeedME (SFT on the preferred outputs), evaluated."),
-    "reward-conditioning": ("reward_conditioning",
-                            "SFT → pairs → simulated preferences → binary reward conditioning (good/bad control tokens), evaluated."),
+    "best-of-n": (
+        "best_of_n",
+        "SFT → pairs → simulated preferences → reward model → best-of-n reranking, evaluated with the baselines.",
+    ),
+    "feedme": (
+        "feedme",
+        "SFT → pairs → simulated preferences → binary FeedME (SFT on the preferred outputs), evaluated.",
+    ),
+    "reward-conditioning": (
+        "reward_conditioning",
+        "SFT → pairs → simulated preferences → binary reward conditioning (good/bad control tokens), evaluated.",
+    ),
     "dpo": ("dpo", "SFT → pairs → simulated preferences → reference log-probs → DPO, evaluated."),
-    "expert-iteration": ("expert_iteration",
-                         "SFT → preferences → reward model → best-of-n on the unlabeled split → SFT on the selections, evaluated."),
+    "expert-iteration": (
+        "expert_iteration",
+        "SFT → preferences → reward model → best-of-n on the unlabeled split → SFT on the selections, evaluated.",
+    ),
     "ppo": ("ppo", "SFT → preferences → reward model → PPO against it with a KL penalty to SFT, evaluated."),
     "quark": ("quark", "SFT → preferences → reward model → Quark (top-quantile variant), evaluated."),
 }
@@ -105,8 +140,12 @@ def method_flow(name: str, method: str, summary: str) -> Flow:
     """The Prefect flow `name` for one method: the run form's parameters, then `run_methods` with that method."""
 
     def run(
-        preset: PresetName | None = None, seed: int | None = None, eval_size: int | None = None,
-        pref_size: int | None = None, overrides: list[str] | None = None, advanced: FarmConfig | None = None,
+        preset: PresetName | None = None,
+        seed: int | None = None,
+        eval_size: int | None = None,
+        pref_size: int | None = None,
+        overrides: list[str] | None = None,
+        advanced: FarmConfig | None = None,
     ) -> dict[str, Any]:
         cfg = run_config(preset, advanced, overrides, seed, eval_size, pref_size)
         return run_methods(cfg, [method], f"{method} on {cfg.name}")
@@ -118,14 +157,22 @@ def method_flow(name: str, method: str, summary: str) -> Flow:
 
 
 @flow(name="compare", flow_run_name=prefect_run_name, log_prints=True)
-@with_form_doc("""    methods: Methods to compare (default: all); the baselines (untrained, SFT) are always evaluated.
+@with_form_doc(
+    """    methods: Methods to compare (default: all); the baselines (untrained, SFT) are always evaluated.
     history: Publish the trend of this preset's runs (Prefect artifact history, plot in the store) and count the run
         in the leaderboard_history view (the nightly comparison does); every run is recorded in the store's runs table.
-""", module=ENTRYPOINT_MODULE)
+""",
+    module=ENTRYPOINT_MODULE,
+)
 def compare_flow(
-    preset: PresetName | None = None, methods: list[MethodName] | None = None, seed: int | None = None,
-    eval_size: int | None = None, pref_size: int | None = None, history: bool = False,
-    overrides: list[str] | None = None, advanced: FarmConfig | None = None,
+    preset: PresetName | None = None,
+    methods: list[MethodName] | None = None,
+    seed: int | None = None,
+    eval_size: int | None = None,
+    pref_size: int | None = None,
+    history: bool = False,
+    overrides: list[str] | None = None,
+    advanced: FarmConfig | None = None,
 ) -> dict[str, Any]:
     """Every chosen method (default: all) on one farm; shared stages run once, methods in parallel; leaderboard and
     over-optimization curve."""
@@ -143,7 +190,13 @@ ppo_flow = method_flow("ppo", *METHOD_FLOWS["ppo"])
 quark_flow = method_flow("quark", *METHOD_FLOWS["quark"])
 
 FLOWS = {
-    "compare": compare_flow, "best-of-n": best_of_n_flow, "feedme": feedme_flow,
-    "reward-conditioning": reward_conditioning_flow, "dpo": dpo_flow, "expert-iteration": expert_iteration_flow, "ppo": ppo_flow, "quark": quark_flow,
+    "compare": compare_flow,
+    "best-of-n": best_of_n_flow,
+    "feedme": feedme_flow,
+    "reward-conditioning": reward_conditioning_flow,
+    "dpo": dpo_flow,
+    "expert-iteration": expert_iteration_flow,
+    "ppo": ppo_flow,
+    "quark": quark_flow,
 }
 """Flow name → flow, for the CLI and deployments."""

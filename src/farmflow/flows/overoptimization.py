@@ -42,7 +42,9 @@ DEFAULT_LABELLERS = ("p_sim^ann", "greedy")
 """Paper Fig. 5: the noisy pool and the single low-variance annotator, each labelling and judging its own curve."""
 
 
-def evaluating_annotators(cfg: FarmConfig, names: list[str] | tuple[str, ...] = ("p_sim^ann", "greedy")) -> dict[str, Any]:
+def evaluating_annotators(
+    cfg: FarmConfig, names: list[str] | tuple[str, ...] = ("p_sim^ann", "greedy")
+) -> dict[str, Any]:
     """Annotator label → AnnotatorConfig: p_sim^ann (cfg.annotation), greedy (GREEDY_ORACLE), p_sim^eval (cfg.evaluation.annotator).
 
     The preset spelling p_sim_ann / p_sim_eval is accepted too; the labels are always p_sim^ann / p_sim^eval.
@@ -62,8 +64,9 @@ def labelled_upstream(run: StageRunner, cfg: FarmConfig, labeller: str) -> Upstr
     return Upstream(run, cfg.model_copy(update={"annotation": annotator}))
 
 
-def best_of_n_points(up: Upstream, ns: list[int] | tuple[int, ...] = DEFAULT_NS, tag: str = "",
-                     sampled: ArtifactRef | None = None) -> list[CurvePoint]:
+def best_of_n_points(
+    up: Upstream, ns: list[int] | tuple[int, ...] = DEFAULT_NS, tag: str = "", sampled: ArtifactRef | None = None
+) -> list[CurvePoint]:
     """Best-of-n of the SFT model for each n, ranked by `up`'s reward model (`tag` marks the stage labels).
 
     The largest n is sampled and scored once (`best_of_n`), or with `sampled` (another labeller's
@@ -76,14 +79,29 @@ def best_of_n_points(up: Upstream, ns: list[int] | tuple[int, ...] = DEFAULT_NS,
     ns = sorted(set(ns))
     top = ns[-1]
     if sampled is None:
-        largest = best_of_n_outputs(up, up.sft, up.cfg.best_of_n.model_copy(update={"n": top}), "eval", f"best_of_{top}{tag}")
+        largest = best_of_n_outputs(
+            up, up.sft, up.cfg.best_of_n.model_copy(update={"n": top}), "eval", f"best_of_{top}{tag}"
+        )
     else:
-        largest = up.run(best_of_n_rescore_task, {}, f"best_of_{top}{tag} (rescored)", best_of_n=sampled, reward=up.reward,
-                         batch_size=up.cfg.generation.batch_size)
-    return [CurvePoint(label=f"best_of_{n}", family="best_of_n", pressure=n,
-                       outputs=largest if n == top else up.run(best_of_n_prefix_task, {"n": n}, f"best_of_{n}{tag}",
-                                                               best_of_n=largest, reward=up.reward))
-            for n in ns]
+        largest = up.run(
+            best_of_n_rescore_task,
+            {},
+            f"best_of_{top}{tag} (rescored)",
+            best_of_n=sampled,
+            reward=up.reward,
+            batch_size=up.cfg.generation.batch_size,
+        )
+    return [
+        CurvePoint(
+            label=f"best_of_{n}",
+            family="best_of_n",
+            pressure=n,
+            outputs=largest
+            if n == top
+            else up.run(best_of_n_prefix_task, {"n": n}, f"best_of_{n}{tag}", best_of_n=largest, reward=up.reward),
+        )
+        for n in ns
+    ]
 
 
 def ppo_points(up: Upstream, every: int, tag: str = "") -> list[CurvePoint]:
@@ -93,14 +111,31 @@ def ppo_points(up: Upstream, every: int, tag: str = "") -> list[CurvePoint]:
     if every < 1:
         raise ValueError(f"ppo_every must be a positive number of PPO steps, got {every}")
     config = up.cfg.ppo.model_copy(update={"snapshot_every": every})
-    final = up.run(rl.ppo_task, config, f"ppo (snapshots){tag}", data=up.data, sft=up.sft, reward=up.reward, checkpoints=up.cfg.checkpoints)
+    final = up.run(
+        rl.ppo_task,
+        config,
+        f"ppo (snapshots){tag}",
+        data=up.data,
+        sft=up.sft,
+        reward=up.reward,
+        checkpoints=up.cfg.checkpoints,
+    )
     points = [CurvePoint(label="ppo_step_0", family="ppo", pressure=0, outputs=generate_outputs(up, up.sft, "sft"))]
     for step, snapshot in rl.ppo_snapshots(up.run.store_uri, final).items():
-        points.append(CurvePoint(label=f"ppo_step_{step}", family="ppo", pressure=step, outputs=generate_outputs(up, snapshot, f"ppo_step_{step}{tag}")))
+        points.append(
+            CurvePoint(
+                label=f"ppo_step_{step}",
+                family="ppo",
+                pressure=step,
+                outputs=generate_outputs(up, snapshot, f"ppo_step_{step}{tag}"),
+            )
+        )
     return points
 
 
-def point_configs(up: Upstream, points: list[CurvePoint], annotators: dict[str, Any], labeller: str = "p_sim^ann") -> list[dict]:
+def point_configs(
+    up: Upstream, points: list[CurvePoint], annotators: dict[str, Any], labeller: str = "p_sim^ann"
+) -> list[dict]:
     """Proxy reward (under `up`'s reward model) and evaluations of every point: the `overoptimization` stage's points.
 
     `labeller` names whose labels trained `up`'s reward model (the farm's own cfg.annotation is p_sim^ann).
@@ -108,17 +143,41 @@ def point_configs(up: Upstream, points: list[CurvePoint], annotators: dict[str, 
     run, tag = up.run, f" [{labeller}]"
     out = []
     for p in points:
-        proxy = run(proxy_reward_task, {}, f"proxy_reward {p.label}{tag}", outputs=p.outputs, reward=up.reward,
-                    batch_size=up.cfg.generation.batch_size)
-        evals = {a: run(evaluate_task, ann, f"evaluate {p.label}{tag} ({a})", outputs=p.outputs, data=up.data) for a, ann in annotators.items()}
-        out.append({"label": p.label, "labeller": labeller, "family": p.family, "pressure": p.pressure, "outputs": p.outputs.key,
-                    "proxy": proxy.key, "evaluations": {a: ref.key for a, ref in evals.items()}})
+        proxy = run(
+            proxy_reward_task,
+            {},
+            f"proxy_reward {p.label}{tag}",
+            outputs=p.outputs,
+            reward=up.reward,
+            batch_size=up.cfg.generation.batch_size,
+        )
+        evals = {
+            a: run(evaluate_task, ann, f"evaluate {p.label}{tag} ({a})", outputs=p.outputs, data=up.data)
+            for a, ann in annotators.items()
+        }
+        out.append(
+            {
+                "label": p.label,
+                "labeller": labeller,
+                "family": p.family,
+                "pressure": p.pressure,
+                "outputs": p.outputs.key,
+                "proxy": proxy.key,
+                "evaluations": {a: ref.key for a, ref in evals.items()},
+            }
+        )
     return out
 
 
-def evaluate_points(up: Upstream, points: list[CurvePoint], annotators: dict[str, Any], title: str, labeller: str = "p_sim^ann") -> ArtifactRef:
+def evaluate_points(
+    up: Upstream, points: list[CurvePoint], annotators: dict[str, Any], title: str, labeller: str = "p_sim^ann"
+) -> ArtifactRef:
     """Proxy reward and evaluations of every point (one reward model), then the curve artifact."""
-    return up.run(overoptimization_task, {"title": title, "points": point_configs(up, points, annotators, labeller)}, "overoptimization")
+    return up.run(
+        overoptimization_task,
+        {"title": title, "points": point_configs(up, points, annotators, labeller)},
+        "overoptimization",
+    )
 
 
 @flow(name="overoptimization", flow_run_name=prefect_run_name, log_prints=True)
@@ -129,10 +188,16 @@ def evaluate_points(up: Upstream, points: list[CurvePoint], annotators: dict[str
     extra_points: More points (label, family, pressure, outputs ref) for the first labeller's curve.
 """)
 def overoptimization_flow(
-    preset: PresetName | None = None, seed: int | None = None, eval_size: int | None = None,
+    preset: PresetName | None = None,
+    seed: int | None = None,
+    eval_size: int | None = None,
     pref_size: int | None = None,
-    ns: list[int] | None = None, labellers: list[str] | None = None, annotators: list[str] | None = None,
-    ppo_every: int | None = None, extra_points: list[CurvePoint] | None = None, overrides: list[str] | None = None,
+    ns: list[int] | None = None,
+    labellers: list[str] | None = None,
+    annotators: list[str] | None = None,
+    ppo_every: int | None = None,
+    extra_points: list[CurvePoint] | None = None,
+    overrides: list[str] | None = None,
     advanced: FarmConfig | None = None,
 ) -> dict[str, Any]:
     """One curve per labeller (default p_sim^ann and greedy): the labeller's preferences train a reward model;
@@ -143,7 +208,9 @@ def overoptimization_flow(
     timing.
     """
     cfg = run_config(preset, advanced, overrides, seed, eval_size, pref_size)
-    chosen = list(evaluating_annotators(cfg, tuple(dict.fromkeys(labellers or DEFAULT_LABELLERS))))  # unknown names fail here, before any stage
+    chosen = list(
+        evaluating_annotators(cfg, tuple(dict.fromkeys(labellers or DEFAULT_LABELLERS)))
+    )  # unknown names fail here, before any stage
     evaluators = evaluating_annotators(cfg, tuple(annotators)) if annotators else None
     run = StageRunner(cfg.store.location, cfg.execution, cfg.name)  # its execution settings, like every other flow
     configs, models, sampled = [], {}, None
@@ -155,9 +222,14 @@ def overoptimization_flow(
         points = curve + (ppo_points(up, ppo_every, tag) if ppo_every else [])
         points += list(extra_points or []) if i == 0 else []
         configs += point_configs(up, points, evaluators or evaluating_annotators(cfg, [labeller]), labeller)
-        models[labeller] = {"preferences": up.preferences.key, "reward_model": up.reward.key,
-                            **{k: v for k, v in up.reward.metrics.items() if k.startswith("heldout")}}
-    curve = run(overoptimization_task, {"title": f"Over-optimization ({cfg.name})", "points": configs}, "overoptimization")
+        models[labeller] = {
+            "preferences": up.preferences.key,
+            "reward_model": up.reward.key,
+            **{k: v for k, v in up.reward.metrics.items() if k.startswith("heldout")},
+        }
+    curve = run(
+        overoptimization_task, {"title": f"Over-optimization ({cfg.name})", "points": configs}, "overoptimization"
+    )
     return {
         "preset": cfg.name,
         "store": str(run.store.root),

@@ -19,10 +19,23 @@ from farmflow.config import METHODS, BestOfNConfig, ExecutionConfig, FarmConfig
 from farmflow.flows.runner import StageRunner
 from farmflow.storage import ArtifactRef, canonical_json
 from farmflow.tasks import (
-    annotate_task, base_model_task, best_of_n_task, data_task, generate_task, sample_pairs_task, sft_task, train_reward_task,
+    annotate_task,
+    base_model_task,
+    best_of_n_task,
+    data_task,
+    generate_task,
+    sample_pairs_task,
+    sft_task,
+    train_reward_task,
 )
 from farmflow.tasks.core import log
-from farmflow.tasks.methods import dpo_task, expert_iteration_task, feedme_task, reference_logps_task, reward_conditioning_task
+from farmflow.tasks.methods import (
+    dpo_task,
+    expert_iteration_task,
+    feedme_task,
+    reference_logps_task,
+    reward_conditioning_task,
+)
 
 
 def config_key(cfg: FarmConfig) -> str:
@@ -30,10 +43,13 @@ def config_key(cfg: FarmConfig) -> str:
     batch sizes, backends or API limits), not its name, store, checkpoints or execution."""
     from farmflow.tasks.core import key_config
 
-    sections = {name: getattr(cfg, name) for name in type(cfg).model_fields if name not in ("name", "store", "checkpoints", "execution")}
+    sections = {
+        name: getattr(cfg, name)
+        for name in type(cfg).model_fields
+        if name not in ("name", "store", "checkpoints", "execution")
+    }
     payload = canonical_json(key_config(sections))
     return hashlib.sha256(payload.encode()).hexdigest()[:8]
-
 
 
 BASELINES = ("untrained", "sft")
@@ -67,7 +83,10 @@ class Upstream:
 
     @property
     def sft(self) -> ArtifactRef:
-        return self._get("sft", lambda: self.run(sft_task, self.cfg.sft, data=self.data, base=self.base, checkpoints=self.cfg.checkpoints))
+        return self._get(
+            "sft",
+            lambda: self.run(sft_task, self.cfg.sft, data=self.data, base=self.base, checkpoints=self.cfg.checkpoints),
+        )
 
     @property
     def preferences(self) -> ArtifactRef:
@@ -79,7 +98,9 @@ class Upstream:
 
     @property
     def reward(self) -> ArtifactRef:
-        return self._get("reward", lambda: self.run(train_reward_task, self.cfg.reward, preferences=self.preferences, sft=self.sft))
+        return self._get(
+            "reward", lambda: self.run(train_reward_task, self.cfg.reward, preferences=self.preferences, sft=self.sft)
+        )
 
     def refs(self) -> dict[str, ArtifactRef]:
         return dict(self._refs)
@@ -90,10 +111,25 @@ def generate_outputs(up: Upstream, policy: ArtifactRef, generator: str, control:
     return up.run(generate_task, config, f"generate {generator}", data=up.data, policy=policy)
 
 
-def best_of_n_outputs(up: Upstream, policy: ArtifactRef, cfg: BestOfNConfig, split: str, label: str, max_prompts: int | None = None) -> ArtifactRef:
-    config = {"best_of_n": cfg, "max_new_tokens": up.cfg.generation.max_new_tokens, "split": split, "max_prompts": max_prompts}
-    return up.run(best_of_n_task, config, label, data=up.data, policy=policy, reward=up.reward, backend=up.cfg.generation.backend,
-                  batch_size=up.cfg.generation.batch_size)
+def best_of_n_outputs(
+    up: Upstream, policy: ArtifactRef, cfg: BestOfNConfig, split: str, label: str, max_prompts: int | None = None
+) -> ArtifactRef:
+    config = {
+        "best_of_n": cfg,
+        "max_new_tokens": up.cfg.generation.max_new_tokens,
+        "split": split,
+        "max_prompts": max_prompts,
+    }
+    return up.run(
+        best_of_n_task,
+        config,
+        label,
+        data=up.data,
+        policy=policy,
+        reward=up.reward,
+        backend=up.cfg.generation.backend,
+        batch_size=up.cfg.generation.batch_size,
+    )
 
 
 def method_outputs(up: Upstream, method: str) -> ArtifactRef:
@@ -104,14 +140,22 @@ def method_outputs(up: Upstream, method: str) -> ArtifactRef:
     if method == "sft":
         return generate_outputs(up, up.sft, "sft")
     if method == "feedme":
-        return generate_outputs(up, run(feedme_task, cfg.feedme, preferences=up.preferences, sft=up.sft, checkpoints=ck), "feedme")
+        return generate_outputs(
+            up, run(feedme_task, cfg.feedme, preferences=up.preferences, sft=up.sft, checkpoints=ck), "feedme"
+        )
     if method == "reward_conditioning":
         rc = cfg.reward_conditioning
         policy = run(reward_conditioning_task, rc, preferences=up.preferences, sft=up.sft, checkpoints=ck)
         return generate_outputs(up, policy, "reward_conditioning", control=rc.good_token)
     if method == "dpo":
-        reference = run(reference_logps_task, {}, preferences=up.preferences, sft=up.sft, batch_size=cfg.generation.batch_size)
-        return generate_outputs(up, run(dpo_task, cfg.dpo, preferences=up.preferences, sft=up.sft, reference=reference, checkpoints=ck), "dpo")
+        reference = run(
+            reference_logps_task, {}, preferences=up.preferences, sft=up.sft, batch_size=cfg.generation.batch_size
+        )
+        return generate_outputs(
+            up,
+            run(dpo_task, cfg.dpo, preferences=up.preferences, sft=up.sft, reference=reference, checkpoints=ck),
+            "dpo",
+        )
     if method == "best_of_n":
         return best_of_n_outputs(up, up.sft, cfg.best_of_n, "eval", "best_of_n")
     if method == "expert_iteration":
@@ -122,8 +166,17 @@ def method_outputs(up: Upstream, method: str) -> ArtifactRef:
             # each round its own sample streams (round 1 keeps the seed): with the same seed, round r's policy would
             # redraw from round 1's random numbers and largely re-propose its candidates
             round_bon = bon if r == 1 else bon.model_copy(update={"seed": round_seed(ei.seed, r)})
-            selections = best_of_n_outputs(up, policy, round_bon, "unlabeled", f"expert_iteration select {r}", ei.max_prompts)
-            policy = run(expert_iteration_task, ei.train, f"expert_iteration train {r}", sft=up.sft, selections=selections, checkpoints=ck)
+            selections = best_of_n_outputs(
+                up, policy, round_bon, "unlabeled", f"expert_iteration select {r}", ei.max_prompts
+            )
+            policy = run(
+                expert_iteration_task,
+                ei.train,
+                f"expert_iteration train {r}",
+                sft=up.sft,
+                selections=selections,
+                checkpoints=ck,
+            )
         return generate_outputs(up, policy, "expert_iteration")
     if method in ("ppo", "quark"):
         from farmflow.tasks import rl
@@ -193,5 +246,3 @@ def fan_out(branches: list[str], work: Callable[[str], Any], execution: Executio
     if failed:
         log("methods failed: %s; the others finished and are cached", ", ".join(failed))
     return {b: st.result() for b, st in states.items()}  # raises the first failure
-
-

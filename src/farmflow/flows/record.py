@@ -21,9 +21,28 @@ def publish_curve(run: StageRunner, curve: ArtifactRef, title: str) -> list[dict
     """The over-optimization curve as Prefect markdown and table artifacts (with where its files are)."""
     rows = run.store.read_table(curve).to_pylist()
     markdown = run.store.read_file(curve, "curve.md").decode()
-    create_markdown_artifact(markdown + f"\nParquet, Markdown and plot (curve.png): `{curve.uri}`\n", key="overoptimization", description=title)
-    cols = ("label", "family", "pressure", "labeller", "annotator", "proxy_reward", "win_rate", "standard_error", "mean_gold", "avg_length")
-    create_table_artifact([{k: (None if r[k] != r[k] else r[k]) for k in cols} for r in rows], key="overoptimization-table", description=title)
+    create_markdown_artifact(
+        markdown + f"\nParquet, Markdown and plot (curve.png): `{curve.uri}`\n",
+        key="overoptimization",
+        description=title,
+    )
+    cols = (
+        "label",
+        "family",
+        "pressure",
+        "labeller",
+        "annotator",
+        "proxy_reward",
+        "win_rate",
+        "standard_error",
+        "mean_gold",
+        "avg_length",
+    )
+    create_table_artifact(
+        [{k: (None if r[k] != r[k] else r[k]) for k in cols} for r in rows],
+        key="overoptimization-table",
+        description=title,
+    )
     return rows
 
 
@@ -35,9 +54,17 @@ def record_run_task(store_uri: str, board: ArtifactRef, preset: str, key: str, h
     from farmflow.evaluation.history import run_id_of, run_rows
 
     store = open_store(store_uri)
-    run = {"run_id": run_id_of(flow_run.id), "flow_run_id": str(flow_run.id or ""),
-           "flow_run_name": flow_run.name or "", "flow": flow_run.flow_name or "", "run_at": datetime.now(timezone.utc),
-           "preset": preset, "config_key": key, "history": history, "leaderboard_key": board.key}
+    run = {
+        "run_id": run_id_of(flow_run.id),
+        "flow_run_id": str(flow_run.id or ""),
+        "flow_run_name": flow_run.name or "",
+        "flow": flow_run.flow_name or "",
+        "run_at": datetime.now(timezone.utc),
+        "preset": preset,
+        "config_key": key,
+        "history": history,
+        "leaderboard_key": board.key,
+    }
     table = run_rows(store.read_table(board).to_pylist(), run)
     store.append_rows("runs", table, "runs")
     log("runs: run %s, %d rows appended", run["run_id"], table.num_rows)
@@ -74,10 +101,15 @@ def history_task(store_uri: str, preset: str) -> ArtifactRef | None:
             plot_trend(t, f"{tmp}/history.png", f"Win rate across runs: {preset}")
             png = Path(f"{tmp}/history.png").read_bytes()
         table = pa.Table.from_pylist([r for r in rows if r["run_id"] in set(ids)], schema=SCHEMAS["runs"])
-        ref = store.put_table("history", key, table, "runs", config={"preset": preset, "runs": ids},
-                              extra_files={"history.md": markdown.encode(), "history.png": png})
+        ref = store.put_table(
+            "history",
+            key,
+            table,
+            "runs",
+            config={"preset": preset, "runs": ids},
+            extra_files={"history.md": markdown.encode(), "history.png": png},
+        )
     where = f"\nRows, Markdown and plot (history.png): `{ref.uri}`\n"
     create_markdown_artifact(markdown + where, key="history", description=title)
     log("history: %d runs of %s, %d flagged change(s), plot in %s", len(ids), preset, len(t["changes"]), ref.uri)
     return ref
-

@@ -67,16 +67,31 @@ def run_remote(runner, task: Task, config: Any, label: str, inputs: dict[str, An
     refs = {k: v.model_dump(mode="json") for k, v in inputs.items() if isinstance(v, ArtifactRef)}
     options = {k: to_jsonable_python(v) for k, v in inputs.items() if not isinstance(v, ArtifactRef)}
     launcher = worker_execution(ex)
-    parameters = {"stage": stage, "store_uri": runner.store_uri, "config": to_jsonable_python(config), "inputs": refs,
-                  "options": options, "label": label, "launcher": launcher}
+    parameters = {
+        "stage": stage,
+        "store_uri": runner.store_uri,
+        "config": to_jsonable_python(config),
+        "inputs": refs,
+        "options": options,
+        "label": label,
+        "launcher": launcher,
+    }
     name = f"{label.replace(' ', ':')}/{runner.preset or 'custom'}/{key[:8]}"
     for attempt in range(ex.retries + 1):
         log("%s: sent to pool %s as flow run %s", label, ex.gpu_pool, name)
         try:
-            child = run_deployment(ex.stage_deployment, parameters=parameters, flow_run_name=name, poll_interval=ex.poll_seconds, timeout=None)
+            child = run_deployment(
+                ex.stage_deployment,
+                parameters=parameters,
+                flow_run_name=name,
+                poll_interval=ex.poll_seconds,
+                timeout=None,
+            )
         except ObjectNotFound:
-            raise StageRunError(f"stage {label}: deployment {ex.stage_deployment!r} is not registered on this Prefect API "
-                                "(execution.mode is 'distributed': run `farmflow deploy` against the server first)") from None
+            raise StageRunError(
+                f"stage {label}: deployment {ex.stage_deployment!r} is not registered on this Prefect API "
+                "(execution.mode is 'distributed': run `farmflow deploy` against the server first)"
+            ) from None
         state = child.state
         if state is not None and state.is_completed():
             break
@@ -85,12 +100,16 @@ def run_remote(runner, task: Task, config: Any, label: str, inputs: dict[str, An
             log("%s: flow run %s crashed (%s); retrying in %.0fs", label, child.name, state.message, delay)
             time.sleep(delay)
             continue
-        raise StageRunError(f"stage {label}: flow run {child.name!r} ({child.id}) of {ex.stage_deployment!r} ended "
-                            f"{state.name if state else 'without a state'}: {state.message if state else ''}")
+        raise StageRunError(
+            f"stage {label}: flow run {child.name!r} ({child.id}) of {ex.stage_deployment!r} ended "
+            f"{state.name if state else 'without a state'}: {state.message if state else ''}"
+        )
     ref = runner.store.get(stage, key)
     if ref is None:
-        raise StageRunError(f"stage {label}: flow run {child.name!r} completed but the store {runner.store.root} has no "
-                            f"{stage}/{key} (do the workers see the same store?)")
+        raise StageRunError(
+            f"stage {label}: flow run {child.name!r} completed but the store {runner.store.root} has no "
+            f"{stage}/{key} (do the workers see the same store?)"
+        )
     return ref, False
 
 

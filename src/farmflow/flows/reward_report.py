@@ -21,17 +21,30 @@ from farmflow.tasks.analysis import reward_report_task
 @flow(name="reward-report", flow_run_name=prefect_run_name, log_prints=True)
 @with_form_doc()
 def reward_report_flow(
-    preset: PresetName | None = None, seed: int | None = None, eval_size: int | None = None,
+    preset: PresetName | None = None,
+    seed: int | None = None,
+    eval_size: int | None = None,
     pref_size: int | None = None,
-    overrides: list[str] | None = None, advanced: FarmConfig | None = None,
+    overrides: list[str] | None = None,
+    advanced: FarmConfig | None = None,
 ) -> dict[str, Any]:
     """How good is the reward model? Held-out accuracy against labels, un-noised labels and gold, overall and per task
     family, beside the longer output, the SFT policy's log-likelihood, the gold reward and the pool's Bayes optimum."""
     cfg = run_config(preset, advanced, overrides, seed, eval_size, pref_size)
     run = StageRunner(cfg.store.location, cfg.execution, cfg.name)
     up = Upstream(run, cfg)
-    config = {"annotation": cfg.annotation, "title": f"Reward model ({cfg.name}), held-out val pairs"}  # keyed without its operational fields
-    ref = run(reward_report_task, config, preferences=up.preferences, sft=up.sft, reward=up.reward, batch_size=cfg.generation.batch_size)
+    config = {
+        "annotation": cfg.annotation,
+        "title": f"Reward model ({cfg.name}), held-out val pairs",
+    }  # keyed without its operational fields
+    ref = run(
+        reward_report_task,
+        config,
+        preferences=up.preferences,
+        sft=up.sft,
+        reward=up.reward,
+        batch_size=cfg.generation.batch_size,
+    )
     return {
         "preset": cfg.name,
         "store": str(run.store.root),

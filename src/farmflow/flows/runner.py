@@ -21,7 +21,9 @@ from farmflow.tasks.core import is_complete, launching, log
 
 def network_stage(stage: str, config: Any, store_uri: str) -> bool:
     """Does this stage touch the network? Every stage on an s3:// store; annotate/evaluate with API annotators."""
-    return store_uri.startswith("s3://") or (stage in ("annotate", "evaluate") and getattr(config, "kind", None) == "api")
+    return store_uri.startswith("s3://") or (
+        stage in ("annotate", "evaluate") and getattr(config, "kind", None) == "api"
+    )
 
 
 def transient(err: BaseException | None) -> bool:
@@ -41,8 +43,11 @@ def retry_options(stage: str, config: Any, store_uri: str, execution: ExecutionC
     """Prefect task options for a stage: retries with exponential backoff on transient errors of network stages."""
     if not execution.retries or not network_stage(stage, config, store_uri):
         return {}
-    return {"retries": execution.retries, "retry_delay_seconds": [execution.retry_delay_s * 2**i for i in range(execution.retries)],
-            "retry_condition_fn": _retry_condition}
+    return {
+        "retries": execution.retries,
+        "retry_delay_seconds": [execution.retry_delay_s * 2**i for i in range(execution.retries)],
+        "retry_condition_fn": _retry_condition,
+    }
 
 
 MODEL_LOCK = threading.Lock()
@@ -84,15 +89,38 @@ class StageRunner:
             else:
                 ref, cached, waited = self._local(task, config, inputs, start)
         except BaseException as err:
-            log("%s: failed after %.1fs (%s); its inputs stay cached, a rerun resumes here", label, time.perf_counter() - start, type(err).__name__)
+            log(
+                "%s: failed after %.1fs (%s); its inputs stay cached, a rerun resumes here",
+                label,
+                time.perf_counter() - start,
+                type(err).__name__,
+            )
             raise
         seconds = time.perf_counter() - start
         where = f"pool {self.execution.gpu_pool}" if remote else "local"
-        self.timings.append({"stage": label, "key": ref.key, "seconds": seconds, "waited_seconds": waited, "cached": cached,
-                             "rows": ref.rows, "where": where})
+        self.timings.append(
+            {
+                "stage": label,
+                "key": ref.key,
+                "seconds": seconds,
+                "waited_seconds": waited,
+                "cached": cached,
+                "rows": ref.rows,
+                "where": where,
+            }
+        )
         size = f"{ref.rows} rows" if ref.rows is not None else f"{ref.format} model"
         queued = f" ({waited:.1f}s of it waiting for another model stage)" if waited >= 0.05 else ""
-        log("%s: %s, %s, %.1fs%s, key %s (%s)", label, "cache hit" if cached else "ran", size, seconds, queued, ref.key[:12], where)
+        log(
+            "%s: %s, %s, %.1fs%s, key %s (%s)",
+            label,
+            "cache hit" if cached else "ran",
+            size,
+            seconds,
+            queued,
+            ref.key[:12],
+            where,
+        )
         return ref
 
     def _local(self, task, config: Any, inputs: dict[str, Any], start: float) -> tuple[ArtifactRef, bool, float]:
@@ -118,4 +146,3 @@ class StageRunner:
 
 def _created_before(ref: ArtifactRef, epoch: float) -> bool:
     return datetime.fromisoformat(ref.created).timestamp() < epoch
-

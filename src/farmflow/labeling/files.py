@@ -39,8 +39,14 @@ def export_rows(store, labeler: str, pairs: list[dict] | None = None) -> list[di
     for pair in pairs:
         row = by_key.get(pair_key(labeler, pair))
         if row is not None:
-            out.append({"id": pair["id"], **{c: pair[c] for c in COLUMNS[:4]},
-                        "preference": own_preference(row, pair), "annotator": row["annotator"]})
+            out.append(
+                {
+                    "id": pair["id"],
+                    **{c: pair[c] for c in COLUMNS[:4]},
+                    "preference": own_preference(row, pair),
+                    "annotator": row["annotator"],
+                }
+            )
     return out
 
 
@@ -75,8 +81,10 @@ def import_file(store, path: str | Path, labeler: str) -> int:
         preference = parse_preference(row.get("preference"))
         if preference is None:
             where = names[i] if names else f"row {i}"
-            raise DataError(f"{path}: {where}: column 'preference' is {row.get('preference')!r}; "
-                            "use 1 or 2 (the better output), 1.5 or 0 for a tie")
+            raise DataError(
+                f"{path}: {where}: column 'preference' is {row.get('preference')!r}; "
+                "use 1 or 2 (the better output), 1.5 or 0 for a tie"
+            )
         out.append(label_row(labeler, row, preference))
     append(store, out)
     return len(out)

@@ -63,19 +63,37 @@ def shown(labeler: str, pair: dict) -> tuple[str, str]:
     return (c2, c1) if shown_swapped(labeler, pair) else (c1, c2)
 
 
-def label_row(labeler: str, pair: dict, preference: float, swapped: bool | None = None,
-              pressed: str | None = None) -> dict:
+def label_row(
+    labeler: str, pair: dict, preference: float, swapped: bool | None = None, pressed: str | None = None
+) -> dict:
     """The ``annotations`` row of `labeler`'s label of `pair`; `preference` in the pair's own output_1/output_2 terms.
 
     `swapped` and `pressed`: the order shown and the key pressed (None for imported labels, shown elsewhere)."""
     c1, c2, flipped = canonical(pair["output_1"], pair["output_2"])
     return {
-        "key": pair_key(labeler, pair), "annotator": annotator(labeler), "annotator_hash": labeler_hash(labeler),
-        "model": "human", "instruction": pair["instruction"], "input": pair["input"], "output_1": c1, "output_2": c2,
-        "preference": 3.0 - preference if flipped else preference, "status": "ok", "error": None,
-        "raw_completion": pressed, "prompt_tokens": 0, "completion_tokens": 0, "price_usd": 0.0, "latency_s": 0.0,
-        "created": now(), "prompt_format": None, "item": None, "items": None, "swapped": swapped,
-        "p_1_shown_first": None, "p_1_shown_second": None,
+        "key": pair_key(labeler, pair),
+        "annotator": annotator(labeler),
+        "annotator_hash": labeler_hash(labeler),
+        "model": "human",
+        "instruction": pair["instruction"],
+        "input": pair["input"],
+        "output_1": c1,
+        "output_2": c2,
+        "preference": 3.0 - preference if flipped else preference,
+        "status": "ok",
+        "error": None,
+        "raw_completion": pressed,
+        "prompt_tokens": 0,
+        "completion_tokens": 0,
+        "price_usd": 0.0,
+        "latency_s": 0.0,
+        "created": now(),
+        "prompt_format": None,
+        "item": None,
+        "items": None,
+        "swapped": swapped,
+        "p_1_shown_first": None,
+        "p_1_shown_second": None,
     }
 
 
@@ -143,8 +161,16 @@ def read_named(path: str | Path) -> tuple[list, list[str] | None]:
 def check_pairs(rows: list, names: list[str] | None, where: str) -> list[dict]:
     """Rows with instruction, input and the two outputs as strings; an ``id`` of its own or ``<where>:<row>``."""
     rows = check_records(rows, where, PAIR_COLUMNS, {"input": str}, names=names)
-    return [{"id": str(r.get("id") or f"{Path(where).name}:{i}"), "instruction": r["instruction"], "input": r["input"],
-             "output_1": r["output_1"], "output_2": r["output_2"]} for i, r in enumerate(rows)]
+    return [
+        {
+            "id": str(r.get("id") or f"{Path(where).name}:{i}"),
+            "instruction": r["instruction"],
+            "input": r["input"],
+            "output_1": r["output_1"],
+            "output_2": r["output_2"],
+        }
+        for i, r in enumerate(rows)
+    ]
 
 
 def load_pairs(store, source: str) -> list[dict]:

@@ -74,10 +74,14 @@ def make_app(store, pairs: list[dict], labeler: str) -> Starlette:
         data = await body(request)
         return answer(lambda: session(data.get("labeler")).undo())
 
-    return Starlette(routes=[
-        Route("/", index), Route("/api/state", state), Route("/api/label", label, methods=["POST"]),
-        Route("/api/undo", undo, methods=["POST"]),
-    ])
+    return Starlette(
+        routes=[
+            Route("/", index),
+            Route("/api/state", state),
+            Route("/api/label", label, methods=["POST"]),
+            Route("/api/undo", undo, methods=["POST"]),
+        ]
+    )
 
 
 def serve(store, pairs: list[dict], labeler: str, port: int) -> None:

@@ -41,8 +41,14 @@ class Session:
             p = self.pairs[key]
             pair = {"key": key, "instruction": p["instruction"], "input": p["input"], "first": first, "second": second}
         done = sum(self.labeled(k) for k in self.keys)
-        return {"labeler": self.labeler, "total": len(self.keys), "done": done, "index": index, "pair": pair,
-                "can_undo": done > 0}
+        return {
+            "labeler": self.labeler,
+            "total": len(self.keys),
+            "done": done,
+            "index": index,
+            "pair": pair,
+            "can_undo": done > 0,
+        }
 
     def label(self, key: str, pressed: str) -> dict:
         """Record `pressed` (1, 2 or t, in the order shown) for the pair `key`; the new state."""

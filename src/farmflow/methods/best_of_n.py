@@ -19,7 +19,9 @@ from farmflow.progress import progress
 VERSION = "2"  # 2: the artifact keeps every candidate and its reward (candidates.parquet)
 
 
-def pick_best(candidates: Sequence[Sequence[str]], rewards: Sequence[float], n: int | None = None) -> tuple[list[str], list[float]]:
+def pick_best(
+    candidates: Sequence[Sequence[str]], rewards: Sequence[float], n: int | None = None
+) -> tuple[list[str], list[float]]:
     """Per prompt, the candidate with the highest reward among its first `n` (all when None), the first on ties.
 
     `rewards` is flat, prompt-major (one per candidate).
@@ -32,7 +34,7 @@ def pick_best(candidates: Sequence[Sequence[str]], rewards: Sequence[float], n: 
         m = len(cands) if n is None else n
         if not 1 <= m <= len(cands):
             raise ValueError(f"pick_best: n={n} but a prompt has {len(cands)} candidates")
-        chunk = rewards[k: k + m]
+        chunk = rewards[k : k + m]
         j = max(range(m), key=chunk.__getitem__)
         best.append(cands[j])
         best_r.append(chunk[j])
@@ -41,22 +43,44 @@ def pick_best(candidates: Sequence[Sequence[str]], rewards: Sequence[float], n: 
 
 
 def scored_candidates(
-    policy, policy_tokenizer, reward_model, reward_tokenizer, prompts: Sequence[str], *, n: int, temperature: float,
-    top_p: float, max_new_tokens: int, batch_size: int, seed: int,
+    policy,
+    policy_tokenizer,
+    reward_model,
+    reward_tokenizer,
+    prompts: Sequence[str],
+    *,
+    n: int,
+    temperature: float,
+    top_p: float,
+    max_new_tokens: int,
+    batch_size: int,
+    seed: int,
 ) -> tuple[list[list[str]], list[float]]:
     """n samples per prompt and the reward of each (flat, prompt-major)."""
     with progress("best_of_n: sample", len(prompts), unit="prompt") as bar:
         candidates = sample(
-            policy, policy_tokenizer, prompts, n=n, temperature=temperature, top_p=top_p,
-            max_new_tokens=max_new_tokens, batch_size=max(1, batch_size // n), seed=seed, progress=bar.update,
+            policy,
+            policy_tokenizer,
+            prompts,
+            n=n,
+            temperature=temperature,
+            top_p=top_p,
+            max_new_tokens=max_new_tokens,
+            batch_size=max(1, batch_size // n),
+            seed=seed,
+            progress=bar.update,
         )
     flat_prompts = [p for p, c in zip(prompts, candidates) for _ in c]
     flat_outputs = [o for c in candidates for o in c]
     with progress("best_of_n: score", len(flat_outputs), unit="sample") as bar:
-        rewards = score(reward_model, reward_tokenizer, flat_prompts, flat_outputs, batch_size=batch_size, progress=bar.update).tolist()
+        rewards = score(
+            reward_model, reward_tokenizer, flat_prompts, flat_outputs, batch_size=batch_size, progress=bar.update
+        ).tolist()
     return candidates, rewards
 
 
-def best_of_n(policy, policy_tokenizer, reward_model, reward_tokenizer, prompts: Sequence[str], **kwargs) -> tuple[list[str], list[float]]:
+def best_of_n(
+    policy, policy_tokenizer, reward_model, reward_tokenizer, prompts: Sequence[str], **kwargs
+) -> tuple[list[str], list[float]]:
     """The highest-reward of n samples for each prompt, and its reward (keyword arguments: `scored_candidates`)."""
     return pick_best(*scored_candidates(policy, policy_tokenizer, reward_model, reward_tokenizer, prompts, **kwargs))

@@ -37,20 +37,29 @@ VERSION = "1"
 
 
 def dpo_loss(
-    policy_chosen_logps: torch.Tensor, policy_rejected_logps: torch.Tensor,
-    reference_chosen_logps: torch.Tensor, reference_rejected_logps: torch.Tensor, beta: float = 0.1,
+    policy_chosen_logps: torch.Tensor,
+    policy_rejected_logps: torch.Tensor,
+    reference_chosen_logps: torch.Tensor,
+    reference_rejected_logps: torch.Tensor,
+    beta: float = 0.1,
 ) -> torch.Tensor:
     """Mean of −log σ(β·[(π_c − ref_c) − (π_r − ref_r)]) over the batch."""
     margin = (policy_chosen_logps - reference_chosen_logps) - (policy_rejected_logps - reference_rejected_logps)
     return -F.logsigmoid(beta * margin).mean()
 
 
-def sequence_logps(model, tokenizer, prompts: Sequence[str], responses: Sequence[str], max_len: int, average: bool = False) -> torch.Tensor:
+def sequence_logps(
+    model, tokenizer, prompts: Sequence[str], responses: Sequence[str], max_len: int, average: bool = False
+) -> torch.Tensor:
     """Sum (or with `average`, mean) of log π(response token | prefix) over the response tokens (and </s>) of each example."""
-    *batch, keep = response_window(*encode_examples(tokenizer, prompts, responses, max_len))  # logits for responses only
+    *batch, keep = response_window(
+        *encode_examples(tokenizer, prompts, responses, max_len)
+    )  # logits for responses only
     ids, mask, labels, positions = (t.to(device_of(model)) for t in batch)
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=keep).logits[:, :-1].float()
-    targets = labels[:, -keep + 1:]
+    logits = (
+        model(input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=keep).logits[:, :-1].float()
+    )
+    targets = labels[:, -keep + 1 :]
     token_logps = torch.gather(logits.log_softmax(-1), 2, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     counted = targets != IGNORE
     total = (token_logps * counted).sum(-1)
@@ -59,8 +68,15 @@ def sequence_logps(model, tokenizer, prompts: Sequence[str], responses: Sequence
 
 @torch.no_grad()
 def reference_logps(
-    model, tokenizer, prompts: Sequence[str], out_1: Sequence[str], out_2: Sequence[str], max_len: int, batch_size: int = 64,
-    average: bool = False, label: str = "reference_logps",
+    model,
+    tokenizer,
+    prompts: Sequence[str],
+    out_1: Sequence[str],
+    out_2: Sequence[str],
+    max_len: int,
+    batch_size: int = 64,
+    average: bool = False,
+    label: str = "reference_logps",
 ) -> tuple[list[float], list[float]]:
     """Log-probs of both outputs of every pair under `model` (the frozen reference); per token with `average`.
 
@@ -71,7 +87,9 @@ def reference_logps(
     with progress(label, len(prompts), unit="pair") as bar:
         for i in range(0, len(prompts), batch_size):
             sl = slice(i, i + batch_size)
-            both = sequence_logps(model, tokenizer, list(prompts[sl]) * 2, list(out_1[sl]) + list(out_2[sl]), max_len, average)
+            both = sequence_logps(
+                model, tokenizer, list(prompts[sl]) * 2, list(out_1[sl]) + list(out_2[sl]), max_len, average
+            )
             half = len(both) // 2
             both = both.cpu()
             l1 += both[:half].tolist()
@@ -82,12 +100,23 @@ def reference_logps(
 
 def chosen_rejected(rows: Sequence[dict]) -> list[tuple[int, bool]]:
     """(row index, output_2 is chosen) for every pair that is not a tie."""
-    return [(i, r["preference"] > 1.5) for i, r in enumerate(rows) if r["preference"] is not None and r["preference"] != 1.5]
+    return [
+        (i, r["preference"] > 1.5) for i, r in enumerate(rows) if r["preference"] is not None and r["preference"] != 1.5
+    ]
 
 
 def train_dpo(
-    model, tokenizer, prompts: Sequence[str], out_1: Sequence[str], out_2: Sequence[str], preferences: Sequence[float],
-    ref_1: Sequence[float], ref_2: Sequence[float], cfg: DPOConfig, max_len: int, checkpointer: Checkpointer | None = None,
+    model,
+    tokenizer,
+    prompts: Sequence[str],
+    out_1: Sequence[str],
+    out_2: Sequence[str],
+    preferences: Sequence[float],
+    ref_1: Sequence[float],
+    ref_2: Sequence[float],
+    cfg: DPOConfig,
+    max_len: int,
+    checkpointer: Checkpointer | None = None,
 ) -> dict[str, float]:
     """Train `model` in place with the DPO loss; `ref_1`/`ref_2` are the stored reference log-probs."""
     pairs = chosen_rejected([{"preference": p} for p in preferences])
@@ -121,9 +150,13 @@ def train_dpo(
                 part = batches[step][rows]
                 with rt.accumulate(trained):
                     logps = sequence_logps(
-                        trained, tokenizer, [pair_prompts[i] for i in part] * 2, [chosen[i] for i in part] + [rejected[i] for i in part], max_len,
+                        trained,
+                        tokenizer,
+                        [pair_prompts[i] for i in part] * 2,
+                        [chosen[i] for i in part] + [rejected[i] for i in part],
+                        max_len,
                     )
-                    pi_c, pi_r = logps[: len(part)], logps[len(part):]
+                    pi_c, pi_r = logps[: len(part)], logps[len(part) :]
                     ref_c = torch.tensor([ref_c_all[i] for i in part], device=logps.device)
                     ref_r = torch.tensor([ref_r_all[i] for i in part], device=logps.device)
                     loss = dpo_loss(pi_c, pi_r, ref_c, ref_r, cfg.beta)
@@ -140,7 +173,11 @@ def train_dpo(
     rt.finish(trained)
     k = max(1, len(losses) // 10)
     return {
-        "steps": float(total), "resumed_from_step": float(start), "pairs": float(len(pairs)),
-        "train_loss_first": losses[0], "train_loss_last": sum(losses[-k:]) / k,
-        "implicit_reward_accuracy_first": sum(accs[:k]) / k, "implicit_reward_accuracy_last": sum(accs[-k:]) / k,
+        "steps": float(total),
+        "resumed_from_step": float(start),
+        "pairs": float(len(pairs)),
+        "train_loss_first": losses[0],
+        "train_loss_last": sum(losses[-k:]) / k,
+        "implicit_reward_accuracy_first": sum(accs[:k]) / k,
+        "implicit_reward_accuracy_last": sum(accs[-k:]) / k,
     }

@@ -25,7 +25,12 @@ VERSION = "1"
 
 
 def train_expert_iteration(
-    model, tokenizer, prompts: Sequence[str], selected: Sequence[str], cfg: SFTConfig, max_len: int,
+    model,
+    tokenizer,
+    prompts: Sequence[str],
+    selected: Sequence[str],
+    cfg: SFTConfig,
+    max_len: int,
     checkpointer: Checkpointer | None = None,
 ) -> dict[str, float]:
     """Fine-tune `model` (fresh SFT weights) in place on the best-of-n selections."""

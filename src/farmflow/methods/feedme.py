@@ -30,7 +30,12 @@ def chosen_examples(rows: Sequence[dict]) -> tuple[list[str], list[str]]:
 
 
 def train_feedme(
-    model, tokenizer, rows: Sequence[dict], cfg: SFTConfig, max_len: int, checkpointer: Checkpointer | None = None,
+    model,
+    tokenizer,
+    rows: Sequence[dict],
+    cfg: SFTConfig,
+    max_len: int,
+    checkpointer: Checkpointer | None = None,
 ) -> dict[str, float]:
     """Fine-tune `model` (the SFT policy) in place on the preferred outputs of `rows`."""
     prompts, chosen = chosen_examples(rows)

@@ -39,12 +39,18 @@ def _rewards(model, tokenizer, prompts, out_1, out_2, max_len) -> tuple[torch.Te
     ids, mask, _ = pack_examples(tokenizer, list(prompts) * 2, list(out_1) + list(out_2), max_len)
     device = next(model.parameters()).device
     r = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits[:, 0].float()
-    return r[: len(prompts)], r[len(prompts):]
+    return r[: len(prompts)], r[len(prompts) :]
 
 
 def train_reward(
-    model, tokenizer, prompts: Sequence[str], out_1: Sequence[str], out_2: Sequence[str], preferences: Sequence[float],
-    cfg: RewardConfig, max_len: int,
+    model,
+    tokenizer,
+    prompts: Sequence[str],
+    out_1: Sequence[str],
+    out_2: Sequence[str],
+    preferences: Sequence[float],
+    cfg: RewardConfig,
+    max_len: int,
 ) -> dict[str, float]:
     """Train `model` in place on preference pairs; returns training metrics."""
     total = max(1, round(cfg.epochs * math.ceil(len(prompts) / cfg.batch_size)))
@@ -55,14 +61,21 @@ def train_reward(
     model.train()
     losses = []
     p_ids, o_ids = tokenize_examples(tokenizer, prompts, list(out_1) + list(out_2))  # once, not every step
-    o1_ids, o2_ids = o_ids[: len(prompts)], o_ids[len(prompts):]
+    o1_ids, o2_ids = o_ids[: len(prompts)], o_ids[len(prompts) :]
     with progress("reward", total, unit="step") as bar:
         for idx in batches:
             step_loss = 0.0
             for rows in rt.micro_batches():
                 part = idx[rows]
                 with rt.accumulate(model):
-                    r1, r2 = _rewards(model, tokenizer, [p_ids[i] for i in part], [o1_ids[i] for i in part], [o2_ids[i] for i in part], max_len)
+                    r1, r2 = _rewards(
+                        model,
+                        tokenizer,
+                        [p_ids[i] for i in part],
+                        [o1_ids[i] for i in part],
+                        [o2_ids[i] for i in part],
+                        max_len,
+                    )
                     loss = bradley_terry_loss(r1, r2, torch.tensor([preferences[i] for i in part], device=r1.device))
                     rt.backward(loss, len(part) / len(idx))
                     rt.step(model, opt, sched, 1.0)
@@ -71,6 +84,5 @@ def train_reward(
             bar.update(1)
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
     rt.finish(model)
-    tail = losses[-max(1, len(losses) // 10):]
+    tail = losses[-max(1, len(losses) // 10) :]
     return {"steps": float(total), "train_loss_first": losses[0], "train_loss_last": sum(tail) / len(tail)}
-

@@ -47,7 +47,9 @@ def add_control_tokens(model, tokenizer, tokens: Sequence[str]) -> list[int]:
     if len(tokenizer) > old:
         model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
         with torch.no_grad():
-            for emb in {id(m): m for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None}.values():
+            for emb in {
+                id(m): m for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None
+            }.values():
                 emb.weight[old:] = emb.weight[:old].mean(dim=0, keepdim=True)
     return ids
 
@@ -65,12 +67,19 @@ def conditioned_examples(rows: Sequence[dict], good: str, bad: str) -> tuple[lis
 
 
 def train_reward_conditioning(
-    model, tokenizer, rows: Sequence[dict], cfg: RewardConditioningConfig, max_len: int, checkpointer: Checkpointer | None = None,
+    model,
+    tokenizer,
+    rows: Sequence[dict],
+    cfg: RewardConditioningConfig,
+    max_len: int,
+    checkpointer: Checkpointer | None = None,
 ) -> dict[str, float]:
     """Add the control tokens to `model`/`tokenizer` and fine-tune on both outputs of every pair."""
     add_control_tokens(model, tokenizer, [cfg.good_token, cfg.bad_token])
     prompts, responses = conditioned_examples(rows, cfg.good_token, cfg.bad_token)
     if not prompts:
         raise ValueError("reward_conditioning: no pair with a preference other than a tie to learn from")
-    metrics = train_sft(model, tokenizer, prompts, responses, cfg.train, max_len, checkpointer, name="reward_conditioning")
+    metrics = train_sft(
+        model, tokenizer, prompts, responses, cfg.train, max_len, checkpointer, name="reward_conditioning"
+    )
     return {**metrics, "examples": float(len(prompts))}

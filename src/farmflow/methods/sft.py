@@ -40,8 +40,14 @@ def sft_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def train_sft(
-    model, tokenizer, prompts: Sequence[str], responses: Sequence[str], cfg: SFTConfig, max_len: int,
-    checkpointer: Checkpointer | None = None, name: str = "sft",
+    model,
+    tokenizer,
+    prompts: Sequence[str],
+    responses: Sequence[str],
+    cfg: SFTConfig,
+    max_len: int,
+    checkpointer: Checkpointer | None = None,
+    name: str = "sft",
 ) -> dict[str, float]:
     """Fine-tune `model` in place on (prompt, response) pairs; returns training metrics.
 
@@ -81,8 +87,12 @@ def train_sft(
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
             ckpt.save(step + 1, **state, extra={"losses": losses, "tokens": tokens})
     rt.finish(trained)
-    tail = losses[-max(1, len(losses) // 10):]
+    tail = losses[-max(1, len(losses) // 10) :]
     return {
-        "steps": float(total), "resumed_from_step": float(start), "train_loss_first": losses[0],
-        "train_loss_last": sum(tail) / len(tail), "train_tokens": float(tokens), "processes": float(rt.processes),
+        "steps": float(total),
+        "resumed_from_step": float(start),
+        "train_loss_first": losses[0],
+        "train_loss_last": sum(tail) / len(tail),
+        "train_tokens": float(tokens),
+        "processes": float(rt.processes),
     }

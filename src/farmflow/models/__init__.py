@@ -31,18 +31,30 @@ from transformers import (
     LlamaForSequenceClassification,
     PreTrainedTokenizerFast,
 )
+from transformers.utils import logging as hf_logging
 
 from farmflow.config import ModelConfig
 from farmflow.modelcache import resolve_model, unavailable
 from farmflow.models.encoding import (
-    IGNORE, encode_examples, left_pad, pack_examples, prompt_ids, response_window, tokenize_examples,
+    IGNORE,
+    encode_examples,
+    left_pad,
+    pack_examples,
+    prompt_ids,
+    response_window,
+    tokenize_examples,
 )
 from farmflow.models.runtime import FULL_STATE, default_device, is_main_process
 from farmflow.models.sampling import (
-    SAMPLER_VERSION, decode_response, sample, sample_ids, sample_next, sample_seed, sample_uniforms, score,
+    SAMPLER_VERSION,
+    decode_response,
+    sample,
+    sample_ids,
+    sample_next,
+    sample_seed,
+    sample_uniforms,
+    score,
 )
-
-from transformers.utils import logging as hf_logging
 
 hf_logging.disable_progress_bar()  # per-checkpoint load/save bars are noise in stage logs
 
@@ -56,11 +68,15 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenize
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=[PAD, BOS, EOS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=vocab_size,
+        special_tokens=[PAD, BOS, EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD, padding_side="right")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD, padding_side="right"
+    )
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
@@ -72,10 +88,17 @@ def build_policy(cfg: ModelConfig, tokenizer: PreTrainedTokenizerFast) -> LlamaF
     """A randomly initialized tiny Llama (seeded by cfg.seed)."""
     torch.manual_seed(cfg.seed)
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_heads,
-        max_position_embeddings=cfg.max_seq_len, pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True,
+        vocab_size=len(tokenizer),
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_heads,
+        max_position_embeddings=cfg.max_seq_len,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=True,
     )
     config.farmflow_lora = cfg.lora.model_dump() if cfg.lora else None
     return LlamaForCausalLM(config)
@@ -97,8 +120,9 @@ def load_pretrained(cfg: ModelConfig) -> tuple[torch.nn.Module, PreTrainedTokeni
     revision = None if local else cfg.revision
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, padding_side="right", revision=revision)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, cfg.dtype), revision=revision,
-                                                     attn_implementation=cfg.attn_implementation)
+        model = AutoModelForCausalLM.from_pretrained(
+            source, dtype=getattr(torch, cfg.dtype), revision=revision, attn_implementation=cfg.attn_implementation
+        )
     except OSError as err:  # transformers' "couldn't connect to https://huggingface.co", "not a valid model identifier"
         if local:
             raise
@@ -114,11 +138,21 @@ def load_pretrained(cfg: ModelConfig) -> tuple[torch.nn.Module, PreTrainedTokeni
         tokenizer.add_special_tokens({"pad_token": PAD})
         if len(tokenizer) > model.get_input_embeddings().num_embeddings:
             model.resize_token_embeddings(len(tokenizer), mean_resizing=True)
-    model.config.pad_token_id, model.config.bos_token_id, model.config.eos_token_id = tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id
-    model.config.max_position_embeddings = min(cfg.max_seq_len, getattr(model.config, "max_position_embeddings", cfg.max_seq_len))
+    model.config.pad_token_id, model.config.bos_token_id, model.config.eos_token_id = (
+        tokenizer.pad_token_id,
+        tokenizer.bos_token_id,
+        tokenizer.eos_token_id,
+    )
+    model.config.max_position_embeddings = min(
+        cfg.max_seq_len, getattr(model.config, "max_position_embeddings", cfg.max_seq_len)
+    )
     model.config.farmflow_gradient_checkpointing = cfg.gradient_checkpointing
-    model.config.farmflow_attn_implementation = cfg.attn_implementation  # config.json does not keep it; every later load applies it
-    model.config.farmflow_lora = cfg.lora.model_dump() if cfg.lora else None  # policy training applies it (runtime.adapt)
+    model.config.farmflow_attn_implementation = (
+        cfg.attn_implementation
+    )  # config.json does not keep it; every later load applies it
+    model.config.farmflow_lora = (
+        cfg.lora.model_dump() if cfg.lora else None
+    )  # policy training applies it (runtime.adapt)
     return model, tokenizer
 
 
@@ -168,8 +202,12 @@ class ValueModel(torch.nn.Module):
         torch.nn.init.zeros_(self.head.weight)  # a fresh, zero-initialized head: every value starts at 0
         torch.nn.init.zeros_(self.head.bias)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        hidden = self.backbone(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+        ).last_hidden_state
         return self.head(hidden).squeeze(-1).float()
 
 
@@ -217,7 +255,11 @@ def batch_order(n: int, batch_size: int, steps: int, seed: int) -> list[list[int
 
 
 def optimizer_and_schedule(
-    model: torch.nn.Module, lr: float, weight_decay: float, total_steps: int, warmup_ratio: float,
+    model: torch.nn.Module,
+    lr: float,
+    weight_decay: float,
+    total_steps: int,
+    warmup_ratio: float,
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW over the trainable parameters with linear warmup and cosine decay to 0 (the paper's SFT/reward schedule)."""
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay)
@@ -233,9 +275,34 @@ def optimizer_and_schedule(
 
 
 __all__ = [
-    "BOS", "EOS", "IGNORE", "PAD", "SAMPLER_VERSION", "ValueModel", "batch_order", "build_policy", "decode_response",
-    "encode_examples", "left_pad", "load_policy", "load_pretrained", "load_reward", "load_tokenizer",
-    "optimizer_and_schedule", "pack_examples", "prompt_ids", "response_window", "reward_from_policy", "sample",
-    "sample_ids", "sample_next", "sample_seed", "sample_uniforms", "save", "score", "tokenize_examples",
-    "train_tokenizer", "value_from_reward",
+    "BOS",
+    "EOS",
+    "IGNORE",
+    "PAD",
+    "SAMPLER_VERSION",
+    "ValueModel",
+    "batch_order",
+    "build_policy",
+    "decode_response",
+    "encode_examples",
+    "left_pad",
+    "load_policy",
+    "load_pretrained",
+    "load_reward",
+    "load_tokenizer",
+    "optimizer_and_schedule",
+    "pack_examples",
+    "prompt_ids",
+    "response_window",
+    "reward_from_policy",
+    "sample",
+    "sample_ids",
+    "sample_next",
+    "sample_seed",
+    "sample_uniforms",
+    "save",
+    "score",
+    "tokenize_examples",
+    "train_tokenizer",
+    "value_from_reward",
 ]

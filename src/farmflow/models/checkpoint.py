@@ -36,9 +36,14 @@ STATE_FILE = "state.json"
 
 
 def save_state(
-    folder: str | Path, *, step: int, modules: dict[str, torch.nn.Module] | None = None,
-    optimizers: dict[str, torch.optim.Optimizer] | None = None, schedulers: dict[str, Any] | None = None,
-    generators: dict[str, torch.Generator] | None = None, extra: dict[str, Any] | None = None,
+    folder: str | Path,
+    *,
+    step: int,
+    modules: dict[str, torch.nn.Module] | None = None,
+    optimizers: dict[str, torch.optim.Optimizer] | None = None,
+    schedulers: dict[str, Any] | None = None,
+    generators: dict[str, torch.Generator] | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> None:
     """Write a resumable training state into `folder` (created if needed)."""
     folder = Path(folder)
@@ -65,8 +70,11 @@ def save_state(
 
 
 def load_state(
-    folder: str | Path, *, modules: dict[str, torch.nn.Module] | None = None,
-    optimizers: dict[str, torch.optim.Optimizer] | None = None, schedulers: dict[str, Any] | None = None,
+    folder: str | Path,
+    *,
+    modules: dict[str, torch.nn.Module] | None = None,
+    optimizers: dict[str, torch.optim.Optimizer] | None = None,
+    schedulers: dict[str, Any] | None = None,
     generators: dict[str, torch.Generator] | None = None,
 ) -> tuple[int, dict[str, Any]]:
     """Restore what `save_state` wrote into the given objects; returns (step, extra)."""
@@ -104,7 +112,9 @@ class Checkpointer:
     and `save` does nothing, so loops call both unconditionally.
     """
 
-    def __init__(self, store: CheckpointStore | None, stage: str, key: str, every_steps: int = 0, every_seconds: float = 0.0):
+    def __init__(
+        self, store: CheckpointStore | None, stage: str, key: str, every_steps: int = 0, every_seconds: float = 0.0
+    ):
         self.store, self.stage, self.key = store, stage, key
         self.every_steps, self.every_seconds = every_steps, every_seconds
         self.saved = 0

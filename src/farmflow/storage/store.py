@@ -108,8 +108,10 @@ class Store:
                 raise ValueError("no 'ref' object")
             return record
         except ValueError as err:  # json.JSONDecodeError is a ValueError
-            raise StoreError(f"{self.url(path)}: unreadable commit record ({str(err)[:120]}); move that artifact folder away "
-                             "to have its stage run again") from None
+            raise StoreError(
+                f"{self.url(path)}: unreadable commit record ({str(err)[:120]}); move that artifact folder away "
+                "to have its stage run again"
+            ) from None
 
     def _folder(self, stage: str, key: str, record: dict) -> str:
         """The folder with the artifact's data: the artifact folder itself, or the attempt it names."""
@@ -142,8 +144,12 @@ class Store:
             paths = self.fs.glob(self._p("*", "*", COMMIT_FILE))
             paths = [p for p in paths if not p.split("/")[-3].startswith((".", "_"))]  # not .staging, _rows, ...
             raw = self.fs.cat(paths, on_error="return") if paths else {}
-            for data in raw.values():  # a record that cannot be read is an error, not an artifact left out of the listing
-                if isinstance(data, Exception) and not isinstance(data, FileNotFoundError):  # (not found: removed since the glob)
+            for (
+                data
+            ) in raw.values():  # a record that cannot be read is an error, not an artifact left out of the listing
+                if isinstance(data, Exception) and not isinstance(
+                    data, FileNotFoundError
+                ):  # (not found: removed since the glob)
                     raise data
         out = []
         for path, data in raw.items():
@@ -174,9 +180,18 @@ class Store:
         }
 
     def put_table(
-        self, stage: str, key: str, table: pa.Table, format: str, *, config: Any = None,
-        inputs: dict | None = None, metrics: dict[str, float] | None = None, extra_files: dict[str, bytes] | None = None,
-        extra_tables: dict[str, tuple[pa.Table, str]] | None = None, parts: dict[str, str] | None = None,
+        self,
+        stage: str,
+        key: str,
+        table: pa.Table,
+        format: str,
+        *,
+        config: Any = None,
+        inputs: dict | None = None,
+        metrics: dict[str, float] | None = None,
+        extra_files: dict[str, bytes] | None = None,
+        extra_tables: dict[str, tuple[pa.Table, str]] | None = None,
+        parts: dict[str, str] | None = None,
     ) -> ArtifactRef:
         """Validate `table` against the schema of `format` and commit it atomically.
 
@@ -186,7 +201,9 @@ class Store:
         `parts` (name → content digest) go into the ref for stages that read only some parts.
         """
         table = conform(table, format, where=f"stage {stage!r}")
-        extra = {name: conform(t, fmt, where=f"stage {stage!r} {name}") for name, (t, fmt) in (extra_tables or {}).items()}
+        extra = {
+            name: conform(t, fmt, where=f"stage {stage!r} {name}") for name, (t, fmt) in (extra_tables or {}).items()
+        }
         for name in [*(extra_files or {}), *extra]:
             if "/" in name or name.startswith(".") or name in ("data.parquet", COMMIT_FILE):
                 raise ValueError(f"invalid extra file name {name!r} for stage {stage!r}")
@@ -201,14 +218,27 @@ class Store:
                 for name, t in extra.items():
                     pq.write_table(t, f"{folder}/{name}", filesystem=self.arrow_fs)
             ref = ArtifactRef(
-                uri="", stage=stage, key=key, kind="table", format=format, rows=table.num_rows,
-                created=utc_now(), metrics=dict(metrics or {}), parts=dict(parts or {}),
+                uri="",
+                stage=stage,
+                key=key,
+                kind="table",
+                format=format,
+                rows=table.num_rows,
+                created=utc_now(),
+                metrics=dict(metrics or {}),
+                parts=dict(parts or {}),
             )
             return self._finish(folder, ref, self._record_of(ref, config, inputs))
 
     @contextmanager
     def put_model(
-        self, stage: str, key: str, format: str, *, config: Any = None, inputs: dict | None = None,
+        self,
+        stage: str,
+        key: str,
+        format: str,
+        *,
+        config: Any = None,
+        inputs: dict | None = None,
     ) -> Iterator[tuple[Path, dict[str, float]]]:
         """``with store.put_model(...) as (folder, metrics):`` save into `folder`, fill `metrics`.
 
@@ -223,7 +253,9 @@ class Store:
             if not any(model.glob("*.safetensors")):
                 raise ValueError(f"stage {stage!r} saved no safetensors weights into its model artifact")
             self._upload(model, f"{folder}/model")
-            ref = ArtifactRef(uri="", stage=stage, key=key, kind="model", format=format, rows=None, created=utc_now(), metrics=metrics)
+            ref = ArtifactRef(
+                uri="", stage=stage, key=key, kind="model", format=format, rows=None, created=utc_now(), metrics=metrics
+            )
             committed = self._finish(folder, ref, self._record_of(ref, config, inputs))
             if committed.uri == self.url(folder):  # this upload won: keep the local files as the cached copy
                 self._adopt(model, f"{folder}/model")
@@ -250,7 +282,11 @@ class Store:
     def row_chunks(self, namespace: str) -> list[str]:
         """The committed chunks of a row log (filesystem paths), oldest first."""
         with self._io():
-            return sorted(p for p in self.fs.glob(f"{self.rows_dir(namespace)}/*.parquet") if not p.rsplit("/", 1)[-1].startswith("."))
+            return sorted(
+                p
+                for p in self.fs.glob(f"{self.rows_dir(namespace)}/*.parquet")
+                if not p.rsplit("/", 1)[-1].startswith(".")
+            )
 
     def read_rows(self, namespace: str, format: str) -> pa.Table:
         """Every committed chunk of a row log, oldest first (an empty table if none)."""
@@ -316,7 +352,7 @@ class Store:
         folder = self._require(ref)
         with self._io():
             found = self.fs.find(folder, detail=True)
-        files = {p[len(folder) + 1:]: int(info.get("size") or 0) for p, info in sorted(found.items())}
+        files = {p[len(folder) + 1 :]: int(info.get("size") or 0) for p, info in sorted(found.items())}
         return {name: size for name, size in files.items() if name != COMMIT_FILE}
 
 
@@ -340,7 +376,7 @@ class LocalStore(Store):
     def __init__(self, root: str | os.PathLike):
         root = str(root)
         if root.startswith("file://"):
-            root = root[len("file://"):]
+            root = root[len("file://") :]
         self.root = Path(root).expanduser().absolute()
         self.root.mkdir(parents=True, exist_ok=True)
         self.fs = fsspec.filesystem("file")

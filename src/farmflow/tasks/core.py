@@ -56,8 +56,6 @@ def cache_key(stage: str) -> Callable[[Any, dict[str, Any]], str]:
     return _stage_cache_key(STAGES[stage])
 
 
-
-
 def typed_config(stage: str, config: Any) -> Any:
     """`config` as the stage's own function sees it, so every key computed for it is the same."""
     return STAGES[stage].typed_config(config)

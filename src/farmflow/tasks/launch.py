@@ -67,7 +67,9 @@ def find_config(path: str) -> Path:
         if candidate.is_file():
             return candidate.resolve()
     shipped = ", ".join(sorted(p.stem for p in SHIPPED.glob("*.yaml")))
-    raise StageLaunchError(f"execution.accelerate_config: no file {path!r} in {Path.cwd()} and no shipped config of that name ({shipped})")
+    raise StageLaunchError(
+        f"execution.accelerate_config: no file {path!r} in {Path.cwd()} and no shipped config of that name ({shipped})"
+    )
 
 
 def free_port() -> int:
@@ -94,7 +96,9 @@ def _tail(log: Path) -> str:
     return "\n".join(lines[-LOG_TAIL:]) or "(empty log)"
 
 
-def run_in_child(stage: str, store, key: str, store_uri: str, config: Any, params: dict[str, Any], execution: Any) -> ArtifactRef:
+def run_in_child(
+    stage: str, store, key: str, store_uri: str, config: Any, params: dict[str, Any], execution: Any
+) -> ArtifactRef:
     """Run `stage` in a child process (see the module docstring) and commit what it wrote; returns the stage's ref."""
     inputs = {k: v.model_dump(mode="json") for k, v in params.items() if isinstance(v, ArtifactRef)}
     options = {k: to_jsonable_python(v) for k, v in params.items() if not isinstance(v, ArtifactRef)}
@@ -107,13 +111,25 @@ def run_in_child(stage: str, store, key: str, store_uri: str, config: Any, param
         spec, out, log_path = Path(tmp) / "spec.json", Path(tmp) / "out", Path(tmp) / "child.log"
         out.mkdir()
         (Path(tmp) / PARENT_FILE).write_text(str(os.getpid()))
-        spec.write_text(json.dumps({"stage": stage, "store_uri": store_uri, "config": to_jsonable_python(config),
-                                    "inputs": inputs, "options": options, "out": str(out)}))
+        spec.write_text(
+            json.dumps(
+                {
+                    "stage": stage,
+                    "store_uri": store_uri,
+                    "config": to_jsonable_python(config),
+                    "inputs": inputs,
+                    "options": options,
+                    "out": str(out),
+                }
+            )
+        )
         argv = command(stage, spec, execution)
         how = "accelerate launch" if "accelerate.commands.launch" in argv else "a child process"
         log("%s: running in %s", stage, how)
         started = time.perf_counter()
-        env = os.environ | {PARENT_ENV: str(os.getpid())}  # the child (each process under accelerate) exits when this one is gone
+        env = os.environ | {
+            PARENT_ENV: str(os.getpid())
+        }  # the child (each process under accelerate) exits when this one is gone
         with open(log_path, "wb") as f, open(log_path, "rb") as child_log:
             proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
             relay = _Relay(child_log)
@@ -134,7 +150,12 @@ def run_in_child(stage: str, store, key: str, store_uri: str, config: Any, param
                 tail += f"\n{cause}"
             raise StageLaunchError(f"stage {stage}: {how} exited with code {code}; the last lines of its log:\n{tail}")
         committed = commit_outbox(store, out)
-        log("%s: child finished in %.1fs, committed %d artifact(s)", stage, time.perf_counter() - started, len(committed))
+        log(
+            "%s: child finished in %.1fs, committed %d artifact(s)",
+            stage,
+            time.perf_counter() - started,
+            len(committed),
+        )
     store.clear_checkpoints(stage, key)
     ref = store.get(stage, key)
     if ref is None:
@@ -159,7 +180,7 @@ class _Relay:
         for line in lines:
             text = line.decode(errors="replace").rstrip("\r")
             if text.startswith(RELAY):
-                log("%s", text[len(RELAY):])
+                log("%s", text[len(RELAY) :])
 
 
 def log_for_parent() -> None:
@@ -233,16 +254,30 @@ def commit_outbox(store, out: Path) -> list[ArtifactRef]:
             refs.append(store.get(stage, key))
             continue
         if rec["kind"] == "model":
-            with store.put_model(stage, key, rec["format"], config=rec["config"], inputs=rec["inputs"]) as (model, metrics):
+            with store.put_model(stage, key, rec["format"], config=rec["config"], inputs=rec["inputs"]) as (
+                model,
+                metrics,
+            ):
                 model.rmdir()
                 shutil.move(str(folder / "model"), str(model))
                 metrics.update(rec["metrics"])
         else:
             tables = {name: (pq.read_table(folder / name), fmt) for name, fmt in rec.get("extra_tables", {}).items()}
-            extra = {p.name: p.read_bytes() for p in folder.iterdir() if p.name not in (RECORD, "data.parquet", *tables)}
-            store.put_table(stage, key, pq.read_table(folder / "data.parquet"), rec["format"], config=rec["config"],
-                            inputs=rec["inputs"], metrics=rec["metrics"], extra_files=extra, extra_tables=tables,
-                            parts=rec.get("parts"))
+            extra = {
+                p.name: p.read_bytes() for p in folder.iterdir() if p.name not in (RECORD, "data.parquet", *tables)
+            }
+            store.put_table(
+                stage,
+                key,
+                pq.read_table(folder / "data.parquet"),
+                rec["format"],
+                config=rec["config"],
+                inputs=rec["inputs"],
+                metrics=rec["metrics"],
+                extra_files=extra,
+                extra_tables=tables,
+                parts=rec.get("parts"),
+            )
         refs.append(store.get(stage, key))
     return refs
 
@@ -267,25 +302,62 @@ class OutboxStore:
         order.write_text(json.dumps([*names, name]))
         return folder
 
-    def _record(self, folder: Path, ref: ArtifactRef, config: Any, inputs: dict | None, extra_tables: dict[str, str] | None = None) -> None:
-        record = {"stage": ref.stage, "key": ref.key, "kind": ref.kind, "format": ref.format, "metrics": ref.metrics,
-                  "parts": ref.parts, "extra_tables": extra_tables or {},
-                  "config": json.loads(canonical_json(config)) if config is not None else None,
-                  "inputs": {k: (v.key if isinstance(v, ArtifactRef) else v) for k, v in (inputs or {}).items()}}
+    def _record(
+        self,
+        folder: Path,
+        ref: ArtifactRef,
+        config: Any,
+        inputs: dict | None,
+        extra_tables: dict[str, str] | None = None,
+    ) -> None:
+        record = {
+            "stage": ref.stage,
+            "key": ref.key,
+            "kind": ref.kind,
+            "format": ref.format,
+            "metrics": ref.metrics,
+            "parts": ref.parts,
+            "extra_tables": extra_tables or {},
+            "config": json.loads(canonical_json(config)) if config is not None else None,
+            "inputs": {k: (v.key if isinstance(v, ArtifactRef) else v) for k, v in (inputs or {}).items()},
+        }
         (folder / RECORD).write_text(json.dumps(record))
         self.written[(ref.stage, ref.key)] = ref.model_copy(update={"uri": str(folder)})
 
     def get(self, stage: str, key: str) -> ArtifactRef | None:
         return self.written.get((stage, key)) or self.real.get(stage, key)
 
-    def put_table(self, stage: str, key: str, table: pa.Table, format: str, *, config: Any = None, inputs: dict | None = None,
-                  metrics: dict[str, float] | None = None, extra_files: dict[str, bytes] | None = None,
-                  extra_tables: dict[str, tuple[pa.Table, str]] | None = None, parts: dict[str, str] | None = None) -> ArtifactRef:
+    def put_table(
+        self,
+        stage: str,
+        key: str,
+        table: pa.Table,
+        format: str,
+        *,
+        config: Any = None,
+        inputs: dict | None = None,
+        metrics: dict[str, float] | None = None,
+        extra_files: dict[str, bytes] | None = None,
+        extra_tables: dict[str, tuple[pa.Table, str]] | None = None,
+        parts: dict[str, str] | None = None,
+    ) -> ArtifactRef:
         """As `Store.put_table`; the parent commits it (`commit_outbox`), extra tables validated again there."""
         table = conform(table, format, where=f"stage {stage!r}")
-        extra = {name: (conform(t, fmt, where=f"stage {stage!r} {name}"), fmt) for name, (t, fmt) in (extra_tables or {}).items()}
-        ref = ArtifactRef(uri="", stage=stage, key=key, kind="table", format=format, rows=table.num_rows, created=utc_now(),
-                          metrics=dict(metrics or {}), parts=dict(parts or {}))
+        extra = {
+            name: (conform(t, fmt, where=f"stage {stage!r} {name}"), fmt)
+            for name, (t, fmt) in (extra_tables or {}).items()
+        }
+        ref = ArtifactRef(
+            uri="",
+            stage=stage,
+            key=key,
+            kind="table",
+            format=format,
+            rows=table.num_rows,
+            created=utc_now(),
+            metrics=dict(metrics or {}),
+            parts=dict(parts or {}),
+        )
         if self.writer:
             folder = self._folder(stage, key)
             pq.write_table(table, folder / "data.parquet")
@@ -297,7 +369,9 @@ class OutboxStore:
         return ref
 
     @contextmanager
-    def put_model(self, stage: str, key: str, format: str, *, config: Any = None, inputs: dict | None = None) -> Iterator[tuple[Path, dict]]:
+    def put_model(
+        self, stage: str, key: str, format: str, *, config: Any = None, inputs: dict | None = None
+    ) -> Iterator[tuple[Path, dict]]:
         metrics: dict[str, float] = {}
         if not self.writer:  # other processes take part in gathering the weights, then discard
             with tempfile.TemporaryDirectory() as tmp:
@@ -308,7 +382,9 @@ class OutboxStore:
         yield folder / "model", metrics
         if not any((folder / "model").glob("*.safetensors")):
             raise ValueError(f"stage {stage!r} saved no safetensors weights into its model artifact")
-        ref = ArtifactRef(uri="", stage=stage, key=key, kind="model", format=format, rows=None, created=utc_now(), metrics=metrics)
+        ref = ArtifactRef(
+            uri="", stage=stage, key=key, kind="model", format=format, rows=None, created=utc_now(), metrics=metrics
+        )
         self._record(folder, ref, config, inputs)
 
     def clear_checkpoints(self, stage: str, key: str) -> None:

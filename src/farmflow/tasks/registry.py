@@ -99,8 +99,10 @@ def _data_summary(metrics: dict[str, float]) -> str:
 def _annotate_summary(m: dict[str, float]) -> str:
     line = f"output_2 preferred in {m['output_2_preferred']:.1%} of the pairs"
     if "requests" in m:  # API judges: what this run paid for
-        line += (f"; {m['judged']:.0f} judged now, {m['cached']:.0f} from the cache, {m['noised']:.0f} label-noised; "
-                 f"{m['requests']:.0f} requests, ${m['cost_usd']:.4f}")
+        line += (
+            f"; {m['judged']:.0f} judged now, {m['cached']:.0f} from the cache, {m['noised']:.0f} label-noised; "
+            f"{m['requests']:.0f} requests, ${m['cost_usd']:.4f}"
+        )
     return line
 
 
