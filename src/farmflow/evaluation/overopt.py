@@ -115,8 +115,8 @@ def curve_markdown(rows: Sequence[dict], title: str = "Over-optimization") -> st
             for a in annotators
         ]
         lines.append(
-            f"| {labeller} | {label} | {pressure:g} | {any_row['proxy_reward']:.3f} | {_f(any_row['mean_gold'], '.3f')} | "
-            f"{any_row['avg_length']} | " + " | ".join(cells) + " |"
+            f"| {labeller} | {label} | {pressure:g} | {any_row['proxy_reward']:.3f} | "
+            f"{_f(any_row['mean_gold'], '.3f')} | {any_row['avg_length']} | " + " | ".join(cells) + " |"
         )
     return "\n".join(lines) + "\n"
 
