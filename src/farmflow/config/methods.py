@@ -10,7 +10,8 @@ from farmflow.config.base import Section
 
 METHODS = ("feedme", "reward_conditioning", "dpo", "best_of_n", "expert_iteration", "ppo", "quark")
 """Every method the compare flow (and `farmflow demo`) runs by default, in this order; each also has its own flow,
-named with hyphens (`best-of-n`). Here, not in `farmflow.flows`, so the CLI checks names without importing Prefect and torch."""
+named with hyphens (`best-of-n`). Here, not in `farmflow.flows`, so the CLI checks names without importing Prefect and
+torch."""
 
 FLOW_NAMES = ("compare", *(m.replace("_", "-") for m in METHODS))
 """The flows `farmflow run` runs (`farmflow.flows.FLOWS`)."""

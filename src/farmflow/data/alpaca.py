@@ -44,7 +44,8 @@ def read_records(path: str | Path) -> list[dict]:
 
 
 def _read_records(path: str | Path) -> tuple[list, list[str] | None]:
-    """(rows, how error messages name them): JSONL rows by their line in the file (blank lines skipped), None: "row i"."""
+    """(rows, how error messages name them): JSONL rows by their line in the file (blank lines skipped),
+    None: "row i"."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: no such file")

@@ -122,7 +122,8 @@ def curve_markdown(rows: Sequence[dict], title: str = "Over-optimization") -> st
 
 
 def plot_curves(rows: Sequence[dict], path: str, title: str = "Over-optimization") -> None:
-    """Two panels against the proxy reward: win rate (± SE) per labeller and annotator, and gold reward per labeller (PNG).
+    """Two panels against the proxy reward: win rate (± SE) per labeller and annotator, and gold reward per labeller
+    (PNG).
 
     Colour: the labeller (whose reward model), marker: the family (best-of-n, PPO...), dashed:
     judged by an annotator other than the labeller. Each reward model has its own proxy-reward
