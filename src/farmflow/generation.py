@@ -36,8 +36,8 @@ def require_vllm(field: str) -> Any:
         import vllm
     except ImportError:
         raise ConfigError(
-            f"{field} is 'vllm' but vLLM is not installed in this environment: `pip install vllm` on the machine that runs "
-            f"generation (it brings its own CUDA torch), or set {field}=hf"
+            f"{field} is 'vllm' but vLLM is not installed in this environment: `pip install vllm` on the machine that "
+            f"runs generation (it brings its own CUDA torch), or set {field}=hf"
         ) from None
     return vllm
 

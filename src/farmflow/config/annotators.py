@@ -69,13 +69,14 @@ class ApiAnnotatorConfig(Section):
     model: str = Field(description="Model name sent to the endpoint (e.g. gpt-4o-mini, a vLLM or Ollama model name).")
     prompt_format: Literal["choice", "json", "logprobs"] = Field(
         "choice",
-        description="How the annotator answers: 'choice' one line '[k] (a)' per item; 'json' a JSON array with a short explanation "
-        "written before a boolean per item (chain of thought); 'logprobs' one token whose log-probabilities give a fractional "
-        "preference in [1, 2] (batch_size 1 only).",
+        description="How the annotator answers: 'choice' one line '[k] (a)' per item; 'json' a JSON array with a short "
+        "explanation written before a boolean per item (chain of thought); 'logprobs' one token whose "
+        "log-probabilities give a fractional preference in [1, 2] (batch_size 1 only).",
     )
     style: Literal["neutral", "strict", "user"] = Field(
         "neutral",
-        description="Wording of the judging guidance: a neutral rubric, a strict grader, or a busy user (the paper's pool mixed prompt personas).",
+        description="Wording of the judging guidance: a neutral rubric, a strict grader, or a busy user (the paper's "
+        "pool mixed prompt personas).",
     )
     batch_size: int = Field(
         1, ge=1, le=20, description="Pairs per request, each numbered in the prompt (paper's pool: 1, 4 or 5)."
@@ -86,16 +87,19 @@ class ApiAnnotatorConfig(Section):
     max_tokens: int | None = Field(
         None,
         ge=1,
-        description="Completion token cap per request; None: enough for the format (choice 12/item, json 120/item, logprobs 1).",
+        description="Completion token cap per request; None: enough for the format (choice 12/item, json 120/item, "
+        "logprobs 1).",
     )
     logit_bias: dict[str, float] = Field(
         default_factory=dict,
-        description="Token id -> bias in [-100, 100] sent as logit_bias where the endpoint supports it (ids depend on the model's tokenizer).",
+        description="Token id -> bias in [-100, 100] sent as logit_bias where the endpoint supports it (ids depend on "
+        "the model's tokenizer).",
     )
     base_url: str | None = Field(None, description="Endpoint of this annotator; None: the pool's base_url.")
     paper_name: str | None = Field(
         None,
-        description="The AlpacaFarm annotator this one stands in for (informational, e.g. 'gpt4_1: gpt-4-0314, CoT JSON, batch 4').",
+        description="The AlpacaFarm annotator this one stands in for (informational, e.g. 'gpt4_1: gpt-4-0314, CoT "
+        "JSON, batch 4').",
     )
 
     @field_validator("base_url")
@@ -186,9 +190,10 @@ class AnnotatorConfig(Section):
     )
     preset: str | None = Field(
         None,
-        description="Named pool: alpacafarm-pool / p_sim_eval (the paper's 13 annotators), p_sim_ann (the same plus label noise 0.5), "
-        "p_sim_gpt4 (one annotator, temperature 0). When set it fixes kind, api_pool and label_noise; the other fields "
-        "(endpoint, limits, prices) still apply. Also accepted as a bare name: annotation=p_sim_ann (the same as annotation.preset=p_sim_ann).",
+        description="Named pool: alpacafarm-pool / p_sim_eval (the paper's 13 annotators), p_sim_ann (the same plus "
+        "label noise 0.5), p_sim_gpt4 (one annotator, temperature 0). When set it fixes kind, api_pool and "
+        "label_noise; the other fields (endpoint, limits, prices) still apply. Also accepted as a bare name: "
+        "annotation=p_sim_ann (the same as annotation.preset=p_sim_ann).",
     )
     pool: list[OracleAnnotatorConfig] = Field(
         default_factory=_default_pool,
@@ -202,7 +207,8 @@ class AnnotatorConfig(Section):
         default_factory=HFJudgeConfig,
         json_schema_extra={"stage_key": False},
         description="The local LLM judge (kind 'hf'). Keyed through the judge's identity "
-        "(`farmflow.annotators.judges_key`) when kind is 'hf', so its defaults do not enter the keys of the other kinds.",
+        "(`farmflow.annotators.judges_key`) when kind is 'hf', so its defaults do not enter the keys of the other "
+        "kinds.",
     )
     label_noise: float = Field(
         0.0,
@@ -216,7 +222,8 @@ class AnnotatorConfig(Section):
     )
     base_url: str | None = Field(
         None,
-        description="OpenAI-compatible endpoint for API annotators without their own; None: $OPENAI_BASE_URL or OpenAI's.",
+        description="OpenAI-compatible endpoint for API annotators without their own; None: $OPENAI_BASE_URL or "
+        "OpenAI's.",
     )
     served_model: str | None = Field(
         None,
@@ -251,8 +258,9 @@ class AnnotatorConfig(Section):
     rate_limit_name: str = Field(
         "farmflow-annotators",
         json_schema_extra={"stage_key": False},
-        description="Name of the rate limit: a Prefect global concurrency limit (created if missing, slot decay = requests_per_minute/60) "
-        "when a Prefect server is configured (PREFECT_API_URL), else a limiter shared within the process.",
+        description="Name of the rate limit: a Prefect global concurrency limit (created if missing, slot decay = "
+        "requests_per_minute/60) when a Prefect server is configured (PREFECT_API_URL), else a limiter shared within "
+        "the process.",
     )
     timeout_s: float = Field(
         60.0,
@@ -280,8 +288,8 @@ class AnnotatorConfig(Section):
         gt=0,
         json_schema_extra={"stage_key": False},
         description="Spending cap of one run: each request reserves its estimated cost (prompt at 4 characters a token "
-        "plus its whole token cap, at the model's price) before it is sent, so the run spends at most this much and stops "
-        "within one request's cost of it; what is done is kept. None: no cap.",
+        "plus its whole token cap, at the model's price) before it is sent, so the run spends at most this much and "
+        "stops within one request's cost of it; what is done is kept. None: no cap.",
     )
     prices: dict[str, ModelPrice] = Field(
         default_factory=_default_prices,

@@ -17,23 +17,26 @@ FARM_SPLIT_FILES = {"sft": "sft", "pref": "preference", "unlabeled": "unlabeled"
 class DataConfig(Section):
     source: Literal["synthetic", "local", "hub"] = Field(
         "synthetic",
-        description="Where instructions come from. 'synthetic': the offline farm with a known gold reward; 'local': AlpacaFarm-format "
-        "JSON/JSONL/Parquet files (instructions_path or split_paths, and eval_path); 'hub': tatsu-lab/alpaca_farm from the "
-        "Hugging Face hub (needs the optional 'datasets' package and a network).",
+        description="Where instructions come from. 'synthetic': the offline farm with a known gold reward; 'local': "
+        "AlpacaFarm-format JSON/JSONL/Parquet files (instructions_path or split_paths, and eval_path); 'hub': "
+        "tatsu-lab/alpaca_farm from the Hugging Face hub (needs the optional 'datasets' package and a network).",
     )
     instructions_path: str | None = Field(
         None,
-        description="source 'local': one file of (instruction, input, output) rows, split deterministically (seed) into SFT, PREF, "
-        "unlabeled and val with the sizes below, or in their proportions when the file is smaller (paper: 10 : 10 : 20 : 2).",
+        description="source 'local': one file of (instruction, input, output) rows, split deterministically (seed) "
+        "into SFT, PREF, unlabeled and val with the sizes below, or in their proportions when the file is smaller "
+        "(paper: 10 : 10 : 20 : 2).",
     )
     split_paths: dict[str, str] = Field(
         default_factory=dict,
-        description="source 'local': one file per split instead (keys sft, pref, unlabeled, val), e.g. the hub's splits exported; "
-        "all four are needed; each split keeps its first *_size rows (the rows left out are counted in the data stage's metrics).",
+        description="source 'local': one file per split instead (keys sft, pref, unlabeled, val), e.g. the hub's "
+        "splits exported; all four are needed; each split keeps its first *_size rows (the rows left out are counted "
+        "in the data stage's metrics).",
     )
     eval_path: str | None = Field(
         None,
-        description="source 'local': the evaluation set in AlpacaEval format (instruction, output = reference, generator, dataset).",
+        description="source 'local': the evaluation set in AlpacaEval format (instruction, output = reference, "
+        "generator, dataset).",
     )
     farm_dir: str | None = Field(
         None,
@@ -50,8 +53,8 @@ class DataConfig(Section):
     )
     content_sha256: dict[str, str] = Field(
         default_factory=dict,
-        description="Filled in on validation: SHA-256 of each local data file that exists, so an edited file is a new data stage key "
-        "(kept as given where the file is not on this machine).",
+        description="Filled in on validation: SHA-256 of each local data file that exists, so an edited file is a new "
+        "data stage key (kept as given where the file is not on this machine).",
     )
     seed: int = Field(0, description="Seed for task generation and split assignment.")
     families: list[str] = Field(
@@ -74,13 +77,15 @@ class DataConfig(Section):
         0.2,
         ge=0,
         le=1,
-        description="Probability that an SFT demonstration contains a mistake (demonstrations are decent, not perfect).",
+        description="Probability that an SFT demonstration contains a mistake (demonstrations are decent, not "
+        "perfect).",
     )
     reference_error_rate: float = Field(
         0.35,
         ge=0,
         le=1,
-        description="Probability that the reference policy's evaluation output contains a mistake; calibrated so a decent model wins about half the time.",
+        description="Probability that the reference policy's evaluation output contains a mistake; calibrated so a "
+        "decent model wins about half the time.",
     )
 
     @model_validator(mode="before")

@@ -22,33 +22,38 @@ class StoreConfig(Section):
     uri: str = Field(
         default_factory=lambda: os.environ.get("FARMFLOW_STORE", str(Path(".farmflow/store").absolute())),
         description=(
-            "Artifact store location: a local folder or file:// URI (default ./.farmflow/store or $FARMFLOW_STORE), "
-            "or s3://bucket/prefix for S3/MinIO (non-secret options may also be given as ?endpoint_url=...&profile=...)."
+            "Artifact store location: a local folder or file:// URI (default ./.farmflow/store or $FARMFLOW_STORE), or "
+            "s3://bucket/prefix for S3/MinIO (non-secret options may also be given as ?endpoint_url=...&profile=...)."
         ),
     )
     endpoint_url: str | None = Field(
         None,
-        description="s3:// only: S3-compatible endpoint, e.g. MinIO's http://host:9000 (default $AWS_ENDPOINT_URL_S3 / $AWS_ENDPOINT_URL, else AWS).",
+        description="s3:// only: S3-compatible endpoint, e.g. MinIO's http://host:9000 (default $AWS_ENDPOINT_URL_S3 / "
+        "$AWS_ENDPOINT_URL, else AWS).",
     )
     region: str | None = Field(
         None, description="s3:// only: AWS region (default from $AWS_DEFAULT_REGION or the profile)."
     )
     profile: str | None = Field(
         None,
-        description="s3:// only: named AWS profile for credentials (default: $AWS_PROFILE, else AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY and the usual AWS chain).",
+        description="s3:// only: named AWS profile for credentials (default: $AWS_PROFILE, else "
+        "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY and the usual AWS chain).",
     )
     credentials_block: str | None = Field(
         None,
-        description="s3:// only: name of a Prefect Secret block whose value is JSON {aws_access_key_id, aws_secret_access_key[, aws_session_token]}; replaces the AWS chain.",
+        description="s3:// only: name of a Prefect Secret block whose value is JSON {aws_access_key_id, "
+        "aws_secret_access_key[, aws_session_token]}; replaces the AWS chain.",
     )
     max_attempts: int | None = Field(
         None,
         ge=1,
-        description="s3:// only: attempts per S3 request; transient errors are retried with backoff (botocore standard mode; default 5).",
+        description="s3:// only: attempts per S3 request; transient errors are retried with backoff (botocore standard "
+        "mode; default 5).",
     )
     cache_dir: str | None = Field(
         None,
-        description="s3:// only: local cache of downloaded models and checkpoints, one copy per artifact (default $FARMFLOW_CACHE or ~/.cache/farmflow).",
+        description="s3:// only: local cache of downloaded models and checkpoints, one copy per artifact (default "
+        "$FARMFLOW_CACHE or ~/.cache/farmflow).",
     )
 
     @field_validator("uri", "endpoint_url")
@@ -114,16 +119,17 @@ class ExecutionConfig(Section):
 
     mode: Literal["local", "distributed"] = Field(
         "local",
-        description="'local': every stage in this process. 'distributed': each GPU stage (gpu_stages) runs as its own flow run of "
-        "`stage_deployment` on the GPU work pool (its own process, GPU memory released afterwards) and the flow waits for it; "
-        "the other stages run in the flow's own process (the CPU pool). Needs a Prefect server and `farmflow deploy`.",
+        description="'local': every stage in this process. 'distributed': each GPU stage (gpu_stages) runs as its own "
+        "flow run of `stage_deployment` on the GPU work pool (its own process, GPU memory released afterwards) and the "
+        "flow waits for it; the other stages run in the flow's own process (the CPU pool). Needs a Prefect server and "
+        "`farmflow deploy`.",
     )
     max_parallel_methods: int = Field(
         2,
         ge=1,
-        description="Methods (and baselines) run at once after the shared upstream stages. Local: their stages that load a model "
-        "take turns (one device), while evaluation and API annotation overlap them; distributed: GPU flow runs in flight at once "
-        "(bounded by the GPU pool's concurrency limit).",
+        description="Methods (and baselines) run at once after the shared upstream stages. Local: their stages that "
+        "load a model take turns (one device), while evaluation and API annotation overlap them; distributed: GPU flow "
+        "runs in flight at once (bounded by the GPU pool's concurrency limit).",
     )
     cpu_pool: str = Field(
         "farmflow-cpu", description="Work pool of the flows themselves: orchestration, data, annotation, evaluation."
@@ -133,7 +139,8 @@ class ExecutionConfig(Section):
     )
     stage_deployment: str = Field(
         "stage/gpu",
-        description="Deployment ('flow/deployment') that runs one stage per flow run on the GPU pool (registered by `farmflow deploy`).",
+        description="Deployment ('flow/deployment') that runs one stage per flow run on the GPU pool (registered by "
+        "`farmflow deploy`).",
     )
     gpu_stages: list[str] = Field(
         default_factory=lambda: list(GPU_STAGES),
@@ -146,8 +153,8 @@ class ExecutionConfig(Section):
         2,
         ge=0,
         le=10,
-        description="Retries of a stage that touches the network (API annotators, an s3:// store, a GPU flow run that crashed) on a "
-        "transient error; the stage resumes from its cached inputs (and the annotations row cache).",
+        description="Retries of a stage that touches the network (API annotators, an s3:// store, a GPU flow run that "
+        "crashed) on a transient error; the stage resumes from its cached inputs (and the annotations row cache).",
     )
     retry_delay_s: float = Field(
         10.0, ge=0, description="Delay before the first retry; doubles on each further retry (exponential backoff)."
@@ -155,34 +162,37 @@ class ExecutionConfig(Section):
     heartbeat_s: int = Field(
         60,
         ge=30,
-        description="Deployed flow runs (`farmflow deploy`) send a heartbeat event this often (Prefect's flows.heartbeat_frequency, "
-        "at least 30 s), so a run whose machine vanished can be told from a long one (`unresponsive_after_s`).",
+        description="Deployed flow runs (`farmflow deploy`) send a heartbeat event this often (Prefect's "
+        "flows.heartbeat_frequency, at least 30 s), so a run whose machine vanished can be told from a long one "
+        "(`unresponsive_after_s`).",
     )
     unresponsive_after_s: int | None = Field(
         300,
         ge=45,
-        description="`farmflow deploy` registers an automation that marks a farmflow flow run Crashed when no heartbeat or final "
-        "state arrived for this long (a GPU machine that vanished); the flow waiting for it then retries the stage (`retries`). "
-        "More than heartbeat_s; None: no automation (such a run stays Running until marked crashed by hand).",
+        description="`farmflow deploy` registers an automation that marks a farmflow flow run Crashed when no "
+        "heartbeat or final state arrived for this long (a GPU machine that vanished); the flow waiting for it then "
+        "retries the stage (`retries`). More than heartbeat_s; None: no automation (such a run stays Running until "
+        "marked crashed by hand).",
     )
     launcher: Literal["inline", "process", "accelerate"] = Field(
         "inline",
-        description="How a GPU stage (gpu_stages) runs where it runs: 'inline' in the calling process; 'process' in a child Python "
-        "process (its GPU memory is released when it ends); 'accelerate': training stages through `accelerate launch` with "
-        "accelerate_config (several GPUs: DDP, FSDP or DeepSpeed; PPO and Quark: DDP only), sampling and scoring in one child process. "
-        "A child writes its output folder and the calling process commits it, so the artifacts and stage keys are the same either way.",
+        description="How a GPU stage (gpu_stages) runs where it runs: 'inline' in the calling process; 'process' in a "
+        "child Python process (its GPU memory is released when it ends); 'accelerate': training stages through "
+        "`accelerate launch` with accelerate_config (several GPUs: DDP, FSDP or DeepSpeed; PPO and Quark: DDP only), "
+        "sampling and scoring in one child process. A child writes its output folder and the calling process commits "
+        "it, so the artifacts and stage keys are the same either way.",
     )
     accelerate_config: str | None = Field(
         None,
-        description="launcher 'accelerate': an `accelerate launch` config file (relative paths: from the working directory), or "
-        "the name of one shipped with farmflow (farmflow/configs/accelerate/): single_gpu, multi_gpu (DDP), fsdp, deepspeed_zero3. "
-        "None: accelerate's defaults (`accelerate config`).",
+        description="launcher 'accelerate': an `accelerate launch` config file (relative paths: from the working "
+        "directory), or the name of one shipped with farmflow (farmflow/configs/accelerate/): single_gpu, multi_gpu "
+        "(DDP), fsdp, deepspeed_zero3. None: accelerate's defaults (`accelerate config`).",
     )
     num_processes: int | None = Field(
         None,
         ge=1,
-        description="launcher 'accelerate': processes (GPUs) per training stage, passed as --num_processes (None: from the config "
-        "file). Each stage's batch_size must divide evenly between them.",
+        description="launcher 'accelerate': processes (GPUs) per training stage, passed as --num_processes (None: from "
+        "the config file). Each stage's batch_size must divide evenly between them.",
     )
 
     @model_validator(mode="after")

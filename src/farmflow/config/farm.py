@@ -46,7 +46,8 @@ class FarmConfig(Section):
     )
     feedme: SFTConfig = Field(
         default_factory=SFTConfig,
-        description="Binary FeedME: supervised fine-tuning from the SFT model on the preferred output of each pair (AlpacaFarm: the SFT recipe).",
+        description="Binary FeedME: supervised fine-tuning from the SFT model on the preferred output of each pair "
+        "(AlpacaFarm: the SFT recipe).",
     )
     reward_conditioning: RewardConditioningConfig = Field(
         default_factory=RewardConditioningConfig,
@@ -78,9 +79,11 @@ class FarmConfig(Section):
     store: StoreConfig = Field(default_factory=StoreConfig, description="Where artifacts are kept.")
     checkpoints: CheckpointConfig = Field(
         default_factory=CheckpointConfig,
-        description="Periodic checkpoints of long loops (SFT, DPO, PPO, Quark...) in the store; a killed run resumes from the last. Not part of any stage key.",
+        description="Periodic checkpoints of long loops (SFT, DPO, PPO, Quark...) in the store; a killed run resumes "
+        "from the last. Not part of any stage key.",
     )
     execution: ExecutionConfig = Field(
         default_factory=ExecutionConfig,
-        description="Where stages run: in this process (local) or GPU stages on a GPU work pool (distributed); parallel methods, retries.",
+        description="Where stages run: in this process (local) or GPU stages on a GPU work pool (distributed); "
+        "parallel methods, retries.",
     )

@@ -10,7 +10,8 @@ from farmflow.config.base import Section
 
 METHODS = ("feedme", "reward_conditioning", "dpo", "best_of_n", "expert_iteration", "ppo", "quark")
 """Every method the compare flow (and `farmflow demo`) runs by default, in this order; each also has its own flow,
-named with hyphens (`best-of-n`). Here, not in `farmflow.flows`, so the CLI checks names without importing Prefect and torch."""
+named with hyphens (`best-of-n`). Here, not in `farmflow.flows`, so the CLI checks names without importing Prefect and
+torch."""
 
 FLOW_NAMES = ("compare", *(m.replace("_", "-") for m in METHODS))
 """The flows `farmflow run` runs (`farmflow.flows.FLOWS`)."""
@@ -31,9 +32,9 @@ class SFTConfig(Section):
         None,
         ge=1,
         json_schema_extra={"stage_key": False},
-        description="Sequences per forward pass (per process); gradients of the micro-batches accumulate into one optimizer step of "
-        "batch_size, so results equal the unaccumulated run up to float rounding (memory only; None: the whole batch at once). "
-        "Not part of the stage key.",
+        description="Sequences per forward pass (per process); gradients of the micro-batches accumulate into one "
+        "optimizer step of batch_size, so results equal the unaccumulated run up to float rounding (memory only; None: "
+        "the whole batch at once). Not part of the stage key.",
     )
 
 
@@ -47,16 +48,17 @@ class SampleConfig(Section):
         64,
         ge=1,
         json_schema_extra={"stage_key": False},
-        description="Prompts per generation batch (memory and speed only: each sample has its own random stream, so the samples do "
-        "not depend on it; not part of the stage key).",
+        description="Prompts per generation batch (memory and speed only: each sample has its own random stream, so "
+        "the samples do not depend on it; not part of the stage key).",
     )
     seed: int = Field(0, description="Seed of the sampling generator.")
     backend: Literal["hf", "vllm"] = Field(
         "hf",
         json_schema_extra={"stage_key": False},
-        description="Sampler: 'hf' (farmflow's batched KV-cache sampler on the transformers model) or 'vllm' (needs `pip install vllm` "
-        "where the stage runs; see farmflow.generation). Same outputs schema, but vLLM's samples differ from hf's for the same seed. "
-        "Operational: not part of the stage key, so an artifact sampled by either backend is reused.",
+        description="Sampler: 'hf' (farmflow's batched KV-cache sampler on the transformers model) or 'vllm' (needs "
+        "`pip install vllm` where the stage runs; see farmflow.generation). Same outputs schema, but vLLM's samples "
+        "differ from hf's for the same seed. Operational: not part of the stage key, so an artifact sampled by either "
+        "backend is reused.",
     )
 
 
@@ -75,9 +77,9 @@ class RewardConfig(Section):
         None,
         ge=1,
         json_schema_extra={"stage_key": False},
-        description="Pairs per forward pass (per process); gradients of the micro-batches accumulate into one optimizer step of "
-        "batch_size, so results equal the unaccumulated run up to float rounding (memory only; None: the whole batch at once). "
-        "Not part of the stage key.",
+        description="Pairs per forward pass (per process); gradients of the micro-batches accumulate into one "
+        "optimizer step of batch_size, so results equal the unaccumulated run up to float rounding (memory only; None: "
+        "the whole batch at once). Not part of the stage key.",
     )
 
 
@@ -91,7 +93,8 @@ class BestOfNConfig(Section):
 class RewardConditioningConfig(Section):
     train: SFTConfig = Field(
         default_factory=SFTConfig,
-        description="Supervised fine-tuning from the SFT model on both outputs of every pair (AlpacaFarm: the SFT recipe, 3 epochs, lr 2e-5, batch 128).",
+        description="Supervised fine-tuning from the SFT model on both outputs of every pair (AlpacaFarm: the SFT "
+        "recipe, 3 epochs, lr 2e-5, batch 128).",
     )
     good_token: str = Field(
         "<|good|>",
@@ -113,7 +116,8 @@ class DPOConfig(Section):
     beta: float = Field(
         0.1,
         gt=0,
-        description="Strength of the implicit KL constraint to the SFT (reference) policy (DPO paper and AlpacaFarm: 0.1).",
+        description="Strength of the implicit KL constraint to the SFT (reference) policy (DPO paper and AlpacaFarm: "
+        "0.1).",
     )
     epochs: float = Field(2.0, gt=0, description="Passes over the preference pairs (AlpacaFarm dpo.sh: 2 epochs).")
     batch_size: int = Field(
@@ -129,9 +133,9 @@ class DPOConfig(Section):
         None,
         ge=1,
         json_schema_extra={"stage_key": False},
-        description="Pairs per forward pass (per process); gradients of the micro-batches accumulate into one optimizer step of "
-        "batch_size, so results equal the unaccumulated run up to float rounding (memory only; None: the whole batch at once). "
-        "Not part of the stage key.",
+        description="Pairs per forward pass (per process); gradients of the micro-batches accumulate into one "
+        "optimizer step of batch_size, so results equal the unaccumulated run up to float rounding (memory only; None: "
+        "the whole batch at once). Not part of the stage key.",
     )
 
 
@@ -139,7 +143,8 @@ class ExpertIterationConfig(Section):
     rounds: int = Field(
         1,
         ge=1,
-        description="Rounds of (best-of-n on the unlabeled split, then SFT); round r samples from round r-1's policy (paper: 1 round).",
+        description="Rounds of (best-of-n on the unlabeled split, then SFT); round r samples from round r-1's policy "
+        "(paper: 1 round).",
     )
     n: int = Field(
         16, ge=1, description="Samples per unlabeled instruction, the reward model keeps the best (paper: best-of-16)."
@@ -151,7 +156,8 @@ class ExpertIterationConfig(Section):
     )
     train: SFTConfig = Field(
         default_factory=SFTConfig,
-        description="Fine-tuning from the SFT initialization on the selected outputs (AlpacaFarm expiter.sh: 3 epochs, lr 2e-5, batch 128).",
+        description="Fine-tuning from the SFT initialization on the selected outputs (AlpacaFarm expiter.sh: 3 epochs, "
+        "lr 2e-5, batch 128).",
     )
     seed: int = Field(0, description="Seed of the candidate sampler.")
 
@@ -162,19 +168,20 @@ class PPOConfig(Section):
     epochs: float = Field(
         10.0,
         gt=0,
-        description="Passes over the unlabeled prompts; steps = epochs x prompts / rollout_batch_size (alpaca_farm rlhf_ppo.sh: total_epochs 10).",
+        description="Passes over the unlabeled prompts; steps = epochs x prompts / rollout_batch_size (alpaca_farm "
+        "rlhf_ppo.sh: total_epochs 10).",
     )
     rollout_batch_size: int = Field(
         512,
         ge=1,
-        description="Prompts sampled per PPO step, one response each (paper Appendix B: 512). On several processes each samples "
-        "an equal share: it must divide by their number.",
+        description="Prompts sampled per PPO step, one response each (paper Appendix B: 512). On several processes "
+        "each samples an equal share: it must divide by their number.",
     )
     step_batch_size: int = Field(
         256,
         ge=1,
-        description="Rollouts per optimizer step; each PPO step makes ppo_epochs x rollout/step optimizer steps (paper: 256). "
-        "On several processes each contributes an equal share: it must divide by their number.",
+        description="Rollouts per optimizer step; each PPO step makes ppo_epochs x rollout/step optimizer steps "
+        "(paper: 256). On several processes each contributes an equal share: it must divide by their number.",
     )
     ppo_epochs: int = Field(
         2, ge=1, description="Passes over each rollout batch (paper: 2 epochs per step; alpaca_farm noptepochs)."
@@ -183,18 +190,20 @@ class PPOConfig(Section):
         32,
         ge=1,
         json_schema_extra={"stage_key": False},
-        description="Prompts per sampling batch, sequences per forward pass when scoring rollouts and per gradient-accumulation chunk "
-        "(memory only: not part of the stage key).",
+        description="Prompts per sampling batch, sequences per forward pass when scoring rollouts and per "
+        "gradient-accumulation chunk (memory only: not part of the stage key).",
     )
     lr: float = Field(
         1e-5,
         gt=0,
-        description="Peak AdamW learning rate for policy and value model (paper Appendix B: 1e-5; the released rlhf_ppo.sh uses 3e-6).",
+        description="Peak AdamW learning rate for policy and value model (paper Appendix B: 1e-5; the released "
+        "rlhf_ppo.sh uses 3e-6).",
     )
     warmup_steps: int = Field(
         5,
         ge=0,
-        description="PPO steps of linear warmup, then linear decay to 0 (alpaca_farm rlhf_ppo.sh: 5; transformers' linear schedule).",
+        description="PPO steps of linear warmup, then linear decay to 0 (alpaca_farm rlhf_ppo.sh: 5; transformers' "
+        "linear schedule).",
     )
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay (alpaca_farm: 0).")
     adam_eps: float = Field(
@@ -208,7 +217,8 @@ class PPOConfig(Section):
     kl_coef: float = Field(
         0.02,
         ge=0,
-        description="Fixed coefficient of the per-token KL penalty against the frozen SFT policy (alpaca_farm rlhf_ppo.sh: 0.02).",
+        description="Fixed coefficient of the per-token KL penalty against the frozen SFT policy (alpaca_farm "
+        "rlhf_ppo.sh: 0.02).",
     )
     temperature: float = Field(
         1.0,
@@ -218,11 +228,13 @@ class PPOConfig(Section):
     max_new_tokens: int = Field(300, ge=1, description="Longest response in tokens (alpaca_farm response_len: 300).")
     penalty_reward_value: float | None = Field(
         -1.0,
-        description="Reward given instead of the reward model's score to responses that never emit EOS (alpaca_farm penalty_reward_value: -1; None: no penalty).",
+        description="Reward given instead of the reward model's score to responses that never emit EOS (alpaca_farm "
+        "penalty_reward_value: -1; None: no penalty).",
     )
     whiten_rewards: bool = Field(
         True,
-        description="Whiten the shaped per-token rewards over the rollout batch before GAE, keeping their mean (alpaca_farm: True).",
+        description="Whiten the shaped per-token rewards over the rollout batch before GAE, keeping their mean "
+        "(alpaca_farm: True).",
     )
     gamma: float = Field(1.0, ge=0, le=1, description="Discount of GAE (paper: 1).")
     lam: float = Field(1.0, ge=0, le=1, description="Lambda of GAE (paper: 1).")
@@ -239,9 +251,9 @@ class PPOConfig(Section):
         0,
         ge=0,
         json_schema_extra={"stage_key": False},
-        description="Also commit the policy every this many PPO steps as a 'ppo_snapshot' artifact, for over-optimization curves "
-        "(0: off). Not part of PPO's key: a committed PPO run without these snapshots is trained again with the same seed to add "
-        "them, and the over-optimization flow's PPO is the comparison's.",
+        description="Also commit the policy every this many PPO steps as a 'ppo_snapshot' artifact, for "
+        "over-optimization curves (0: off). Not part of PPO's key: a committed PPO run without these snapshots is "
+        "trained again with the same seed to add them, and the over-optimization flow's PPO is the comparison's.",
     )
     seed: int = Field(0, description="Seed for prompt order, rollout sampling and minibatch order.")
 
@@ -252,13 +264,14 @@ class QuarkConfig(Section):
     epochs: float = Field(
         10.0,
         gt=0,
-        description="Passes over the unlabeled prompts; steps = epochs x prompts / rollout_batch_size (alpaca_farm rlhf_quark.sh: total_epochs 10).",
+        description="Passes over the unlabeled prompts; steps = epochs x prompts / rollout_batch_size (alpaca_farm "
+        "rlhf_quark.sh: total_epochs 10).",
     )
     rollout_batch_size: int = Field(
         512,
         ge=1,
-        description="Prompts sampled and scored per Quark step; the pool is reset to these every step (paper: 512). On several "
-        "processes each samples an equal share: it must divide by their number.",
+        description="Prompts sampled and scored per Quark step; the pool is reset to these every step (paper: 512). On "
+        "several processes each samples an equal share: it must divide by their number.",
     )
     step_batch_size: int = Field(
         256,
@@ -272,12 +285,14 @@ class QuarkConfig(Section):
         32,
         ge=1,
         json_schema_extra={"stage_key": False},
-        description="Prompts per sampling batch, sequences per forward pass / gradient-accumulation chunk (memory only: not part of the stage key).",
+        description="Prompts per sampling batch, sequences per forward pass / gradient-accumulation chunk (memory "
+        "only: not part of the stage key).",
     )
     num_quantiles: int = Field(
         5,
         ge=1,
-        description="Reward quantiles the rollout is split into; only the best one is trained on (Quark, Lu et al. 2022: 5 quantiles; top-quantile variant).",
+        description="Reward quantiles the rollout is split into; only the best one is trained on (Quark, Lu et al. "
+        "2022: 5 quantiles; top-quantile variant).",
     )
     lr: float = Field(3e-6, gt=0, description="Peak AdamW learning rate (alpaca_farm rlhf_quark.sh: 3e-6).")
     warmup_steps: int = Field(
@@ -291,7 +306,8 @@ class QuarkConfig(Section):
     kl_coef: float = Field(
         0.05,
         ge=0,
-        description="Coefficient of the per-token KL(policy || SFT) penalty (alpaca_farm rlhf_quark.sh: 0.05). No entropy term.",
+        description="Coefficient of the per-token KL(policy || SFT) penalty (alpaca_farm rlhf_quark.sh: 0.05). No "
+        "entropy term.",
     )
     temperature: float = Field(
         1.0, gt=0, description="Sampling temperature of rollouts and of the trained log-probs (paper: 1.0)."
@@ -299,6 +315,7 @@ class QuarkConfig(Section):
     max_new_tokens: int = Field(300, ge=1, description="Longest response in tokens (alpaca_farm response_len: 300).")
     penalty_reward_value: float | None = Field(
         -1.0,
-        description="Score given to responses that never emit EOS, so they rank last (the value PPO uses; alpaca_farm's Quark applies none: None).",
+        description="Score given to responses that never emit EOS, so they rank last (the value PPO uses; "
+        "alpaca_farm's Quark applies none: None).",
     )
     seed: int = Field(0, description="Seed for prompt order, rollout sampling and minibatch order.")

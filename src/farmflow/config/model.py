@@ -24,35 +24,37 @@ class LoraConfig(Section):
     target_modules: list[str] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
         min_length=1,
-        description="Names of the linear layers that get adapters (Llama attention projections by default; add gate_proj, up_proj, "
-        "down_proj for the MLP, or ['all-linear']).",
+        description="Names of the linear layers that get adapters (Llama attention projections by default; add "
+        "gate_proj, up_proj, down_proj for the MLP, or ['all-linear']).",
     )
 
 
 class ModelConfig(Section):
     pretrained: str | None = Field(
         None,
-        description="Start from this causal LM instead of training a tokenizer and a tiny model from scratch (None): "
-        "a local folder, a model-cache name (`farmflow models get smollm2-135m-instruct`, "
-        "`farmflow models import FILE.gguf --name NAME`; `farmflow models ls`) or a Hugging Face hub id; tokenizer from "
-        "the same place. A folder or cache name is keyed by its files' contents. The size fields below then do not apply, "
-        "except max_seq_len.",
+        description="Start from this causal LM instead of training a tokenizer and a tiny model from scratch (None): a "
+        "local folder, a model-cache name (`farmflow models get smollm2-135m-instruct`, `farmflow models import "
+        "FILE.gguf --name NAME`; `farmflow models ls`) or a Hugging Face hub id; tokenizer from the same place. A "
+        "folder or cache name is keyed by its files' contents. The size fields below then do not apply, except "
+        "max_seq_len.",
     )
     revision: str | None = Field(
         None,
-        description="Hub revision (commit, tag or branch) of `pretrained`; a commit pins the weights and so the stage keys. "
-        "None: the newest, keyed by name only. (A local folder is keyed by its files' contents instead.)",
+        description="Hub revision (commit, tag or branch) of `pretrained`; a commit pins the weights and so the stage "
+        "keys. None: the newest, keyed by name only. (A local folder is keyed by its files' contents instead.)",
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32",
-        description="Weights dtype of a pretrained model, kept by every stage after it (bfloat16 on GPUs that have it; paper: bf16/fp32 mixed).",
+        description="Weights dtype of a pretrained model, kept by every stage after it (bfloat16 on GPUs that have it; "
+        "paper: bf16/fp32 mixed).",
     )
     attn_implementation: Literal["sdpa", "eager"] = Field(
         "sdpa", description="Attention kernel of a pretrained model (PyTorch SDPA or eager)."
     )
     gradient_checkpointing: bool = Field(
         False,
-        description="Recompute activations in the backward pass of a pretrained model (less memory, ~30% more time); saved in its config.",
+        description="Recompute activations in the backward pass of a pretrained model (less memory, ~30% more time); "
+        "saved in its config.",
     )
     hidden_size: int = Field(128, ge=8, description="Width of the tiny Llama-style model.")
     num_layers: int = Field(4, ge=1, description="Transformer blocks.")
@@ -61,7 +63,8 @@ class ModelConfig(Section):
     max_seq_len: int = Field(
         160,
         ge=16,
-        description="Longest prompt + response in tokens; longer sequences are truncated (also caps a pretrained model's context).",
+        description="Longest prompt + response in tokens; longer sequences are truncated (also caps a pretrained "
+        "model's context).",
     )
     vocab_size: int = Field(
         1024, ge=300, description="Size of the byte-level BPE vocabulary trained on the farm's text."
@@ -69,9 +72,10 @@ class ModelConfig(Section):
     seed: int = Field(0, description="Seed for weight initialization.")
     lora: LoraConfig | None = Field(
         None,
-        description="Train policies through LoRA adapters (SFT, FeedME, reward conditioning, expert iteration, DPO, the PPO/Quark "
-        "policy; not the reward or value model): less GPU memory, the saved checkpoint is the merged model. None: full fine-tuning "
-        "(the paper). Recorded in the checkpoint's config, so every later policy-training stage applies it.",
+        description="Train policies through LoRA adapters (SFT, FeedME, reward conditioning, expert iteration, DPO, "
+        "the PPO/Quark policy; not the reward or value model): less GPU memory, the saved checkpoint is the merged "
+        "model. None: full fine-tuning (the paper). Recorded in the checkpoint's config, so every later "
+        "policy-training stage applies it.",
     )
 
     @model_validator(mode="after")

@@ -18,8 +18,8 @@ def _api(
 
 
 def _alpacafarm_pool() -> list[dict]:
-    """13 annotators with the paper's mix (p_sim^eval): 5 GPT-4, 4 ChatGPT and 4 Davinci003 annotators × prompt formats ×
-    batch sizes, all at temperature 1.0. The 2023 models are retired; each maps to a current model of the same tier:
+    """13 annotators with the paper's mix (p_sim^eval): 5 GPT-4, 4 ChatGPT and 4 Davinci003 annotators × prompt formats
+    × batch sizes, all at temperature 1.0. The 2023 models are retired; each maps to a current model of the same tier:
     gpt-4-0314 -> gpt-4o, gpt-3.5-turbo-0301 -> gpt-4o-mini, text-davinci-003 -> gpt-4.1-mini."""
     g4, g35, d3 = "gpt-4o", "gpt-4o-mini", "gpt-4.1-mini"
     return [

@@ -147,7 +147,8 @@ def _alpaca_small() -> FarmConfig:
 
 
 def _alpacafarm_7b() -> FarmConfig:
-    """The paper's setting: LLaMA-7B-class SFT on 10k, the paper's split sizes and hyperparameters (the config defaults).
+    """The paper's setting: LLaMA-7B-class SFT on 10k, the paper's split sizes and hyperparameters (the config
+    defaults).
 
     Data from the Hugging Face hub (tatsu-lab/alpaca_farm; or data.source=local with exported files);
     model.pretrained a LLaMA-7B-class checkpoint by path or hub name; bf16 with gradient

@@ -44,7 +44,8 @@ def read_records(path: str | Path) -> list[dict]:
 
 
 def _read_records(path: str | Path) -> tuple[list, list[str] | None]:
-    """(rows, how error messages name them): JSONL rows by their line in the file (blank lines skipped), None: "row i"."""
+    """(rows, how error messages name them): JSONL rows by their line in the file (blank lines skipped),
+    None: "row i"."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: no such file")
@@ -232,7 +233,8 @@ def build_real_farm(cfg: DataConfig) -> tuple[pa.Table, dict[str, float]]:
     else:
         if cfg.eval_path is None:
             raise DataError(
-                "data.eval_path: the real farm needs an evaluation file (AlpacaEval format: instruction, output, generator, dataset)"
+                "data.eval_path: the real farm needs an evaluation file (AlpacaEval format: instruction, output, "
+                "generator, dataset)"
             )
         if cfg.split_paths:
             sources = dict(cfg.split_paths)
@@ -247,7 +249,8 @@ def build_real_farm(cfg: DataConfig) -> tuple[pa.Table, dict[str, float]]:
         else:
             if cfg.instructions_path is None:
                 raise DataError(
-                    "data.instructions_path (one file to split) or data.split_paths (one file per split) is needed for data.source='local'"
+                    "data.instructions_path (one file to split) or data.split_paths (one file per split) is needed for "
+                    "data.source='local'"
                 )
             sources = {s: str(cfg.instructions_path) for s in TRAIN_SPLITS}
             splits, counts = split_instructions(

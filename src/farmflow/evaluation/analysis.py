@@ -304,7 +304,8 @@ def synthetic_pairs(instructions: Sequence[dict], seed: int = 0, error_rate: flo
 
 # ------------------------------------------------------------------ plot
 def plot_agreement(table: Sequence[dict], path: str, title: str = "Annotators: agreement vs cost") -> None:
-    """Agreement with the reference against price per 1000 annotations (or seconds per 1000 when nothing has a price)."""
+    """Agreement with the reference against price per 1000 annotations (or seconds per 1000 when nothing has a
+    price)."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -459,9 +459,9 @@ def report_markdown(report: dict) -> str:
     lines = [
         (
             f"Reference: {report['reference']} in {report['file']}: {report['pairs']} pairs (the first with a decisive "
-            f"preference; {report['skipped_ties']} ties and {report['skipped_invalid']} unreadable skipped before them). "
-            f"The reference prefers the longer output in {pct(report['reference_prefers_longer'])}%. "
-            f"Interval: {report['interval']}."
+            f"preference; {report['skipped_ties']} ties and {report['skipped_invalid']} unreadable skipped before "
+            f"them). The reference prefers the longer output in {pct(report['reference_prefers_longer'])}%. Interval: "
+            f"{report['interval']}."
         ),
         "",
         (

@@ -166,8 +166,8 @@ def length_controlled_winrate(
     """LC win rate and its standard error for one run (module doc).
 
     `difficulty`: instruction → standardized difficulty (`instruction_difficulty`) from other
-    runs; None: no difficulty term (never from this run's own labels, module doc). Rows with an unusable preference are left out (as in
-    `win_rate_stats`). Returns lc_win_rate, lc_standard_error and the fitted coefficients
+    runs; None: no difficulty term (never from this run's own labels, module doc). Rows with an unusable preference are
+    left out (as in `win_rate_stats`). Returns lc_win_rate, lc_standard_error and the fitted coefficients
     lc_intercept (θ), lc_length_coef (φ), lc_difficulty_coef (ψ) and lc_length_sd.
     """
     xs, y, d = _clean(instructions, preferences, delta_len)
@@ -206,7 +206,8 @@ def length_controlled_winrate(
 
 
 def run_of_rows(rows: Sequence[dict]) -> dict:
-    """A run for `instruction_difficulty` from evaluation/annotation rows (instruction, input, output_1, output_2, preference)."""
+    """A run for `instruction_difficulty` from evaluation/annotation rows (instruction, input, output_1, output_2,
+    preference)."""
     return {
         "instructions": [instruction_key(r) for r in rows],
         "preferences": [r.get("preference") for r in rows],

@@ -159,8 +159,9 @@ def leaderboard_markdown(rows: Sequence[dict], title: str = "Leaderboard") -> st
     for r in rows:
         lines.append(
             f"| {r['method']} | {_num(r['win_rate'], '.1f')} | {_num(r['standard_error'], '.1f')} | "
-            f"{_num(r.get('discrete_win_rate'), '.1f')} | {_num(r.get('lc_win_rate'), '.1f')} | {_num(r.get('lc_standard_error'), '.1f')} | "
-            f"{_num(r.get('mean_gold'), '.3f')} | {_num(r.get('gold_standard_error'), '.3f')} | {r['avg_length']} | {r['n']} |"
+            f"{_num(r.get('discrete_win_rate'), '.1f')} | {_num(r.get('lc_win_rate'), '.1f')} | "
+            f"{_num(r.get('lc_standard_error'), '.1f')} | {_num(r.get('mean_gold'), '.3f')} | "
+            f"{_num(r.get('gold_standard_error'), '.3f')} | {r['avg_length']} | {r['n']} |"
         )
     judges = sorted({(r.get("annotator"), r.get("reference")) for r in rows if r.get("annotator")})
     if judges:

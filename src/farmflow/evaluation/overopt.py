@@ -115,14 +115,15 @@ def curve_markdown(rows: Sequence[dict], title: str = "Over-optimization") -> st
             for a in annotators
         ]
         lines.append(
-            f"| {labeller} | {label} | {pressure:g} | {any_row['proxy_reward']:.3f} | {_f(any_row['mean_gold'], '.3f')} | "
-            f"{any_row['avg_length']} | " + " | ".join(cells) + " |"
+            f"| {labeller} | {label} | {pressure:g} | {any_row['proxy_reward']:.3f} | "
+            f"{_f(any_row['mean_gold'], '.3f')} | {any_row['avg_length']} | " + " | ".join(cells) + " |"
         )
     return "\n".join(lines) + "\n"
 
 
 def plot_curves(rows: Sequence[dict], path: str, title: str = "Over-optimization") -> None:
-    """Two panels against the proxy reward: win rate (± SE) per labeller and annotator, and gold reward per labeller (PNG).
+    """Two panels against the proxy reward: win rate (± SE) per labeller and annotator, and gold reward per labeller
+    (PNG).
 
     Colour: the labeller (whose reward model), marker: the family (best-of-n, PPO...), dashed:
     judged by an annotator other than the labeller. Each reward model has its own proxy-reward

@@ -51,7 +51,8 @@ def dpo_loss(
 def sequence_logps(
     model, tokenizer, prompts: Sequence[str], responses: Sequence[str], max_len: int, average: bool = False
 ) -> torch.Tensor:
-    """Sum (or with `average`, mean) of log π(response token | prefix) over the response tokens (and </s>) of each example."""
+    """Sum (or with `average`, mean) of log π(response token | prefix) over the response tokens (and </s>) of each
+    example."""
     *batch, keep = response_window(
         *encode_examples(tokenizer, prompts, responses, max_len)
     )  # logits for responses only

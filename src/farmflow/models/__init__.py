@@ -108,8 +108,8 @@ def load_pretrained(cfg: ModelConfig) -> tuple[torch.nn.Module, PreTrainedTokeni
     """Any causal LM by local folder, model-cache name (`farmflow models get`) or hub id, ready for our encode/sample
     functions. A hub id that cannot be downloaded raises ModelUnavailable (one line naming the commands that cache it).
 
-    A missing pad token, or one that is also EOS, gets a token of its own (new embedding rows set to the mean of the others); a
-    missing BOS reuses EOS, since every sequence starts with BOS here. Padding side is
+    A missing pad token, or one that is also EOS, gets a token of its own (new embedding rows set to the mean of the
+    others); a missing BOS reuses EOS, since every sequence starts with BOS here. Padding side is
     right (training; sampling left-pads by itself). The context is capped at
     cfg.max_seq_len; gradient checkpointing is recorded in the config (`load_policy`).
     """
@@ -261,7 +261,8 @@ def optimizer_and_schedule(
     total_steps: int,
     warmup_ratio: float,
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW over the trainable parameters with linear warmup and cosine decay to 0 (the paper's SFT/reward schedule)."""
+    """AdamW over the trainable parameters with linear warmup and cosine decay to 0 (the paper's SFT/reward
+    schedule)."""
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay)
     warmup = max(1, int(total_steps * warmup_ratio))
 

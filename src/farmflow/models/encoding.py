@@ -96,7 +96,8 @@ def response_window(
 
 
 def prompt_ids(tokenizer: PreTrainedTokenizerFast, prompts: Sequence[str], max_prompt_len: int) -> list[list[int]]:
-    """``<s>`` + each prompt's tokens, the prompt cut from the left to fit `max_prompt_len` (BOS kept, as in training)."""
+    """``<s>`` + each prompt's tokens, the prompt cut from the left to fit `max_prompt_len` (BOS kept, as in
+    training)."""
     ids = tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
     return [[tokenizer.bos_token_id] + x[len(x) - min(len(x), max(0, max_prompt_len - 1)) :] for x in ids]
 

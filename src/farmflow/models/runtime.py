@@ -48,7 +48,8 @@ from typing import Any
 import torch
 
 FULL_STATE = "farmflow_full_state"
-"""Attribute of a model trained under FSDP/DeepSpeed: its gathered full state dict (rank 0), for `farmflow.models.save`."""
+"""Attribute of a model trained under FSDP/DeepSpeed: its gathered full state dict (rank 0), for
+`farmflow.models.save`."""
 
 
 def process_state():
@@ -107,7 +108,8 @@ def all_sum(t: torch.Tensor) -> torch.Tensor:
 
 
 def all_gather_objects(obj: Any) -> list[Any]:
-    """Every process's `obj` (picklable: lists, numbers, CPU tensors) in rank order; ``[obj]`` when there is one process.
+    """Every process's `obj` (picklable: lists, numbers, CPU tensors) in rank order; ``[obj]`` when there is one
+    process.
 
     A collective: every process calls it.
     """
@@ -192,7 +194,8 @@ class Runtime:
         return self.lora
 
     def prepare(self, model: torch.nn.Module, *rest: Any) -> tuple:
-        """Place the model (and other modules, optimizers) with the accelerator; float32 master weights under mixed precision.
+        """Place the model (and other modules, optimizers) with the accelerator; float32 master weights under mixed
+        precision.
 
         `model` is the one that `farmflow.models.save` will save (the policy).
         """
@@ -232,7 +235,8 @@ class Runtime:
         return [slice(s, min(s + self.micro, start + self.share)) for s in range(start, start + self.share, self.micro)]
 
     def local_micro_batches(self) -> list[slice]:
-        """This process's micro-batches as slices of its own share (0 .. share): for loops where each process holds only its share."""
+        """This process's micro-batches as slices of its own share (0 .. share): for loops where each process holds only
+        its share."""
         return [slice(s, min(s + self.micro, self.share)) for s in range(0, self.share, self.micro)]
 
     def accumulate(self, *models: torch.nn.Module):
@@ -248,7 +252,8 @@ class Runtime:
         self.accelerator.backward(loss * (share * (self.processes * self.accumulation)))
 
     def step(self, model: torch.nn.Module | list[torch.nn.Parameter], opt, sched, max_grad_norm: float) -> None:
-        """Clip (a model's or a list of parameters), step, schedule and zero the gradients after the last micro-batch of a step."""
+        """Clip (a model's or a list of parameters), step, schedule and zero the gradients after the last micro-batch of
+        a step."""
         if not self.accelerator.sync_gradients:
             return
         self.accelerator.clip_grad_norm_(
@@ -267,7 +272,8 @@ class Runtime:
         return float(self.accelerator.reduce(t, "sum")[0])
 
     def plain(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The model as a plain Hugging Face model in the middle of training (a merged copy under LoRA), e.g. for snapshots."""
+        """The model as a plain Hugging Face model in the middle of training (a merged copy under LoRA), e.g. for
+        snapshots."""
         if self.lora is None:
             return self.unwrap(model)
         import copy

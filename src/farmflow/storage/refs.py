@@ -28,8 +28,8 @@ class ArtifactRef(BaseModel):
     )
     parts: dict[str, str] = Field(
         default_factory=dict,
-        description="Content digests of named parts of a table (a data artifact's splits): a stage that reads only some "
-        "parts is keyed on theirs (`part_key`), so a change elsewhere in the table does not rerun it.",
+        description="Content digests of named parts of a table (a data artifact's splits): a stage that reads only "
+        "some parts is keyed on theirs (`part_key`), so a change elsewhere in the table does not rerun it.",
     )
 
 

@@ -53,7 +53,8 @@ from farmflow.storage.refs import COMMIT_FILE, ArtifactRef
 from farmflow.storage.store import Store, StoreError
 
 OPTIONS = {
-    "endpoint_url": "S3-compatible endpoint (MinIO: http://host:9000); default $AWS_ENDPOINT_URL_S3 / $AWS_ENDPOINT_URL, else AWS",
+    "endpoint_url": "S3-compatible endpoint (MinIO: http://host:9000); default $AWS_ENDPOINT_URL_S3 / "
+    "$AWS_ENDPOINT_URL, else AWS",
     "region": "AWS region; default the AWS chain's ($AWS_DEFAULT_REGION, profile)",
     "profile": "named AWS profile (~/.aws/credentials, ~/.aws/config)",
     "credentials_block": "name of a Prefect Secret block with aws_access_key_id and aws_secret_access_key",

@@ -116,7 +116,8 @@ def _artifacts_sql(records: list[dict]) -> str:
 def _table_sql(store: Store, records: list[dict], format: str) -> str:
     schema = SCHEMAS[format]
     parts = [
-        f"SELECT {_lit(r['ref']['stage'])} AS stage, {_lit(r['ref']['key'])} AS key, * FROM read_parquet({_lit(r['ref']['uri'] + '/data.parquet')})"
+        f"SELECT {_lit(r['ref']['stage'])} AS stage, {_lit(r['ref']['key'])} AS key, * FROM "
+        f"read_parquet({_lit(r['ref']['uri'] + '/data.parquet')})"
         for r in records
         if r["ref"]["kind"] == "table" and r["ref"]["format"] == format
     ]
