@@ -18,7 +18,7 @@ export PREFECT_HOME ?= $(CURDIR)/.farmflow/prefect
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 180
 
-.PHONY: install demo test bench clean
+.PHONY: install demo lint test bench clean
 
 install: $(STAMP)
 
@@ -32,6 +32,10 @@ $(STAMP): pyproject.toml constraints.txt
 demo: install  ## the offline synthetic farm end to end (a few minutes on 2 CPU cores)
 	mkdir -p "$(PREFECT_HOME)"
 	$(VENV)/bin/farmflow demo
+
+lint: install  ## ruff: lint rules and formatting (configured in pyproject.toml)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 test: install  ## the whole suite, slow end-to-end tests included
 	$(PY) -m pytest -q

@@ -211,7 +211,8 @@ def main() -> None:
                 r = ours(rows, url, batch)
                 entry["farmflow"] = r | {"fraction_of_limit": r["pairs_per_s"] / limit}
                 print(
-                    f"batch {batch}: farmflow {r['pairs_per_s']:.0f} pairs/s = {100 * r['pairs_per_s'] / limit:.1f}% of {limit:.0f}",
+                    f"batch {batch}: farmflow {r['pairs_per_s']:.0f} pairs/s = "
+                    f"{100 * r['pairs_per_s'] / limit:.1f}% of {limit:.0f}",
                     flush=True,
                 )
                 if python is not None:
@@ -220,7 +221,8 @@ def main() -> None:
                         entry["alpaca_eval"] = p | {"fraction_of_limit": p["pairs_per_s"] / limit}
                         entry["ratio_farmflow_over_alpaca_eval"] = r["pairs_per_s"] / p["pairs_per_s"]
                         print(
-                            f"batch {batch}: alpaca_eval {p['pairs_per_s']:.0f} pairs/s; ratio {entry['ratio_farmflow_over_alpaca_eval']:.2f}x",
+                            f"batch {batch}: alpaca_eval {p['pairs_per_s']:.0f} pairs/s; "
+                            f"ratio {entry['ratio_farmflow_over_alpaca_eval']:.2f}x",
                             flush=True,
                         )
                     except RuntimeError as err:
@@ -241,10 +243,11 @@ def main() -> None:
     results["notes"] = (
         f"farmflow's client spends {cpu_ms:.1f} ms of CPU per request, so alone on one free core it could send "
         f"{1000 / cpu_ms:.0f} requests/s (the ceiling needs {IN_FLIGHT / LATENCY_S:.0f}). The load average went from "
-        f"{results['machine']['load_average_at_start'][0]:.1f} to {results['machine']['load_average_at_end'][0]:.1f} on "
-        f"{os.cpu_count()} cores during the run: when other jobs share the machine, the judge server and the client get a "
-        "fraction of a core each and the achieved fraction of the ceiling drops with it; the ratio to alpaca_eval is "
-        "measured under the same conditions, side by side."
+        f"{results['machine']['load_average_at_start'][0]:.1f} to "
+        f"{results['machine']['load_average_at_end'][0]:.1f} on "
+        f"{os.cpu_count()} cores during the run: when other jobs share the machine, the judge server and the client "
+        "get a fraction of a core each and the achieved fraction of the ceiling drops with it; the ratio to "
+        "alpaca_eval is measured under the same conditions, side by side."
     )
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps(results, indent=2) + "\n")

@@ -1,7 +1,8 @@
 """GPU numbers (issue 8): SFT throughput and MFU of a ~1B Llama, sampling tokens/s, PPO step breakdown.
 
     python -m bench.gpu          # a CUDA GPU: the ~1B model in bf16, a few minutes; writes bench/results/gpu.json
-    python -m bench.gpu --tiny   # anywhere: a toy model on the CPU in seconds (the CI smoke test); prints, or writes --out
+    python -m bench.gpu --tiny   # anywhere: a toy model on the CPU in seconds (the CI smoke test);
+                                 # prints, or writes --out
 
 Without a CUDA GPU the full run is skipped with a message (exit status 0), so `make bench`
 runs everywhere. Everything is random-init from a config (no downloads): a Llama-style
@@ -185,7 +186,8 @@ def texts(n: int, words: int, vocab: int, seed: int) -> list[str]:
 
 
 def policy(size: dict, tok, device: str, dtype: torch.dtype):
-    """farmflow's Llama-style policy from a config, built on `device` in `dtype` (seeded: both sides get the same weights)."""
+    """farmflow's Llama-style policy from a config, built on `device` in `dtype` (seeded: both sides get the same
+    weights)."""
     from farmflow.config import ModelConfig
     from farmflow.models import build_policy
 
@@ -204,7 +206,8 @@ def policy(size: dict, tok, device: str, dtype: torch.dtype):
 
 
 def flops_per_token(model, seq: int) -> tuple[float, int]:
-    """PaLM's 6N + 12·L·H·Q·T training FLOPs per token, and N (parameters of the matrix products, tied embedding once)."""
+    """PaLM's 6N + 12·L·H·Q·T training FLOPs per token, and N (parameters of the matrix products, tied embedding
+    once)."""
     c = model.config
     n = sum(
         p.numel() for p in model.parameters() if p.dim() == 2
@@ -284,7 +287,8 @@ def bench_sft(size: dict, device: str, dtype: torch.dtype, peak: float | None, c
         metrics = sft.train_sft(model, tok, prompts, responses, cfg, seq)
     if metrics["train_tokens"] != steps * batch * seq:
         raise RuntimeError(
-            f"sft: trained on {metrics['train_tokens']:.0f} tokens, expected {steps * batch * seq} (padding or truncation)"
+            f"sft: trained on {metrics['train_tokens']:.0f} tokens, expected {steps * batch * seq} "
+            "(padding or truncation)"
         )
     sides = {"farmflow": rate(batch * seq, ends, warmup) | {"loss_first": metrics["train_loss_first"]}}
     del model
@@ -327,7 +331,8 @@ def bench_sft(size: dict, device: str, dtype: torch.dtype, peak: float | None, c
 
 
 def plain_loop(size: dict, tok, device: str, dtype: torch.dtype, batches: list, cfg, compiled: bool) -> dict:
-    """The peer: a minimal PyTorch loop around the model's own loss, float32 master weights under autocast; step-end times."""
+    """The peer: a minimal PyTorch loop around the model's own loss, float32 master weights under autocast;
+    step-end times."""
     from farmflow.models import optimizer_and_schedule
 
     autocast = torch.autocast(device, dtype) if dtype != torch.float32 else contextlib.nullcontext()
@@ -362,11 +367,12 @@ def bench_generation(size: dict, device: str, dtype: torch.dtype) -> dict:
     tok_left = copy.deepcopy(tok)
     tok_left.padding_side = "left"
 
-    def farmflow(batch: list[str]) -> int:
+    # The model is an argument, not a closure variable, so that the `del model` below really releases it.
+    def farmflow(model, batch: list[str]) -> int:
         out = sample_ids(model, tok, batch, n=1, temperature=1.0, max_new_tokens=new, batch_size=len(batch), seed=0)
         return sum(len(r[0]) for r in out)
 
-    def hf_generate(batch: list[str]) -> int:
+    def hf_generate(model, batch: list[str]) -> int:
         enc = tok_left(["<s> " + p for p in batch], return_tensors="pt", padding=True, add_special_tokens=False).to(
             device
         )
@@ -386,13 +392,13 @@ def bench_generation(size: dict, device: str, dtype: torch.dtype) -> dict:
     contenders = {"farmflow_sample_ids": farmflow, "hf_generate": hf_generate}
     rows = []
     for name, fn in contenders.items():
-        fn(prompts[:2])  # warm-up: kernels, allocator
+        fn(model, prompts[:2])  # warm-up: kernels, allocator
     for b in g["batches"]:
         row = {"batch": b, "prompt_tokens": g["prompt"], "max_new_tokens": new}
         for name, fn in contenders.items():
             sync()
             start = time.perf_counter()
-            n_tokens = fn(prompts[:b])
+            n_tokens = fn(model, prompts[:b])
             sync()
             seconds = time.perf_counter() - start
             row[name] = {"seconds": seconds, "generated_tokens": n_tokens, "tokens_per_s": n_tokens / seconds}

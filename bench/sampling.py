@@ -121,7 +121,8 @@ def hf_side(model, tok, prompts: list[str], n: int, new: int, batch: int):
 
 
 def curve_sides(model, tok, prompts: list[str], new: int, batch: int):
-    """The over-optimization flow's best-of-n points: the largest n once (prefixes) vs each n apart; picks must agree."""
+    """The over-optimization flow's best-of-n points: the largest n once (prefixes) vs each n apart; picks must
+    agree."""
     import tempfile
 
     from farmflow.methods.best_of_n import pick_best, scored_candidates

@@ -103,7 +103,10 @@ def bench_store(store, table: pa.Table, weights: Path, fresh_cache) -> dict:
     for k in range(1, len(names)):
         store.fs.rm(store.row_chunks(f"annotations/w{k}"))
     con = connect(store)
-    query = "SELECT annotator, count(*) AS n, sum(price_usd) AS cost, avg(preference) AS pref FROM annotations GROUP BY annotator"
+    query = (
+        "SELECT annotator, count(*) AS n, sum(price_usd) AS cost, avg(preference) AS pref "
+        "FROM annotations GROUP BY annotator"
+    )
     assert sum(r[1] for r in con.sql(query).fetchall()) == ROWS
     out["duckdb_aggregate_s"] = median_time(lambda: con.sql(query).fetchall())
     out["table_write_mb_s"] = out["parquet_mb"] / out["table_write_s"]
@@ -192,8 +195,10 @@ def main() -> None:
     for where in ("local", "s3_moto_loopback"):
         r = results[where]
         print(
-            f"{where:17s} table ({r['parquet_mb']:.1f} MB Parquet, {ROWS} rows): write {r['table_write_mb_s']:.1f} MB/s, "
-            f"read {r['table_read_mb_s']:.1f} MB/s | checkpoint {CHECKPOINT_MB} MB: write {r['checkpoint_write_mb_s']:.1f} MB/s, "
+            f"{where:17s} table ({r['parquet_mb']:.1f} MB Parquet, {ROWS} rows): "
+            f"write {r['table_write_mb_s']:.1f} MB/s, "
+            f"read {r['table_read_mb_s']:.1f} MB/s | checkpoint {CHECKPOINT_MB} MB: "
+            f"write {r['checkpoint_write_mb_s']:.1f} MB/s, "
             f"read {r['checkpoint_read_mb_s']:.1f} MB/s | DuckDB aggregate {r['duckdb_aggregate_s'] * 1000:.0f} ms"
         )
     for name, ratio in results["ratios"].items():

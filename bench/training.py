@@ -76,7 +76,9 @@ SETUPS = {
             "reward": {"batch": 32, "lr": 5e-4},
             "dpo": {"batch": 32, "lr": 1e-4},
         },
-        "describe": "tiny Llama, synthetic-tiny shape (hidden 128, 2 layers, 4 heads, MLP 384, vocab 1024, tied embeddings)",
+        "describe": (
+            "tiny Llama, synthetic-tiny shape (hidden 128, 2 layers, 4 heads, MLP 384, vocab 1024, tied embeddings)"
+        ),
     },
     "smollm2": {
         "max_len": 256,
@@ -85,7 +87,10 @@ SETUPS = {
             "reward": {"batch": 8, "lr": 1e-5},
             "dpo": {"batch": 8, "lr": 1e-6},
         },
-        "describe": "SmolLM2-135M-Instruct (model cache), Alpaca demonstrations; pairs: an instruction's own answer vs another's",
+        "describe": (
+            "SmolLM2-135M-Instruct (model cache), Alpaca demonstrations; "
+            "pairs: an instruction's own answer vs another's"
+        ),
     },
 }
 TRAINERS = tuple(SETUPS["tiny"]["trainers"])
@@ -93,18 +98,20 @@ REAL_DATA = ROOT.parent / "shared" / "data" / "alpaca_en_demo.json"
 WARMUP_RATIO, BETA, SEED = 0.03, 0.1, 0
 TOKEN_COUNT = (
     "real (non-padding) tokens: the attention-mask sum of every batch a step trains on (SFT: one sequence per example; "
-    "reward and DPO: both outputs of each pair), counted on each side from its own batches (they must agree); tokens/s = "
-    "tokens of the timed steps / time from the end of the last warm-up step to the end of the last step (wall clock; per "
-    "CPU second: process CPU time)"
+    "reward and DPO: both outputs of each pair), counted on each side from its own batches (they must agree); "
+    "tokens/s = tokens of the timed steps / time from the end of the last warm-up step to the end of the last step "
+    "(wall clock; per CPU second: process CPU time)"
 )
 DIFFERENCES = [
-    "TRL tokenizes in its constructor (here: takes farmflow's token ids), outside the timed steps; farmflow encodes each batch "
-    "inside its loop, so that cost is in farmflow's time.",
-    "TRL computes per-step metrics: SFT and DPO entropy and top-1 accuracy from its fused LM head, reward min/mean/max/accuracy/margin; "
-    "farmflow records the loss (and DPO's implicit-reward accuracy).",
-    "SFT and DPO log-probs: TRL's fused LM head (chunked log-softmax; on CPU the torch fallback over every position), farmflow full "
-    "logits then cross-entropy (SFT) or log_softmax + gather (DPO). Same values: the first step's loss is equal on both sides (for DPO trivially log 2, since policy = reference at step 1).",
-    "Learning rate: Hugging Face's linear warmup starts at 0 (farmflow's at lr/warmup_steps), so losses after step 1 differ slightly.",
+    "TRL tokenizes in its constructor (here: takes farmflow's token ids), outside the timed steps; "
+    "farmflow encodes each batch inside its loop, so that cost is in farmflow's time.",
+    "TRL computes per-step metrics: SFT and DPO entropy and top-1 accuracy from its fused LM head, "
+    "reward min/mean/max/accuracy/margin; farmflow records the loss (and DPO's implicit-reward accuracy).",
+    "SFT and DPO log-probs: TRL's fused LM head (chunked log-softmax; on CPU the torch fallback over every position), "
+    "farmflow full logits then cross-entropy (SFT) or log_softmax + gather (DPO). Same values: the first step's loss "
+    "is equal on both sides (for DPO trivially log 2, since policy = reference at step 1).",
+    "Learning rate: Hugging Face's linear warmup starts at 0 (farmflow's at lr/warmup_steps), "
+    "so losses after step 1 differ slightly.",
     "DPO: TRL's DPOTrainer with _prepare_dataset overridden to take pre-tokenized prompt/chosen/rejected ids.",
 ]
 
@@ -245,7 +252,10 @@ def run_farmflow(kind: str, folder: Path, inputs: dict) -> dict:
             encode_examples(tok, [prompts[i] for i in b], [responses[i] for i in b], max_len)[1]
             for b in batches(n, batch, steps)
         ]
-        train = lambda: sft.train_sft(model, tok, prompts, responses, SFTConfig(**common), max_len)
+
+        def train():
+            return sft.train_sft(model, tok, prompts, responses, SFTConfig(**common), max_len)
+
     else:
         d = inputs["data"]["pairs"]
         n = steps * batch
@@ -256,14 +266,18 @@ def run_farmflow(kind: str, folder: Path, inputs: dict) -> dict:
         ]
         if kind == "reward":
             model = reward_from_policy(folder / "policy", seed=SEED)
-            train = lambda: reward.train_reward(
-                model, tok, prompts, out_1, out_2, prefs, RewardConfig(**common), max_len
-            )
+
+            def train():
+                return reward.train_reward(model, tok, prompts, out_1, out_2, prefs, RewardConfig(**common), max_len)
+
         else:
             ref_1, ref_2 = dpo.reference_logps(model, tok, prompts, out_1, out_2, max_len, batch_size=batch)
-            train = lambda: dpo.train_dpo(
-                model, tok, prompts, out_1, out_2, prefs, ref_1, ref_2, DPOConfig(beta=BETA, **common), max_len
-            )
+
+            def train():
+                return dpo.train_dpo(
+                    model, tok, prompts, out_1, out_2, prefs, ref_1, ref_2, DPOConfig(beta=BETA, **common), max_len
+                )
+
     module.progress = timed_progress  # only around the training loop (not DPO's reference pass)
     metrics = train()
     return {
@@ -516,7 +530,8 @@ def main(argv: list[str] | None = None) -> dict:
                     r = measure(pythons[side], side, kind, folder, args.threads, args.warmup)
                     runs[side].append(r)
                     print(
-                        f"{kind} round {rnd} {side}: {r['tokens_per_s']:.0f} tokens/s, {r['tokens_per_cpu_s']:.0f} per CPU second "
+                        f"{kind} round {rnd} {side}: {r['tokens_per_s']:.0f} tokens/s, "
+                        f"{r['tokens_per_cpu_s']:.0f} per CPU second "
                         f"({r['ms_per_step']:.0f} ms/step)",
                         flush=True,
                     )
@@ -536,12 +551,14 @@ def main(argv: list[str] | None = None) -> dict:
             }
             if "trl" in runs:
                 rates = {side: values(rs, "tokens_per_s") for side, rs in runs.items()}
+                ff_cpu = statistics.median(values(ff, "tokens_per_cpu_s"))
+                trl_cpu = statistics.median(values(runs["trl"], "tokens_per_cpu_s"))
                 e = entry(
                     f"{kind} training, {args.model}",
                     "trained tokens/s",
                     rates,
                     goal=GOALS[kind],
-                    note=f"per CPU second: {statistics.median(values(ff, 'tokens_per_cpu_s')) / statistics.median(values(runs['trl'], 'tokens_per_cpu_s')):.2f}x",
+                    note=f"per CPU second: {ff_cpu / trl_cpu:.2f}x",
                 )
                 results["entries"].append(e)
                 results["machine"]["trl_version"] = runs["trl"][0].get("trl_version")

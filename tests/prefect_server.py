@@ -40,7 +40,8 @@ def stop(proc: subprocess.Popen) -> None:
 
 @contextmanager
 def prefect_server(home: Path, **settings: str) -> Iterator[tuple[str, dict, Path]]:
-    """Start a server (extra `settings` as environment variables); yields (api_url, environment for clients, server log)."""
+    """Start a server (extra `settings` as environment variables); yields (api_url, environment for clients, server
+    log)."""
     import httpx
 
     port = free_port()

@@ -82,7 +82,10 @@ KILL_SCRIPT = textwrap.dedent("""
     from farmflow.tasks import rl
     uri, config, refs = sys.argv[1], {config_class}.model_validate_json(sys.argv[2]), json.loads(sys.argv[3])
     refs = {{k: ArtifactRef.model_validate(v) for k, v in refs.items()}}
-    rl.{task}.fn(uri, config, refs["data"], refs["sft"], refs["reward"], checkpoints=CheckpointConfig(every_steps=1, every_seconds=0))
+    rl.{task}.fn(
+        uri, config, refs["data"], refs["sft"], refs["reward"],
+        checkpoints=CheckpointConfig(every_steps=1, every_seconds=0),
+    )
 """)
 
 

@@ -95,7 +95,10 @@ def test_choice_rejects_what_does_not_answer_every_item_once(text, n, reason):
 
 # ----------------------------------------------------------------------------- json
 def test_json_parses_fenced_chatty_and_string_booleans():
-    text = 'Here you go:\n```json\n[{"item": 2, "explanation": "b sorts", "a_is_better": false},\n {"item": 1, "explanation": "x", "a_is_better": "TRUE"}]\n```'
+    text = (
+        'Here you go:\n```json\n[{"item": 2, "explanation": "b sorts", "a_is_better": false},\n '
+        '{"item": 1, "explanation": "x", "a_is_better": "TRUE"}]\n```'
+    )
     assert parse_json(text, 2) == [1.0, 2.0]
     assert parse_json('{"explanation": "(a) is right", "a_is_better": true}', 1) == [1.0]  # a lone object
     assert parse_json('[{"explanation": "", "a_is_better": false}, {"explanation": "", "a_is_better": true}]', 2) == [

@@ -196,7 +196,9 @@ def test_position_bias_prefers_the_first_shown_output():
 
 
 def test_length_bias_prefers_the_longer_output():
-    long = lambda t: "Sure! Here are the numbers in order: " + correct_output(t)
+    def long(t):
+        return "Sure! Here are the numbers in order: " + correct_output(t)
+
     rows = equal_gold_rows(40, long)
     rows = [r if i % 2 else r | {"output_1": r["output_2"], "output_2": r["output_1"]} for i, r in enumerate(rows)]
     table = annotate_pairs(rows, one(sharpness=1e-9, length_bias=200.0)).to_pylist()
@@ -226,7 +228,9 @@ def test_default_pool_decides_equal_gold_by_length_and_clear_differences_by_gold
 
 
 def test_list_bias_prefers_the_list():
-    numbered = lambda t: "\n".join(f"{i}. {x}" for i, x in enumerate(correct_output(t).split(", "), 1))
+    def numbered(t):
+        return "\n".join(f"{i}. {x}" for i, x in enumerate(correct_output(t).split(", "), 1))
+
     rows = equal_gold_rows(40, numbered)
     table = annotate_pairs(rows, one(sharpness=1e-9, list_bias=60.0)).to_pylist()
     assert all(r["gold_1"] == r["gold_2"] == 1.0 for r in table)

@@ -123,7 +123,8 @@ def test_command_lines(tmp_path):
 
 
 def test_accelerate_config_by_path_or_shipped_name(tmp_path, monkeypatch):
-    """Shipped configs are package data, so an installed farmflow (no checkout, e.g. the Docker images) finds them by name."""
+    """Shipped configs are package data, so an installed farmflow (no checkout, e.g. the Docker images) finds them by
+    name."""
     for name in ("fsdp", "fsdp.yaml", "configs/accelerate/fsdp.yaml"):
         assert find_config(name) == CONFIGS / "fsdp.yaml"
     own = tmp_path / "fsdp.yaml"
@@ -190,7 +191,8 @@ def test_fsdp_config_is_the_7b_recipe():
 # ----------------------------------------------------------------------------- several processes
 @pytest.mark.slow
 def test_two_process_ddp_on_cpu_matches_one_process(tmp_path, cfg):
-    """accelerate launch, 2 CPU processes (gloo): each takes half of every batch; the result is the one-process run's."""
+    """accelerate launch, 2 CPU processes (gloo): each takes half of every batch; the result is the one-process
+    run's."""
     ddp = tmp_path / "cpu_ddp.yaml"
     ddp.write_text(
         yaml.safe_dump(
@@ -242,7 +244,8 @@ def test_the_flows_stage_runner_applies_the_launcher(tmp_path, cfg, prefect_harn
 
 
 def test_distributed_stage_flow_applies_the_callers_launcher(tmp_path, cfg, prefect_harness, monkeypatch):
-    """In distributed mode the GPU worker's stage flow runs the stage with the calling flow's launcher (it ran inline)."""
+    """In distributed mode the GPU worker's stage flow runs the stage with the calling flow's launcher (it ran
+    inline)."""
     from farmflow.flows.distributed import stage_flow
     from farmflow.tasks import launch
 
@@ -310,7 +313,8 @@ time.sleep(120)
 """
 PARENT = """
 import os, subprocess, sys, time
-child = subprocess.Popen([sys.executable, "-c", sys.argv[1]], env=os.environ | {"FARMFLOW_PARENT_PID": str(os.getpid())},
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1]],
+                         env=os.environ | {"FARMFLOW_PARENT_PID": str(os.getpid())},
                          stdout=subprocess.PIPE, text=True)
 assert child.stdout.readline().strip() == "watching"
 print(child.pid, flush=True)

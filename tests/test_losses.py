@@ -41,8 +41,11 @@ def test_bradley_terry_fractional_preferences():
     l0 = -0.5 * log_sigmoid(d0) - 0.5 * log_sigmoid(-d0)
     l1 = -0.25 * log_sigmoid(d1) - 0.75 * log_sigmoid(-d1)
     assert bradley_terry_loss(r1, r2, pref).item() == pytest.approx((l0 + l1) / 2, rel=1e-6)
+
     # a tie's loss is minimal when the rewards are equal
-    tie = lambda d: bradley_terry_loss(torch.tensor([0.0]), torch.tensor([d]), torch.tensor([1.5])).item()
+    def tie(d):
+        return bradley_terry_loss(torch.tensor([0.0]), torch.tensor([d]), torch.tensor([1.5])).item()
+
     assert tie(0.0) < tie(0.3) and tie(0.0) < tie(-0.3)
     assert tie(0.3) == pytest.approx(tie(-0.3), rel=1e-6)
 

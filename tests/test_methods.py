@@ -247,7 +247,10 @@ RESUME_SCRIPT = textwrap.dedent("""
     model, tok = load_policy(model_dir)
     ckpt = Checkpointer(LocalStore(store_root), "dpo", "resume-test", every_steps=1)
     cfg = DPOConfig(epochs=40, batch_size=4, lr=1e-3)
-    m = dpo.train_dpo(model, tok, data["prompts"], data["out_1"], data["out_2"], data["prefs"], data["ref_1"], data["ref_2"], cfg, 128, ckpt)
+    m = dpo.train_dpo(
+        model, tok, data["prompts"], data["out_1"], data["out_2"], data["prefs"], data["ref_1"], data["ref_2"],
+        cfg, 128, ckpt,
+    )
     print(json.dumps(m))
 """)
 

@@ -152,7 +152,10 @@ def test_tokenizer_is_deterministic(tok):
 def test_encode_examples_masks_prompt_and_padding(tok):
     prompts, responses = ["What is 2 + 2?", "List 3 colors."], ["4", "red, blue, green"]
     ids, mask, labels = encode_examples(tok, prompts, responses, max_len=128)
-    enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]
+
+    def enc(s):
+        return tok(s, add_special_tokens=False)["input_ids"]
+
     bos, eos, pad = tok.bos_token_id, tok.eos_token_id, tok.pad_token_id
     rows = [[bos] + enc(p) + enc(r) + [eos] for p, r in zip(prompts, responses)]
     width = max(map(len, rows))
@@ -189,7 +192,9 @@ def test_encode_examples_exact_small_example(tok):
 
 
 def test_encode_examples_truncates_the_response_end(tok):
-    enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]
+    def enc(s):
+        return tok(s, add_special_tokens=False)["input_ids"]
+
     prompt, response = "What is 37 + 48?", "The answer is 37 + 48 = 85. " * 8
     n_prompt = 1 + len(enc(prompt))
     max_len = 4 * n_prompt  # a quarter of max_len fits the response, so the whole prompt is kept
@@ -479,7 +484,8 @@ def test_sft_loss_on_the_response_window_equals_the_full_loss(policy, tok):
 
 @torch.no_grad()
 def test_dpo_and_ppo_log_probs_on_the_response_window_equal_full_logits(policy, tok):
-    """DPO's sequence log-probs and PPO's response logits skip the prompt columns' vocabulary projection: same numbers."""
+    """DPO's sequence log-probs and PPO's response logits skip the prompt columns' vocabulary projection: same
+    numbers."""
     import torch.nn.functional as F
 
     from farmflow.methods.dpo import sequence_logps

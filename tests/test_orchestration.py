@@ -286,7 +286,8 @@ def test_failed_stage_resumes_from_cached_inputs_then_history_accumulates(micro_
     ).fetchall()
     assert len(runs) == 2 and all(n == 3 and preset == "synthetic-micro" for _, n, preset in runs)
     trend = con.sql(
-        "SELECT method, count(*), min(win_rate) = max(win_rate) FROM leaderboard_history GROUP BY method ORDER BY method"
+        "SELECT method, count(*), min(win_rate) = max(win_rate) FROM leaderboard_history "
+        "GROUP BY method ORDER BY method"
     ).fetchall()
     assert trend == [("best_of_4", 2, True), ("sft", 2, True), ("untrained", 2, True)]
     out = CliRunner().invoke(

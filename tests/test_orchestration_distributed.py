@@ -1,7 +1,7 @@
 """Distributed mode for real, all on 127.0.0.1: a Prefect server (the session's), `farmflow deploy`, a CPU and a GPU
-process worker, a triggered `compare` run of the micro preset with execution.mode=distributed, then a second trigger with
-one changed method parameter. Every GPU stage must run as its own flow run on the GPU pool (a separate process: nothing
-executes in this test process), and the second run must send only the changed method's stages there.
+process worker, a triggered `compare` run of the micro preset with execution.mode=distributed, then a second trigger
+with one changed method parameter. Every GPU stage must run as its own flow run on the GPU pool (a separate process:
+nothing executes in this test process), and the second run must send only the changed method's stages there.
 """
 
 from __future__ import annotations
@@ -218,9 +218,10 @@ def test_a_vanished_gpu_worker_is_marked_crashed_and_its_stage_retried(tmp_path)
         execution=cfg.execution, store=LocalStore(store), store_uri=store, preset="synthetic-micro"
     )
     result: list = []
-    wait_for_sft = lambda: result.append(
-        run_remote(runner, tasks.sft_task, cfg.sft, "sft", {"data": data, "base": base})
-    )  # noqa: E731
+
+    def wait_for_sft():
+        result.append(run_remote(runner, tasks.sft_task, cfg.sft, "sft", {"data": data, "base": base}))
+
     parent = threading.Thread(
         target=contextvars.copy_context().run, args=(wait_for_sft,), daemon=True
     )  # the harness's API settings
@@ -231,14 +232,18 @@ def test_a_vanished_gpu_worker_is_marked_crashed_and_its_stage_retried(tmp_path)
         with get_client(sync_client=True) as client:
             stage = client.read_deployment_by_name("stage/gpu")
             assert stage.job_variables["env"]["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"] == "30"
-            all_runs = lambda: client.read_flow_runs(
-                flow_run_filter=FlowRunFilter(deployment_id=FlowRunFilterDeploymentId(any_=[stage.id]))
-            )  # noqa: E731
+
+            def all_runs():
+                return client.read_flow_runs(
+                    flow_run_filter=FlowRunFilter(deployment_id=FlowRunFilterDeploymentId(any_=[stage.id]))
+                )
+
             earlier = {r.id for r in all_runs()}  # the session's server keeps other tests' stage runs
             runs = lambda: [r for r in all_runs() if r.id not in earlier]  # noqa: E731
             parent.start()
             deadline = time.monotonic() + 180
-            # kill once the server has the run's first heartbeat (events are persisted every few seconds; SFT takes ~15 s here)
+            # kill once the server has the run's first heartbeat (events are persisted every few seconds; SFT takes
+            # ~15 s here)
             while not any(r.state and r.state.is_running() and _heartbeat_seen(api_url, r.id) for r in runs()):
                 assert time.monotonic() < deadline and not any(r.state and r.state.is_final() for r in runs()), logs[
                     0

@@ -79,8 +79,8 @@ def test_curve_rows_sorted_by_labeller_family_and_pressure():
     assert set(rows[0]) == set(SCHEMAS["overoptimization"].names)
     md = curve_markdown(rows, "T")
     assert (
-        "| labeller | point | pressure | proxy reward | mean gold | avg length | win rate (greedy) | win rate (p_sim^ann) |"
-        in md
+        "| labeller | point | pressure | proxy reward | mean gold | avg length | win rate (greedy) "
+        "| win rate (p_sim^ann) |" in md
     )
     assert "| greedy | best_of_2 | 2 | 0.400 | 0.610 | 30 | 57.0 ± 2.0 | — |" in md
     assert "| p_sim^ann | best_of_4 | 4 | 0.900 | 0.620 | 30 | 60.0 ± 2.0 | 52.0 ± 2.0 |" in md
@@ -93,7 +93,8 @@ def test_curve_plot_is_a_real_png(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     img = mpimg.imread(str(path))
     assert img.shape[0] > 300 and img.shape[1] > 800 and img[..., :3].std() > 0.05
-    # one colour per labeller: matplotlib's C0 (greedy, first in the sorted rows) and C1 (p_sim^ann) lines are both drawn
+    # one colour per labeller: matplotlib's C0 (greedy, first in the sorted rows) and C1 (p_sim^ann) lines are both
+    # drawn
     rgb = img[..., :3]
     for colour in ((0x1F, 0x77, 0xB4), (0xFF, 0x7F, 0x0E)):
         assert (abs(rgb - np.array(colour) / 255).max(axis=-1) < 0.02).sum() > 50
@@ -294,7 +295,8 @@ def test_overoptimization_flow_micro(micro_config):
 @pytest.mark.slow
 @pytest.mark.usefixtures("prefect_harness")
 def test_overoptimization_flow_with_ppo_snapshots(micro_config):
-    """PPO's curve against the greedy labeller's reward model: one point per committed snapshot (every 2 steps) plus step 0 = SFT."""
+    """PPO's curve against the greedy labeller's reward model: one point per committed snapshot (every 2 steps) plus
+    step 0 = SFT."""
     from farmflow.flows.overoptimization import overoptimization_flow
 
     summary = overoptimization_flow(advanced=micro_config, ns=[1], labellers=["greedy"], ppo_every=2)

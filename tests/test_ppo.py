@@ -85,7 +85,8 @@ def test_ppo_loss_by_hand():
         logprobs, old, adv, values, old_values, returns, mask, clip_range=0.2, clip_range_value=0.2, vf_coef=0.1
     )
     policy_loss = (-1.2 + 0.8 - 2.2) / 3
-    # values clipped to [-0.2, 0.2]: (0.2, -0.1, 0.2); squared errors unclipped (0.25, 1.21, 1.69), clipped (0.64, 1.21, 1.44)
+    # values clipped to [-0.2, 0.2]: (0.2, -0.1, 0.2); squared errors unclipped (0.25, 1.21, 1.69),
+    # clipped (0.64, 1.21, 1.44)
     value_loss = 0.5 * (0.64 + 1.21 + 1.69) / 3
     assert stats["policy_loss"].item() == pytest.approx(policy_loss)
     assert stats["value_loss"].item() == pytest.approx(value_loss)

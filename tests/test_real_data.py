@@ -48,7 +48,8 @@ def test_paper_proportions_sizes_determinism_disjointness():
     table, counts = build_real_farm(local())  # paper sizes 10k/10k/20k/2k > the file: shared 10 : 10 : 20 : 2
     assert table.schema.equals(SCHEMAS["instructions"])
     sizes = Counter(table.column("split").to_pylist())
-    # 999 rows, 14 repeated -> 985 distinct; 985 * (10, 10, 20, 2) / 42 = 234.5, 234.5, 469.0, 46.9 -> largest remainders
+    # 999 rows, 14 repeated -> 985 distinct; 985 * (10, 10, 20, 2) / 42 = 234.5, 234.5, 469.0, 46.9
+    # -> largest remainders
     assert counts == {"duplicates_dropped": 14.0, "rows_unused": 0.0}
     assert dict(sizes) == {"eval": 805, "sft": 235, "pref": 234, "unlabeled": 469, "val": 47}
     splits = {s: split_rows(table, s) for s in ("sft", "pref", "unlabeled", "val", "eval")}

@@ -103,7 +103,8 @@ def test_pool_preference_averages_annotators_and_shown_orders():
             ]
         )
     )
-    # "a" shown (wrong, right): sigmoid(2Δ − 0.5); shown (right, wrong): 1 − sigmoid(−2Δ − 0.5) = sigmoid(2Δ + 0.5); "b": sigmoid(Δ)
+    # "a" shown (wrong, right): sigmoid(2Δ − 0.5); shown (right, wrong): 1 − sigmoid(−2Δ − 0.5) = sigmoid(2Δ + 0.5);
+    # "b": sigmoid(Δ)
     expected = (sigmoid(2 * delta - 0.5) + sigmoid(2 * delta + 0.5) + 2 * sigmoid(delta)) / 4
     assert pool_preference(pool, row) == pytest.approx(expected, rel=1e-12)
     flipped = {**row, "output_1": right, "output_2": wrong}

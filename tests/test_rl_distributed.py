@@ -32,7 +32,8 @@ from farmflow.methods import rl as rl_methods  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-# fixed tensors split between the processes: rows 0-2 are rank 0's, rows 3-5 rank 1's (4 columns wide: its last is padding)
+# fixed tensors split between the processes: rows 0-2 are rank 0's, rows 3-5 rank 1's (4 columns wide: its last is
+# padding)
 GEN = torch.Generator().manual_seed(0)
 X = torch.randn(6, 5, generator=GEN)
 MASK = torch.tensor(
@@ -100,7 +101,8 @@ def fixed_pool() -> dict[str, torch.Tensor]:
 
 
 def one_quark_update(pool: dict[str, torch.Tensor]) -> list[torch.nn.Module]:
-    """One Quark optimizer step from the toy policy on 7 rows of `pool` (padded to 8 on 2 processes), through a Runtime."""
+    """One Quark optimizer step from the toy policy on 7 rows of `pool` (padded to 8 on 2 processes), through a
+    Runtime."""
     from farmflow.models.runtime import Runtime, num_processes
 
     policy, ref, _, _ = toy_models()
@@ -333,7 +335,8 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _union_batch(shares: list[dict]) -> dict[str, torch.Tensor]:
-    """The two processes' rollout shares as one batch: packed again (prompts, responses), response columns padded right."""
+    """The two processes' rollout shares as one batch: packed again (prompts, responses), response columns padded
+    right."""
     _, _, _, tok = toy_models()
     responses = [
         [t for t, m in zip(row, mask) if m] for s in shares for row, mask in zip(s["tokens"], s["response_mask"])
@@ -348,7 +351,8 @@ def _union_batch(shares: list[dict]) -> dict[str, torch.Tensor]:
 
 @pytest.mark.slow
 def test_one_ppo_update_on_two_processes_equals_one_process_on_the_union(ranks):
-    """DDP through Runtime: one optimizer step over the whole rollout (each process holding half) = one process over all of it."""
+    """DDP through Runtime: one optimizer step over the whole rollout (each process holding half) = one process over
+    all of it."""
     seen, out = ranks
     a, b = _weights(out / "rank0-ppo-step.safetensors"), _weights(out / "rank1-ppo-step.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -401,11 +405,14 @@ def test_a_batch_that_does_not_split_between_the_processes_is_one_clear_error(ra
     seen, _ = ranks
     for s in seen:
         assert s["errors"] == {
-            "ppo_rollout": "ppo.rollout_batch_size (23) does not divide evenly between the 2 processes (execution.num_processes): "
+            "ppo_rollout": "ppo.rollout_batch_size (23) does not divide evenly between the 2 processes "
+            "(execution.num_processes): "
             "every process takes an equal share of each batch",
-            "ppo_step": "ppo.step_batch_size (11) does not divide evenly between the 2 processes (execution.num_processes): "
+            "ppo_step": "ppo.step_batch_size (11) does not divide evenly between the 2 processes "
+            "(execution.num_processes): "
             "every process takes an equal share of each batch",
-            "quark_rollout": "quark.rollout_batch_size (23) does not divide evenly between the 2 processes (execution.num_processes): "
+            "quark_rollout": "quark.rollout_batch_size (23) does not divide evenly between the 2 processes "
+            "(execution.num_processes): "
             "every process takes an equal share of each batch",
         }
 

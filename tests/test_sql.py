@@ -244,7 +244,10 @@ def test_print_views_round_trip_through_a_fresh_connection(store):
 
 def test_sql_cli_formats(store, tmp_path):
     uri = str(store.root) if isinstance(store, LocalStore) else store.location
-    query = "SELECT generator, avg(preference - 1) * 100 AS win_rate, count(*) AS n FROM evaluations GROUP BY generator ORDER BY generator"
+    query = (
+        "SELECT generator, avg(preference - 1) * 100 AS win_rate, count(*) AS n FROM evaluations "
+        "GROUP BY generator ORDER BY generator"
+    )
 
     result = runner.invoke(app, ["sql", query, "--store", uri])
     assert result.exit_code == 0, result.output

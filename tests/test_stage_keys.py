@@ -145,7 +145,8 @@ def test_split_digests_change_only_with_their_split(tmp_path):
         small.key != more_eval.key and open_store(store).get("data", small.key).parts == small.parts
     )  # kept in the commit record
     assert {s for s in small.parts if small.parts[s] != more_eval.parts[s]} == {"eval"}
-    # a stage that reads the sft split keeps its key; one that reads eval does not; the synthetic tokenizer reads them all
+    # a stage that reads the sft split keeps its key; one that reads eval does not; the synthetic tokenizer reads them
+    # all
     sft_key = lambda data: stage_key("sft", "1", {}, tasks.core.keyed_inputs("sft", {}, {"data": data}))  # noqa: E731
     eval_key = lambda data: stage_key("evaluate", "1", {}, tasks.core.keyed_inputs("evaluate", {}, {"data": data}))  # noqa: E731
     assert sft_key(small) == sft_key(more_eval) and eval_key(small) != eval_key(more_eval)

@@ -222,15 +222,18 @@ def test_a_judge_at_temperature_one_samples(served, key):
     import openai
 
     client = openai.OpenAI(base_url=served.url, api_key="local", max_retries=0)
-    ask = lambda t: (
-        client.chat.completions.create(  # noqa: E731
-            model=served.model,
-            messages=[{"role": "user", "content": "Which output is better, (a) or (b)?"}],
-            temperature=t,
-            max_tokens=8,
+
+    def ask(t):
+        return (
+            client.chat.completions.create(
+                model=served.model,
+                messages=[{"role": "user", "content": "Which output is better, (a) or (b)?"}],
+                temperature=t,
+                max_tokens=8,
+            )
+            .choices[0]
+            .message.content
         )
-        .choices[0]
-        .message.content
-    )
+
     assert len({ask(1.0) for _ in range(6)}) > 1
     assert len({ask(0.0) for _ in range(3)}) == 1

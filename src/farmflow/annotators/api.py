@@ -101,7 +101,8 @@ def api_key(cfg: AnnotatorConfig) -> str:
             value = Secret.load(cfg.api_key_secret).get()
         except Exception as err:  # noqa: BLE001  (block missing, no Prefect API...)
             raise AnnotationError(
-                f"annotation.api_key_secret: cannot load Prefect Secret block {cfg.api_key_secret!r} ({type(err).__name__})"
+                f"annotation.api_key_secret: cannot load Prefect Secret block {cfg.api_key_secret!r} "
+                f"({type(err).__name__})"
             ) from None
         if isinstance(value, dict):  # a JSON Secret: the key is its api_key field
             value = value.get("api_key")

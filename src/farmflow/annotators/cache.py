@@ -42,7 +42,8 @@ OPENAI_URL = "https://api.openai.com/v1"
 
 
 def resolve_base_url(annotator: ApiAnnotatorConfig, cfg: AnnotatorConfig) -> str:
-    """The annotator's endpoint: its own, the pool's, $OPENAI_BASE_URL, or OpenAI's (never one with credentials in it)."""
+    """The annotator's endpoint: its own, the pool's, $OPENAI_BASE_URL, or OpenAI's (never one with credentials in
+    it)."""
     env = os.environ.get("OPENAI_BASE_URL")
     if env and not (annotator.base_url or cfg.base_url):
         try:

@@ -52,7 +52,9 @@ _ASK = {
     "json": "Judge the {n} item{s} below. Reply with a JSON array holding one object per item, in item order, each "
     'shaped like {{"item": <item number>, "explanation": "<one short sentence>", "a_is_better": <true or false>}}. '
     "Write the explanation before you decide. Reply with the JSON array only.",
-    "logprobs": "Judge the item below. Reply with exactly one character: a if output (a) is better, b if output (b) is better.",
+    "logprobs": (
+        "Judge the item below. Reply with exactly one character: a if output (a) is better, b if output (b) is better."
+    ),
 }
 _WITH_INPUT_NOTE = " Where an item has an input, the instruction refers to it."
 

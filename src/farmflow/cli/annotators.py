@@ -134,7 +134,8 @@ def annotate_file(
     ),
     annotator: str = typer.Option(
         "p_sim_eval",
-        help="oracle, a preset (alpacafarm-pool, p_sim_eval, p_sim_ann, p_sim_gpt4) or the path of a JSON file holding an annotation config.",
+        help="oracle, a preset (alpacafarm-pool, p_sim_eval, p_sim_ann, p_sim_gpt4) "
+        "or the path of a JSON file holding an annotation config.",
     ),
     output: Optional[Path] = typer.Option(
         None, help="Where to write the annotated rows (default FILE with .annotated.json)."
@@ -153,7 +154,8 @@ def annotate_file(
         "each annotator keeps its prompt format, style, temperature and batch size.",
     ),
 ) -> None:
-    """Annotate an AlpacaEval-format file; writes the same rows with 'preference' (1: output_1, 2: output_2) and 'annotator'."""
+    """Annotate an AlpacaEval-format file; writes the same rows with 'preference' (1: output_1, 2: output_2) and
+    'annotator'."""
     from farmflow.annotators import AnnotationError, annotate, task_from_text
     from farmflow.config import StoreConfig
     from farmflow.data.synthetic import task_to_json

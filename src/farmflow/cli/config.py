@@ -75,7 +75,10 @@ def diff(
             continue
         if all_ or chosen.get(key, "—") != paper.get(key, "—"):
             rows.append([key, paper.get(key, "—"), chosen.get(key, "—")])
-    title = f"{preset} vs the defaults (the methods' defaults are the paper's; data and model default to the synthetic farm)"
+    title = (
+        f"{preset} vs the defaults (the methods' defaults are the paper's; "
+        "data and model default to the synthetic farm)"
+    )
     emit(["setting", "default", preset], rows, fmt, title=title, cells={"default": repr, preset: repr})
 
 

@@ -33,7 +33,8 @@ def winrate(
     difficulty: list[Path] = typer.Option(
         [],
         "--difficulty",
-        help="Other annotation files (other models, same references and judge) to estimate instruction difficulty from; repeatable.",
+        help="Other annotation files (other models, same references and judge) "
+        "to estimate instruction difficulty from; repeatable.",
     ),
 ) -> None:
     """Win rate, standard error, counts, discrete win rate, average length and length-controlled win rate, as JSON.

@@ -160,10 +160,12 @@ def demo(
     ),
     annotator: str = typer.Option(
         "oracle",
-        help="oracle: the offline annotator pool; api-local: the API annotators (p_sim_ann/p_sim_eval) through a loopback judge server started for the run.",
+        help="oracle: the offline annotator pool; api-local: the API annotators (p_sim_ann/p_sim_eval) "
+        "through a loopback judge server started for the run.",
     ),
 ) -> None:
-    """Run the offline synthetic farm end to end: SFT, pairs, annotation, reward model, every method, one leaderboard."""
+    """Run the offline synthetic farm end to end: SFT, pairs, annotation, reward model, every method, one
+    leaderboard."""
     prefect_env()
     chosen = methods_of(methods)  # wrong names and presets fail at once, before Prefect's temporary API starts
     if annotator not in ("oracle", "api-local"):
@@ -289,7 +291,8 @@ def deploy(
     ),
     store: Optional[str] = typer.Option(
         None,
-        help="Store the flows use (an s3:// URI when workers run on several machines); default: each worker's $FARMFLOW_STORE or ./.farmflow/store.",
+        help="Store the flows use (an s3:// URI when workers run on several machines); "
+        "default: each worker's $FARMFLOW_STORE or ./.farmflow/store.",
     ),
     nightly_cron: str = typer.Option("0 3 * * *", help="Cron schedule of the nightly-compare deployment."),
     timezone: str = typer.Option("UTC", help="Timezone of the nightly schedule (IANA name, e.g. Europe/Paris)."),
@@ -306,7 +309,8 @@ def deploy(
         True, help="Create the work pools (execution.cpu_pool, execution.gpu_pool; process type) when missing."
     ),
 ) -> None:
-    """Register a deployment per flow, the nightly comparison, the GPU stage runner and the unresponsive-run automation on the Prefect server at PREFECT_API_URL."""
+    """Register a deployment per flow, the nightly comparison, the GPU stage runner and the unresponsive-run
+    automation on the Prefect server at PREFECT_API_URL."""
     prefect_env()
     from farmflow.config import ConfigError
     from farmflow.deployments import deploy as register_deployments

@@ -14,7 +14,10 @@ from farmflow.cli.errors import CliError, UsageError
 from farmflow.cli.output import FORMAT_HELP, check_format, emit, exact, format_option
 
 artifacts_app = typer.Typer(help="List and inspect the committed artifacts of a store.", no_args_is_help=True)
-STORE_HELP = "Artifact store: a folder or s3://bucket/prefix[?endpoint_url=...] (default $FARMFLOW_STORE, else ./.farmflow/store)."
+STORE_HELP = (
+    "Artifact store: a folder or s3://bucket/prefix[?endpoint_url=...] "
+    "(default $FARMFLOW_STORE, else ./.farmflow/store)."
+)
 
 
 def open_given(store: Optional[str]):
@@ -28,7 +31,8 @@ def open_given(store: Optional[str]):
 def sql(
     query: Optional[str] = typer.Argument(
         None,
-        help="SQL over the views artifacts, instructions, pairs, preferences, outputs, evaluations, leaderboard, overoptimization, reward_report, annotations, runs, leaderboard_history.",
+        help="SQL over the views artifacts, instructions, pairs, preferences, outputs, evaluations, leaderboard, "
+        "overoptimization, reward_report, annotations, runs, leaderboard_history.",
     ),
     store: Optional[str] = typer.Option(None, help=STORE_HELP),
     fmt: str = format_option(FORMAT_HELP.removesuffix(".") + "; parquet (needs --output)."),

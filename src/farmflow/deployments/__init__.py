@@ -56,9 +56,10 @@ def deployments(
 
     Every flow deployment's default parameters are ``preset``, ``overrides`` and ``advanced`` (the preset's
     config; `farmflow.flows.form.deployment_parameters`), every other form field at its default
-    (`form_parameters`), all editable in the UI per run. Pools default to the preset's ``execution.cpu_pool`` and ``execution.gpu_pool``. `cfg`: the config ``preset`` and ``overrides`` load to, when the
-    caller has it already. `nightly_schedule`: any Prefect schedule (e.g. ``Interval``) in place of
-    the cron, for comparisons more often than nightly.
+    (`form_parameters`), all editable in the UI per run. Pools default to the preset's ``execution.cpu_pool`` and
+    ``execution.gpu_pool``. `cfg`: the config ``preset`` and ``overrides`` load to, when the caller has it already.
+    `nightly_schedule`: any Prefect schedule (e.g. ``Interval``) in place of the cron, for comparisons more often
+    than nightly.
     """
     from prefect.schedules import Cron
     from prefect.types.entrypoint import EntrypointType
@@ -102,7 +103,8 @@ def deployments(
         stage_flow.to_deployment(
             name=stage_name,
             work_pool_name=gpu_pool,
-            description="One GPU stage per flow run (SFT, generation, reward and policy training) for flows with execution.mode=distributed.",
+            description="One GPU stage per flow run (SFT, generation, reward and policy training) "
+            "for flows with execution.mode=distributed.",
             **common,
         )
     )
@@ -159,8 +161,9 @@ def unresponsive_automation(after_s: int) -> Any:
     final = {f"prefect.flow-run.{s}" for s in ("Completed", "Failed", "Cancelled", "Crashed")}
     return AutomationCore(
         name=UNRESPONSIVE,
-        description=f"A flow run tagged {TAG!r} that sent no heartbeat and reached no final state for {after_s} s: its machine "
-        "or process is gone. Marked Crashed, so the flow waiting on it retries the stage (execution.retries).",
+        description=f"A flow run tagged {TAG!r} that sent no heartbeat and reached no final state for {after_s} s: "
+        "its machine or process is gone. Marked Crashed, so the flow waiting on it retries the stage "
+        "(execution.retries).",
         trigger=EventTrigger(
             match=ResourceSpecification({"prefect.resource.id": "prefect.flow-run.*"}),
             match_related=ResourceSpecification(

@@ -40,9 +40,9 @@ def stage_flow(
         inputs: The stage's input artifacts (refs).
         options: Other keyword arguments of the stage task (e.g. checkpoints).
         label: Name of the stage in the calling flow (e.g. 'generate dpo').
-        launcher: How the worker runs the stage: the calling flow's execution.launcher, accelerate_config, num_processes,
-            retries, retry_delay_s and gpu_stages (e.g. {"launcher": "accelerate", "accelerate_config": "fsdp",
-            "num_processes": 8}); None: inline with the defaults.
+        launcher: How the worker runs the stage: the calling flow's execution.launcher, accelerate_config,
+            num_processes, retries, retry_delay_s and gpu_stages (e.g. {"launcher": "accelerate",
+            "accelerate_config": "fsdp", "num_processes": 8}); None: inline with the defaults.
     """
     tasks = stage_tasks()
     if stage not in tasks:

@@ -45,7 +45,8 @@ DEFAULT_LABELLERS = ("p_sim^ann", "greedy")
 def evaluating_annotators(
     cfg: FarmConfig, names: list[str] | tuple[str, ...] = ("p_sim^ann", "greedy")
 ) -> dict[str, Any]:
-    """Annotator label → AnnotatorConfig: p_sim^ann (cfg.annotation), greedy (GREEDY_ORACLE), p_sim^eval (cfg.evaluation.annotator).
+    """Annotator label → AnnotatorConfig: p_sim^ann (cfg.annotation), greedy (GREEDY_ORACLE), p_sim^eval
+    (cfg.evaluation.annotator).
 
     The preset spelling p_sim_ann / p_sim_eval is accepted too; the labels are always p_sim^ann / p_sim^eval.
     """
@@ -105,7 +106,8 @@ def best_of_n_points(
 
 
 def ppo_points(up: Upstream, every: int, tag: str = "") -> list[CurvePoint]:
-    """PPO from SFT against `up`'s reward model, a policy snapshot every `every` steps; one point per snapshot, step 0 = SFT."""
+    """PPO from SFT against `up`'s reward model, a policy snapshot every `every` steps; one point per snapshot,
+    step 0 = SFT."""
     from farmflow.tasks import rl
 
     if every < 1:
@@ -182,7 +184,8 @@ def evaluate_points(
 
 @flow(name="overoptimization", flow_run_name=prefect_run_name, log_prints=True)
 @with_form_doc("""    ns: Best-of-n sample counts, one point each (default 1, 2, 4, 8, 16).
-    labellers: Whose labels train each curve's reward model: p_sim^ann, greedy, p_sim^eval (default p_sim^ann and greedy).
+    labellers: Whose labels train each curve's reward model: p_sim^ann, greedy, p_sim^eval
+        (default p_sim^ann and greedy).
     annotators: Who judges every point (default: each curve's own labeller).
     ppo_every: A PPO snapshot every this many steps, one point each (empty: no PPO curve).
     extra_points: More points (label, family, pressure, outputs ref) for the first labeller's curve.

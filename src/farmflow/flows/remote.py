@@ -49,7 +49,8 @@ def stage_tasks() -> dict[str, Task]:
 
 
 def stage_key_of(stage: str, config: Any, inputs: dict[str, Any]) -> str:
-    """The key the stage task will compute for this config and these inputs (options such as `checkpoints` are not part of it)."""
+    """The key the stage task will compute for this config and these inputs (options such as `checkpoints` are not
+    part of it)."""
     return cache_key(stage)(None, {"config": config, **inputs}).removeprefix(f"{stage}-")
 
 

@@ -27,7 +27,8 @@ def network_stage(stage: str, config: Any, store_uri: str) -> bool:
 
 
 def transient(err: BaseException | None) -> bool:
-    """Is a stage's error worth a retry? Store/network errors and annotation runs with failed pairs (not a spent cost cap)."""
+    """Is a stage's error worth a retry? Store/network errors and annotation runs with failed pairs (not a spent
+    cost cap)."""
     from farmflow.annotators import AnnotationIncomplete
 
     if isinstance(err, AnnotationIncomplete):  # failed pairs are re-asked, judged ones come from the row cache

@@ -168,7 +168,8 @@ RELAY = "[farmflow] "
 
 
 class _Relay:
-    """Repeats the child's `RELAY` lines from its log file as they are written, so a long stage shows progress in the run."""
+    """Repeats the child's `RELAY` lines from its log file as they are written, so a long stage shows progress in the
+    run."""
 
     def __init__(self, file) -> None:
         self.file, self.partial = file, b""
@@ -284,7 +285,8 @@ def commit_outbox(store, out: Path) -> list[ArtifactRef]:
 
 # ------------------------------------------------------------------------ child side
 class OutboxStore:
-    """The store a child stage sees: reads from `real`, writes artifacts into `out` (main process only), never commits."""
+    """The store a child stage sees: reads from `real`, writes artifacts into `out` (main process only), never
+    commits."""
 
     def __init__(self, real, out: Path, writer: bool):
         self.real, self.out, self.writer = real, Path(out), writer
