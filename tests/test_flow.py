@@ -205,17 +205,17 @@ def test_cli_in_a_fresh_process_starts_one_temporary_api_and_reuses_it(micro_con
 def test_no_temporary_api_when_an_api_url_is_set(monkeypatch):
     import threading
 
-    from farmflow.cli import _start_temporary_api
+    from farmflow.cli.runs import start_temporary_api
 
     before = threading.active_count()
-    wait = _start_temporary_api()  # the session's harness has set PREFECT_API_URL
+    wait = start_temporary_api()  # the session's harness has set PREFECT_API_URL
     assert threading.active_count() == before and wait() is None
 
 
 API_EARLY = """
 import sys, httpx
-from farmflow.cli import _start_temporary_api
-wait = _start_temporary_api()
+from farmflow.cli.runs import start_temporary_api
+wait = start_temporary_api()
 assert "torch" not in sys.modules and "farmflow.flows" not in sys.modules  # nothing heavy imported yet
 import farmflow.flows  # the imports the server start overlaps
 wait()
