@@ -190,6 +190,12 @@ EVAL_JSON = '{"instruction": "q", "output": "r", "generator": "g", "dataset": "d
         ("e.json", b"", load_instructions, r"e\.json: the file has no rows"),
         ("b.jsonl", f"{ROW_JSON}\n{{oops\n".encode(), load_instructions, r"b\.jsonl: line 2 is not valid JSON"),
         (
+            "cut.json",
+            b'[{"instruction": "a", "input": "", "output": "unterminated',
+            load_instructions,
+            r"cut\.json: not valid JSON \(Unterminated string starting at; line 1, column 46\)$",
+        ),
+        (
             "ev.json",
             json.dumps([EVAL_ROWS[0], {"instruction": "q", "output": "r", "dataset": "d"}]).encode(),
             load_eval,

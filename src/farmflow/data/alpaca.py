@@ -70,7 +70,7 @@ def _read_records(path: str | Path) -> tuple[list, list[str] | None]:
             try:
                 data = json.loads(text)
             except json.JSONDecodeError as e:
-                raise DataError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+                raise DataError(f"{path}: not valid JSON ({e.msg}; line {e.lineno}, column {e.colno})") from None
             if not isinstance(data, list):
                 raise DataError(f"{path}: expected a JSON list of objects, got a {type(data).__name__}")
             return data, None
