@@ -73,7 +73,7 @@ def best_of_n_points(
     The largest n is sampled and scored once (`best_of_n`), or with `sampled` (another labeller's
     largest-n artifact: the same SFT model and sampling settings) its candidates are only
     rescored (`best_of_n_rescore`); every smaller n takes the first n candidates
-    (`best_of_n_prefix`: candidates nest, so that is exactly best-of-n).
+    (`best_of_n_prefix`: candidates nest, so that is best-of-n up to float rounding).
     """
     if not ns or any(n < 1 for n in ns):
         raise ValueError(f"ns must be positive sample counts, got {list(ns)}")
