@@ -53,7 +53,7 @@ from pathlib import Path
 
 import torch
 
-from bench.harness import entry, machine, values
+from bench.harness import entry, interleave, machine, values
 from bench.venvs import ensure_venv
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -524,17 +524,20 @@ def main(argv: list[str] | None = None) -> dict:
         folder = Path(tmp)
         prepare(folder, steps, args.model)
         for kind in kinds:
-            runs: dict[str, list[dict]] = {side: [] for side in sides}
-            for rnd in range(args.rounds):  # interleaved: the side that goes first alternates
-                for side in sides if rnd % 2 == 0 else reversed(sides):
+
+            def contender(side: str, kind: str = kind):
+                def run() -> dict:  # one fresh process; its warm-up steps are untimed inside it
                     r = measure(pythons[side], side, kind, folder, args.threads, args.warmup)
-                    runs[side].append(r)
                     print(
-                        f"{kind} round {rnd} {side}: {r['tokens_per_s']:.0f} tokens/s, "
-                        f"{r['tokens_per_cpu_s']:.0f} per CPU second "
+                        f"{kind} {side}: {r['tokens_per_s']:.0f} tokens/s, {r['tokens_per_cpu_s']:.0f} per CPU second "
                         f"({r['ms_per_step']:.0f} ms/step)",
                         flush=True,
                     )
+                    return r
+
+                return run
+
+            runs = interleave({side: contender(side) for side in sides}, rounds=args.rounds, warmup=0)
             ff = runs["farmflow"]
             if any(
                 (r["tokens"], r["padded"]) != (ff[0]["tokens"], ff[0]["padded"]) for rs in runs.values() for r in rs
