@@ -237,3 +237,21 @@ def test_a_judge_at_temperature_one_samples(served, key):
 
     assert len({ask(1.0) for _ in range(6)}) > 1
     assert len({ask(0.0) for _ in range(3)}) == 1
+
+
+def test_logit_bias_constrains_a_small_served_judge_to_its_two_answers(served, key, tmp_path):
+    """A served model too small to follow the prompt can still judge: a `logprobs`-format annotator (one token)
+    with logit_bias +100 on the answer tokens. The tiny model greedily answers "a"; biasing only "b" makes every
+    answer "b", so the server applies the bias farmflow sends, and each pair's preference is the second output shown."""
+    from transformers import AutoTokenizer
+
+    b_id = AutoTokenizer.from_pretrained(served.model).convert_tokens_to_ids("b")
+    assert b_id != served.a_id
+    rows = make_rows(8, seed=5)
+    constrained = judge("ab", model="smol", prompt_format="logprobs", temperature=0.0, logit_bias={str(b_id): 100.0})
+    cfg = pool(constrained, base_url=served.url, served_model=served.model, timeout_s=60)
+    before = len(served.posts())
+    table, totals = annotate(rows, cfg, str(tmp_path))
+    assert totals["judged"] == 8 and totals["failed"] == 0
+    assert wait_for_log(served, before + 8)[before:] == [200] * 8
+    assert [t["preference"] for t in table.to_pylist()] == [1.0 if t["swapped"] else 2.0 for t in table.to_pylist()]
