@@ -10,8 +10,8 @@ The package is a leaf (pydantic and the standard library only), one module per c
 (`METHODS`, the one table of methods), `annotators` (with the paper's API pools in `pools`),
 `evaluation`, `execution` (store, checkpoints, where stages run), `farm` (the whole tree),
 `presets`, `overrides` (`load_config`), and `credentials` (settings never carry secrets).
-What a config's fields alone do not pin down for a stage key (a model folder's contents, a judge's resolved endpoint and prompt
-version) is computed next to the code it describes: `farmflow.modelcache` and
+What a config's fields alone do not pin down for a stage key (a model folder's contents, a judge's resolved
+endpoint and prompt version) is computed next to the code it describes: `farmflow.modelcache` and
 `farmflow.annotators`.
 """
 
