@@ -5,8 +5,8 @@ pairs → annotation → reward model, each only when a method needs it), then i
 method's stages (`method_outputs`), generation on the evaluation set, evaluation of the
 method and of the baselines (untrained, SFT) against the reference outputs, and one
 leaderboard. There is one flow per method of `farmflow.config.METHODS` (`best_of_n_flow`, `dpo_flow`, ...), all
-made by `method_flow` from one function, and `compare_flow`, which runs any list of methods over the
-same upstream artifacts, the methods in parallel (`fan_out`, `execution.max_parallel_methods`),
+made by `method_flow` from one function, and `compare_flow`, which runs any list of methods over the same upstream
+artifacts, the methods in parallel (`fan_out`, `execution.max_parallel_methods`),
 and ends with the over-optimization curve. Every run appends its leaderboard to the store's
 ``runs`` table; the nightly deployment (``history``) also publishes the trend across runs.
 

@@ -3,8 +3,7 @@
 One function backs every method flow (`method_flow`); each method of `farmflow.config.METHODS` still has its own
 Prefect flow (``best-of-n``, ``dpo``, ...; `METHOD_FLOWS`), so each has its own deployment, run names and UI page,
 and its own module-path entrypoint (``farmflow.flows.dpo_flow``, an attribute `farmflow.flows` sets for every
-method). `compare_flow` runs any
-list of methods over the same upstream artifacts, the methods in parallel
+method). `compare_flow` runs any list of methods over the same upstream artifacts, the methods in parallel
 (``execution.max_parallel_methods``), and ends with the over-optimization curve.
 """
 
