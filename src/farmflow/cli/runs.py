@@ -183,7 +183,7 @@ def demo(
 
 def run(
     flow: str = typer.Argument(
-        ..., help="Flow to run: compare, best-of-n, feedme, reward-conditioning, dpo, expert-iteration, ppo, quark."
+        ..., help="Flow to run: compare, or one method's flow (best-of-n, dpo, ...; a wrong name lists them)."
     ),
     preset: str = typer.Option("synthetic-tiny", help="Preset to start from."),
     set_: list[str] = typer.Option(

@@ -6,12 +6,12 @@ setting silently ignored. `load_config(preset, overrides)` is the one entry poin
 the CLI, the flows and the tests; it turns any validation problem into one `ConfigError`.
 
 The package is a leaf (pydantic and the standard library only), one module per concern:
-`data`, `model`, `methods` (SFT, sampling, reward model, the seven methods), `annotators`
-(with the paper's API pools in `pools`), `evaluation`, `execution` (store, checkpoints,
-where stages run), `farm` (the whole tree), `presets`, `overrides` (`load_config`), and
-`credentials` (settings never carry secrets). What a config's fields alone do not pin down
-for a stage key (a model folder's contents, a judge's resolved endpoint and prompt
-version) is computed next to the code it describes: `farmflow.modelcache` and
+`data`, `model`, `methods` (SFT, sampling, reward model, each method's section), `registry`
+(`METHODS`, the one table of methods), `annotators` (with the paper's API pools in `pools`),
+`evaluation`, `execution` (store, checkpoints, where stages run), `farm` (the whole tree),
+`presets`, `overrides` (`load_config`), and `credentials` (settings never carry secrets).
+What a config's fields alone do not pin down for a stage key (a model folder's contents, a judge's resolved
+endpoint and prompt version) is computed next to the code it describes: `farmflow.modelcache` and
 `farmflow.annotators`.
 """
 
@@ -29,8 +29,6 @@ from farmflow.config.evaluation import EvaluationConfig
 from farmflow.config.execution import GPU_STAGES, CheckpointConfig, ExecutionConfig, StoreConfig
 from farmflow.config.farm import FarmConfig
 from farmflow.config.methods import (
-    FLOW_NAMES,
-    METHODS,
     BestOfNConfig,
     DPOConfig,
     ExpertIterationConfig,
@@ -45,6 +43,7 @@ from farmflow.config.model import LoraConfig, ModelConfig
 from farmflow.config.overrides import load_config, validate_config
 from farmflow.config.pools import ANNOTATOR_PRESETS
 from farmflow.config.presets import PRESETS, SHARED_DATA, preset
+from farmflow.config.registry import FLOW_NAMES, METHODS, Method, methods_table
 
 __all__ = [
     "ANNOTATOR_PRESETS",
@@ -67,6 +66,7 @@ __all__ = [
     "LoraConfig",
     "METHODS",
     "ModelConfig",
+    "Method",
     "ModelPrice",
     "OracleAnnotatorConfig",
     "PPOConfig",
@@ -80,6 +80,7 @@ __all__ = [
     "Section",
     "StoreConfig",
     "load_config",
+    "methods_table",
     "preset",
     "refuse_credentials",
     "validate_config",

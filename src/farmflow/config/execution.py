@@ -14,6 +14,7 @@ from pydantic import Field, field_validator, model_validator
 
 from farmflow.config.base import Section
 from farmflow.config.credentials import refuse_credentials
+from farmflow.config.registry import METHODS
 
 
 class StoreConfig(Section):
@@ -94,23 +95,18 @@ class CheckpointConfig(Section):
     )
 
 
-GPU_STAGES = (
+SHARED_GPU_STAGES = (
     "sft",
     "sample_pairs",
     "train_reward",
     "generate",
-    "best_of_n",
     "best_of_n_rescore",
-    "reference_logps",
     "proxy_reward",
     "reward_report",
-    "feedme",
-    "reward_conditioning",
-    "dpo",
-    "expert_iteration",
-    "ppo",
-    "quark",
 )
+"""The stages outside the methods that load a model: SFT, sampling, reward training, generation and analysis."""
+
+GPU_STAGES = tuple(dict.fromkeys([*SHARED_GPU_STAGES, *(s for m in METHODS.values() if m.gpu for s in m.stages)]))
 """Stages that load a model on an accelerator: SFT, generation, reward and policy training (the GPU pool's work)."""
 
 

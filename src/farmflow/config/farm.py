@@ -1,29 +1,29 @@
-"""The whole farm: one section per stage, plus data, model, store and execution."""
+"""The whole farm: one section per stage, plus data, model, store and execution.
+
+`FarmConfig`'s fields are the shared pipeline's sections (`_Upstream`), one section per method of
+`farmflow.config.registry.METHODS` (``FarmConfig.dpo``: a `DPOConfig`, described by its entry), then generation,
+evaluation, store, checkpoints and execution (`_Downstream`); so a method added to the table has its section.
+"""
 
 from __future__ import annotations
 
-from pydantic import Field
+from typing import Any
+
+from pydantic import Field, create_model
 
 from farmflow.config.annotators import AnnotatorConfig
 from farmflow.config.base import Section
 from farmflow.config.data import DataConfig
 from farmflow.config.evaluation import EvaluationConfig
 from farmflow.config.execution import CheckpointConfig, ExecutionConfig, StoreConfig
-from farmflow.config.methods import (
-    BestOfNConfig,
-    DPOConfig,
-    ExpertIterationConfig,
-    PPOConfig,
-    QuarkConfig,
-    RewardConditioningConfig,
-    RewardConfig,
-    SampleConfig,
-    SFTConfig,
-)
+from farmflow.config.methods import RewardConfig, SampleConfig, SFTConfig
 from farmflow.config.model import ModelConfig
+from farmflow.config.registry import METHODS
 
 
-class FarmConfig(Section):
+class _Upstream(Section):
+    """The farm's sections before the methods' (field order is the run form's order)."""
+
     name: str = Field(
         "custom", description="Name of the preset this config came from (informational; not part of any stage key)."
     )
@@ -41,34 +41,11 @@ class FarmConfig(Section):
     reward: RewardConfig = Field(
         default_factory=RewardConfig, description="Bradley-Terry reward model, initialized from SFT."
     )
-    best_of_n: BestOfNConfig = Field(
-        default_factory=BestOfNConfig, description="Best-of-n reranking with the reward model."
-    )
-    feedme: SFTConfig = Field(
-        default_factory=SFTConfig,
-        description="Binary FeedME: supervised fine-tuning from the SFT model on the preferred output of each pair "
-        "(AlpacaFarm: the SFT recipe).",
-    )
-    reward_conditioning: RewardConditioningConfig = Field(
-        default_factory=RewardConditioningConfig,
-        description="Binary reward conditioning: SFT on both outputs with a good/bad control token.",
-    )
-    dpo: DPOConfig = Field(
-        default_factory=DPOConfig,
-        description="Direct preference optimization from the SFT model on the preference pairs.",
-    )
-    expert_iteration: ExpertIterationConfig = Field(
-        default_factory=ExpertIterationConfig,
-        description="Expert iteration: SFT on the reward model's best-of-n outputs for the unlabeled split.",
-    )
-    ppo: PPOConfig = Field(
-        default_factory=PPOConfig,
-        description="PPO from the SFT policy against the reward model (value model from the reward model).",
-    )
-    quark: QuarkConfig = Field(
-        default_factory=QuarkConfig,
-        description="Quark (top-quantile variant) from the SFT policy with the reward model.",
-    )
+
+
+class _Downstream(Section):
+    """The farm's sections after the methods'."""
+
     generation: SampleConfig = Field(
         default_factory=lambda: SampleConfig(temperature=0.7),
         description="Generation on the evaluation set (paper: temperature 0.7).",
@@ -87,3 +64,18 @@ class FarmConfig(Section):
         description="Where stages run: in this process (local) or GPU stages on a GPU work pool (distributed); "
         "parallel methods, retries.",
     )
+
+
+def _fields(section: type[Section]) -> dict[str, Any]:
+    return {name: (f.annotation, f) for name, f in section.model_fields.items()}
+
+
+FarmConfig = create_model(
+    "FarmConfig",
+    __base__=Section,
+    __module__=__name__,
+    __doc__="The whole farm: the shared pipeline's sections, one per method (`METHODS`), evaluation and execution.",
+    **_fields(_Upstream),
+    **{m.name: (m.section, Field(default_factory=m.section, description=m.description)) for m in METHODS.values()},
+    **_fields(_Downstream),
+)

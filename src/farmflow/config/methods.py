@@ -1,4 +1,7 @@
-"""The training and sampling stages: SFT, sampling, the reward model and the seven methods (defaults: the paper's)."""
+"""The training and sampling sections: SFT, sampling, the reward model and each method's (defaults: the paper's).
+
+Which methods there are, and which section each one reads, is `farmflow.config.registry.METHODS`.
+"""
 
 from __future__ import annotations
 
@@ -7,14 +10,6 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from farmflow.config.base import Section
-
-METHODS = ("feedme", "reward_conditioning", "dpo", "best_of_n", "expert_iteration", "ppo", "quark")
-"""Every method the compare flow (and `farmflow demo`) runs by default, in this order; each also has its own flow,
-named with hyphens (`best-of-n`). Here, not in `farmflow.flows`, so the CLI checks names without importing Prefect and
-torch."""
-
-FLOW_NAMES = ("compare", *(m.replace("_", "-") for m in METHODS))
-"""The flows `farmflow run` runs (`farmflow.flows.FLOWS`)."""
 
 
 class SFTConfig(Section):

@@ -4,9 +4,9 @@
 when missing and registers the deployments on the Prefect server (``PREFECT_API_URL``);
 ``farmflow deploy`` is the command for it.
 
-* ``<flow>/farmflow`` for every flow in `farmflow.flows.FLOWS` (compare, best-of-n, dpo, ...)
-  plus ``overoptimization/farmflow`` and ``reward-report/farmflow``, on the CPU pool: the flow itself orchestrates,
-  annotates and evaluates there;
+* ``<flow>/farmflow`` for every flow in `farmflow.flows.FLOWS` (compare, and one per method of
+  `farmflow.config.METHODS`: best-of-n, dpo, ...) plus ``overoptimization/farmflow`` and
+  ``reward-report/farmflow``, on the CPU pool: the flow itself orchestrates, annotates and evaluates there;
 * ``compare/nightly-compare``: the compare flow on a cron schedule (time and timezone
   configurable) with ``history: true``, so each run appends its leaderboard to the
   store's ``leaderboard_history`` table;

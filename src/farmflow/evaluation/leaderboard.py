@@ -13,9 +13,11 @@ run's own labels in its difficulty undo the length control).
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any, Sequence
 
+from farmflow.config import METHODS
 from farmflow.evaluation.lc import instruction_difficulty, length_controlled_winrate, run_of_rows
 
 COLUMNS = (
@@ -38,14 +40,14 @@ FAMILY_COLOURS = {"baseline": "#9e9e9e", "sft": "#4c72b0", "reward model": "#dd8
 
 
 def method_family(method: str) -> str:
-    """Colour group of a method in plots: baseline, sft, reward-model or preference methods."""
+    """Colour group of a method in plots: baseline, sft, or what it learns from (`farmflow.config.METHODS`): the
+    reward model or the preferences. `method` is a leaderboard name: best-of-n's carries its n (``best_of_16``)."""
     if method in ("untrained", "reference"):
         return "baseline"
     if method == "sft":
         return "sft"
-    if method.startswith(("best_of", "expert_iteration", "ppo", "quark")):
-        return "reward model"
-    return "preferences"
+    name = re.sub(r"_\d+$", "_n", method)
+    return next((m.learns_from for m in METHODS.values() if name.startswith(m.name)), "preferences")
 
 
 def annotator_label(config: dict[str, Any] | None) -> str:

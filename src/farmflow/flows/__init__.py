@@ -4,9 +4,9 @@ Every flow runs the shared upstream stages (`Upstream`: data → base model → 
 pairs → annotation → reward model, each only when a method needs it), then its
 method's stages (`method_outputs`), generation on the evaluation set, evaluation of the
 method and of the baselines (untrained, SFT) against the reference outputs, and one
-leaderboard. There is one flow per method (`best_of_n_flow`, `dpo_flow`, ...), all made by
-`method_flow` from one function, and `compare_flow`, which runs any list of methods over the
-same upstream artifacts, the methods in parallel (`fan_out`, `execution.max_parallel_methods`),
+leaderboard. There is one flow per method of `farmflow.config.METHODS` (`best_of_n_flow`, `dpo_flow`, ...), all
+made by `method_flow` from one function, and `compare_flow`, which runs any list of methods over the same upstream
+artifacts, the methods in parallel (`fan_out`, `execution.max_parallel_methods`),
 and ends with the over-optimization curve. Every run appends its leaderboard to the store's
 ``runs`` table; the nightly deployment (``history``) also publishes the trend across runs.
 
@@ -34,20 +34,7 @@ Modules: `form` (parameters → config), `runner` (running one stage), `remote` 
 
 from farmflow.config import METHODS
 from farmflow.flows.form import MethodName, PresetName, deployment_parameters, run_config
-from farmflow.flows.methods import (
-    FLOWS,
-    METHOD_FLOWS,
-    best_of_n_flow,
-    compare_flow,
-    dpo_flow,
-    expert_iteration_flow,
-    feedme_flow,
-    method_flow,
-    ppo_flow,
-    quark_flow,
-    reward_conditioning_flow,
-    run_methods,
-)
+from farmflow.flows.methods import FLOWS, METHOD_FLOWS, compare_flow, method_flow, run_methods
 from farmflow.flows.pipeline import (
     BASELINES,
     PREFERENCE_METHODS,
@@ -78,30 +65,27 @@ __all__ = [
     "REWARD_METHODS",
     "StageRunner",
     "Upstream",
-    "best_of_n_flow",
     "best_of_n_outputs",
     "compare_flow",
     "config_key",
     "deployment_parameters",
-    "dpo_flow",
-    "expert_iteration_flow",
     "fan_out",
-    "feedme_flow",
     "generate_outputs",
     "history_task",
     "method_flow",
     "method_label",
     "method_outputs",
     "network_stage",
-    "ppo_flow",
     "publish_curve",
-    "quark_flow",
     "record_run_task",
     "retry_options",
-    "reward_conditioning_flow",
     "round_seed",
     "run_config",
     "run_methods",
     "shared_upstream",
     "transient",
 ]
+
+# farmflow.flows.<method>_flow for every method (best_of_n_flow, dpo_flow, ...): the deployments' entrypoints
+globals().update({fl.fn.__name__: fl for fl in METHOD_FLOWS.values()})
+__all__ += [fl.fn.__name__ for fl in METHOD_FLOWS.values()]

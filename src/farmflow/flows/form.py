@@ -27,7 +27,7 @@ from farmflow.config import METHODS, PRESETS, ConfigError, FarmConfig, load_conf
 from farmflow.config import preset as preset_config
 
 PresetName = Literal[tuple(PRESETS)]  # type: ignore[valid-type] - the UI renders a drop-down of the presets
-MethodName = Literal[METHODS]  # type: ignore[valid-type]
+MethodName = Literal[tuple(METHODS)]  # type: ignore[valid-type] - the compare form's choices
 DEFAULT_PRESET = "synthetic-tiny"
 F = TypeVar("F", bound=Callable[..., Any])
 

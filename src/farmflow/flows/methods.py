@@ -1,9 +1,9 @@
 """The method flows and the compare flow: the run form's parameters → a farm config → `run_methods`.
 
-One function backs every method flow (`method_flow`); each method still has its own Prefect flow
-(``best-of-n``, ``dpo``, ...; `METHOD_FLOWS`), so each has its own deployment, run names and UI
-page, and its own module-path entrypoint (``farmflow.flows.dpo_flow``). `compare_flow` runs any
-list of methods over the same upstream artifacts, the methods in parallel
+One function backs every method flow (`method_flow`); each method of `farmflow.config.METHODS` still has its own
+Prefect flow (``best-of-n``, ``dpo``, ...; `METHOD_FLOWS`), so each has its own deployment, run names and UI page,
+and its own module-path entrypoint (``farmflow.flows.dpo_flow``, an attribute `farmflow.flows` sets for every
+method). `compare_flow` runs any list of methods over the same upstream artifacts, the methods in parallel
 (``execution.max_parallel_methods``), and ends with the over-optimization curve.
 """
 
@@ -13,7 +13,7 @@ from typing import Any
 
 from prefect import Flow, flow
 
-from farmflow.config import METHODS, FarmConfig
+from farmflow.config import METHODS, FarmConfig, Method
 from farmflow.evaluation.overopt import CurvePoint
 from farmflow.flows.form import MethodName, PresetName, prefect_run_name, run_config, with_form_doc
 from farmflow.flows.overoptimization import evaluate_points
@@ -112,32 +112,8 @@ def run_methods(
     return summary
 
 
-METHOD_FLOWS = {
-    "best-of-n": (
-        "best_of_n",
-        "SFT → pairs → simulated preferences → reward model → best-of-n reranking, evaluated with the baselines.",
-    ),
-    "feedme": (
-        "feedme",
-        "SFT → pairs → simulated preferences → binary FeedME (SFT on the preferred outputs), evaluated.",
-    ),
-    "reward-conditioning": (
-        "reward_conditioning",
-        "SFT → pairs → simulated preferences → binary reward conditioning (good/bad control tokens), evaluated.",
-    ),
-    "dpo": ("dpo", "SFT → pairs → simulated preferences → reference log-probs → DPO, evaluated."),
-    "expert-iteration": (
-        "expert_iteration",
-        "SFT → preferences → reward model → best-of-n on the unlabeled split → SFT on the selections, evaluated.",
-    ),
-    "ppo": ("ppo", "SFT → preferences → reward model → PPO against it with a KL penalty to SFT, evaluated."),
-    "quark": ("quark", "SFT → preferences → reward model → Quark (top-quantile variant), evaluated."),
-}
-"""Flow name → (method, what the flow runs)."""
-
-
-def method_flow(name: str, method: str, summary: str) -> Flow:
-    """The Prefect flow `name` for one method: the run form's parameters, then `run_methods` with that method."""
+def method_flow(method: Method) -> Flow:
+    """The Prefect flow of one method (named `Method.flow`): the run form's parameters, then `run_methods` with it."""
 
     def run(
         preset: PresetName | None = None,
@@ -148,12 +124,12 @@ def method_flow(name: str, method: str, summary: str) -> Flow:
         advanced: FarmConfig | None = None,
     ) -> dict[str, Any]:
         cfg = run_config(preset, advanced, overrides, seed, eval_size, pref_size)
-        return run_methods(cfg, [method], f"{method} on {cfg.name}")
+        return run_methods(cfg, [method.name], f"{method.name} on {cfg.name}")
 
-    run.__name__ = run.__qualname__ = f"{method}_flow"
-    run.__doc__ = summary
+    run.__name__ = run.__qualname__ = f"{method.name}_flow"
+    run.__doc__ = method.summary
     with_form_doc(module=ENTRYPOINT_MODULE)(run)
-    return flow(name=name, flow_run_name=prefect_run_name, log_prints=True)(run)
+    return flow(name=method.flow, flow_run_name=prefect_run_name, log_prints=True)(run)
 
 
 @flow(name="compare", flow_run_name=prefect_run_name, log_prints=True)
@@ -181,22 +157,8 @@ def compare_flow(
     return run_methods(cfg, chosen, f"Leaderboard: {cfg.name}", curve=True, history=history)
 
 
-best_of_n_flow = method_flow("best-of-n", *METHOD_FLOWS["best-of-n"])
-feedme_flow = method_flow("feedme", *METHOD_FLOWS["feedme"])
-reward_conditioning_flow = method_flow("reward-conditioning", *METHOD_FLOWS["reward-conditioning"])
-dpo_flow = method_flow("dpo", *METHOD_FLOWS["dpo"])
-expert_iteration_flow = method_flow("expert-iteration", *METHOD_FLOWS["expert-iteration"])
-ppo_flow = method_flow("ppo", *METHOD_FLOWS["ppo"])
-quark_flow = method_flow("quark", *METHOD_FLOWS["quark"])
+METHOD_FLOWS: dict[str, Flow] = {m.flow: method_flow(m) for m in METHODS.values()}
+"""Flow name → the flow of one method (``best-of-n``, ``dpo``, ...), one per `METHODS` entry."""
 
-FLOWS = {
-    "compare": compare_flow,
-    "best-of-n": best_of_n_flow,
-    "feedme": feedme_flow,
-    "reward-conditioning": reward_conditioning_flow,
-    "dpo": dpo_flow,
-    "expert-iteration": expert_iteration_flow,
-    "ppo": ppo_flow,
-    "quark": quark_flow,
-}
+FLOWS: dict[str, Flow] = {"compare": compare_flow, **METHOD_FLOWS}
 """Flow name → flow, for the CLI and deployments."""

@@ -29,13 +29,7 @@ from farmflow.tasks import (
     train_reward_task,
 )
 from farmflow.tasks.core import log
-from farmflow.tasks.methods import (
-    dpo_task,
-    expert_iteration_task,
-    feedme_task,
-    reference_logps_task,
-    reward_conditioning_task,
-)
+from farmflow.tasks.methods import TRAINED_ON_PAIRS, dpo_task, expert_iteration_task, reference_logps_task
 
 
 def config_key(cfg: FarmConfig) -> str:
@@ -139,14 +133,10 @@ def method_outputs(up: Upstream, method: str) -> ArtifactRef:
         return generate_outputs(up, up.base, "untrained")
     if method == "sft":
         return generate_outputs(up, up.sft, "sft")
-    if method == "feedme":
-        return generate_outputs(
-            up, run(feedme_task, cfg.feedme, preferences=up.preferences, sft=up.sft, checkpoints=ck), "feedme"
-        )
-    if method == "reward_conditioning":
-        rc = cfg.reward_conditioning
-        policy = run(reward_conditioning_task, rc, preferences=up.preferences, sft=up.sft, checkpoints=ck)
-        return generate_outputs(up, policy, "reward_conditioning", control=rc.good_token)
+    if method in TRAINED_ON_PAIRS:  # wired by its METHODS entry alone: SFT + PREF pairs → policy → generate
+        section, control = getattr(cfg, method), METHODS[method].control
+        policy = run(TRAINED_ON_PAIRS[method], section, preferences=up.preferences, sft=up.sft, checkpoints=ck)
+        return generate_outputs(up, policy, method, control=getattr(section, control) if control else "")
     if method == "dpo":
         reference = run(
             reference_logps_task, {}, preferences=up.preferences, sft=up.sft, batch_size=cfg.generation.batch_size
@@ -184,7 +174,7 @@ def method_outputs(up: Upstream, method: str) -> ArtifactRef:
         task = rl.ppo_task if method == "ppo" else rl.quark_task
         policy = run(task, getattr(cfg, method), data=up.data, sft=up.sft, reward=up.reward, checkpoints=ck)
         return generate_outputs(up, policy, method)
-    raise ValueError(f"unknown method {method!r}; known: {', '.join(BASELINES + METHODS)}")
+    raise ValueError(f"unknown method {method!r}; known: {', '.join((*BASELINES, *METHODS))}")
 
 
 def round_seed(seed: int, r: int) -> int:
@@ -197,8 +187,10 @@ def method_label(cfg: FarmConfig, method: str) -> str:
     return f"best_of_{cfg.best_of_n.n}" if method == "best_of_n" else method
 
 
-PREFERENCE_METHODS = ("feedme", "reward_conditioning", "dpo")
-REWARD_METHODS = ("best_of_n", "expert_iteration", "ppo", "quark")
+PREFERENCE_METHODS = tuple(m.name for m in METHODS.values() if m.learns_from == "preferences")
+"""Methods that need the annotated pairs only (no reward model)."""
+REWARD_METHODS = tuple(m.name for m in METHODS.values() if m.learns_from == "reward model")
+"""Methods that need the reward model."""
 
 
 def shared_upstream(up: Upstream, methods: list[str] | tuple[str, ...]) -> None:

@@ -1,4 +1,4 @@
-"""Best-of-n: sample n outputs per prompt from the policy, keep the one the reward model likes best.
+"""Best-of-n (AlpacaFarm Appendix A.2): sample n outputs per prompt, keep the one the reward model likes best.
 
 No training: optimization pressure comes from n alone (AlpacaFarm reranks n=1024 samples
 drawn at temperature 1.0; `farmflow.config.BestOfNConfig`). Sampling prefills each prompt

@@ -1,4 +1,4 @@
-"""Expert iteration: best-of-n on the unlabeled split, then SFT on the selected outputs.
+"""Expert iteration (AlpacaFarm Appendix A.2): best-of-n on the unlabeled split, then SFT on the selected outputs.
 
 Round r (1-based) draws n samples per **unlabeled** instruction from the previous
 round's policy (round 1: the SFT model), keeps the one the reward model scores highest

@@ -1,4 +1,4 @@
-"""Binary FeedME: supervised fine-tuning of the SFT model on the preferred output of each pair.
+"""Binary FeedME (AlpacaFarm Appendix A.1): supervised fine-tuning of the SFT model on the preferred outputs.
 
 OpenAI's FeedME fine-tunes on outputs human labelers rated 7/7; AlpacaFarm's pairwise
 adaptation keeps, for every annotated pair, the output the annotator preferred and runs

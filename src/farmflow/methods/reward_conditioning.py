@@ -1,4 +1,4 @@
-"""Binary reward conditioning: SFT on both outputs of each pair, marked good or bad.
+"""Binary reward conditioning (AlpacaFarm Appendix A.1): SFT on both outputs of each pair, marked good or bad.
 
 Every annotated pair (x, y_1, y_2, preference) becomes two supervised examples: the
 preferred output conditioned on a positive control token and the other output

@@ -17,6 +17,7 @@ from farmflow.tasks.analysis import leaderboard_task, overoptimization_task, pro
 from farmflow.tasks.core import EXECUTED, TASKS, VERSIONS, config_get, log, lookup
 from farmflow.tasks.methods import (
     CANDIDATES,
+    TRAINED_ON_PAIRS,
     best_of_n_prefix_task,
     best_of_n_rescore_task,
     best_of_n_task,
@@ -46,6 +47,7 @@ __all__ = [
     "STAGES",
     "Stage",
     "TASKS",
+    "TRAINED_ON_PAIRS",
     "VERSIONS",
     "annotate_task",
     "base_model_task",

@@ -2,8 +2,9 @@
 
 * ``best_of_n``: policy + reward model → the best of n samples per instruction of a split (eval: best-of-n's outputs;
   unlabeled: expert iteration's selections); ``best_of_n_prefix`` and ``best_of_n_rescore`` derive others from it.
-* ``feedme``: SFT model + preferences → policy (binary FeedME).
-* ``reward_conditioning``: SFT model + preferences → policy whose tokenizer has the control tokens.
+* ``feedme``, ``reward_conditioning`` and any method whose `farmflow.config.METHODS` entry names a ``train``
+  function: SFT model + preferences → policy (`trained_on_pairs_task`; reward conditioning's tokenizer gains the
+  control tokens).
 * ``reference_logps``: SFT model + preferences → per-pair log-probs of both outputs (DPO's reference).
 * ``dpo``: SFT model + preferences + reference log-probs → policy.
 * ``expert_iteration``: SFT model + best-of-n selections on the unlabeled split → policy.
@@ -14,15 +15,17 @@ that is not part of its key: it only says how often the loop saves a resumable s
 
 from __future__ import annotations
 
-from typing import Literal
+import importlib
+from typing import Any, Literal
 
 import pyarrow as pa
+from prefect import Task
 
-from farmflow.config import BestOfNConfig, CheckpointConfig, DPOConfig, RewardConditioningConfig, SFTConfig
+from farmflow.config import METHODS, BestOfNConfig, CheckpointConfig, DPOConfig, Method, SFTConfig
 from farmflow.data import prompts_of, split_rows
 from farmflow.generation import scored_candidates_vllm
 from farmflow.methods import best_of_n as bon
-from farmflow.methods import dpo, expert_iteration, feedme, reward_conditioning
+from farmflow.methods import dpo, expert_iteration
 from farmflow.models import load_policy, load_reward, score
 from farmflow.progress import progress
 from farmflow.storage import ArtifactRef
@@ -174,46 +177,39 @@ def best_of_n_rescore_task(
 
 
 # --------------------------------------------------------------------- from preferences
-@stage_task(STAGES["feedme"])
-def feedme_task(
-    run: StageRun,
-    config: SFTConfig,
-    preferences: ArtifactRef,
-    sft: ArtifactRef,
-    checkpoints: CheckpointConfig | None = None,
-) -> Model:
-    """Binary FeedME: fine-tune the SFT model on the preferred output of each PREF pair."""
-    model, tokenizer = load_policy(run.store.model_dir(sft))
-    metrics = feedme.train_feedme(
-        model,
-        tokenizer,
-        train_pairs(run, preferences),
-        config,
-        model.config.max_position_embeddings,
-        run.checkpointer(checkpoints),
-    )
-    return Model(model, tokenizer, metrics)
+def trained_on_pairs_task(method: Method) -> Task:
+    """The stage task of a method `METHODS` wires alone (`Method.train`): its ``train`` function fine-tunes the SFT
+    model on the PREF pairs, ``train(model, tokenizer, pairs, config, max_len, checkpointer) -> metrics``."""
+    train = getattr(importlib.import_module(f"farmflow.methods.{method.name}"), method.train)
+
+    def stage(
+        run: StageRun,
+        config: Any,
+        preferences: ArtifactRef,
+        sft: ArtifactRef,
+        checkpoints: CheckpointConfig | None = None,
+    ) -> Model:
+        model, tokenizer = load_policy(run.store.model_dir(sft))
+        metrics = train(
+            model,
+            tokenizer,
+            train_pairs(run, preferences),
+            config,
+            model.config.max_position_embeddings,
+            run.checkpointer(checkpoints),
+        )
+        return Model(model, tokenizer, metrics)
+
+    stage.__name__ = stage.__qualname__ = f"{method.name}_task"
+    stage.__doc__ = f"{method.title}: fine-tune the SFT model on the PREF pairs ({train.__module__}.{train.__name__})."
+    stage.__annotations__["config"] = method.section  # a GPU worker validates the JSON config into it
+    return stage_task(STAGES[method.name])(stage)
 
 
-@stage_task(STAGES["reward_conditioning"])
-def reward_conditioning_task(
-    run: StageRun,
-    config: RewardConditioningConfig,
-    preferences: ArtifactRef,
-    sft: ArtifactRef,
-    checkpoints: CheckpointConfig | None = None,
-) -> Model:
-    """Binary reward conditioning: SFT on both outputs of each PREF pair with good/bad control tokens."""
-    model, tokenizer = load_policy(run.store.model_dir(sft))
-    metrics = reward_conditioning.train_reward_conditioning(
-        model,
-        tokenizer,
-        train_pairs(run, preferences),
-        config,
-        model.config.max_position_embeddings,
-        run.checkpointer(checkpoints),
-    )
-    return Model(model, tokenizer, metrics)
+TRAINED_ON_PAIRS: dict[str, Task] = {m.name: trained_on_pairs_task(m) for m in METHODS.values() if m.train}
+"""Method name → the stage task made from its `METHODS` entry (binary FeedME, binary reward conditioning, ...)."""
+feedme_task = TRAINED_ON_PAIRS["feedme"]
+reward_conditioning_task = TRAINED_ON_PAIRS["reward_conditioning"]
 
 
 @stage_task(STAGES["reference_logps"])

@@ -1,6 +1,8 @@
 """Every stage, declared once: its name, code version, inputs, how its key is made, and where it runs.
 
-`STAGES` is a plain table. The stage modules (`farmflow.tasks.pipeline`, `.methods`, `.rl`, `.analysis`) attach each
+`STAGES` is a plain table. The stages of a method that `farmflow.config.METHODS` wires alone (its entry names a
+``train`` function) are made from that entry (`trained_on_pairs`); every other stage is written out here. The stage
+modules (`farmflow.tasks.pipeline`, `.methods`, `.rl`, `.analysis`) attach each
 stage's work with ``@stage_task(STAGES["sft"])`` (`farmflow.tasks.stage`), and `farmflow.tasks.core.TASKS` lists the
 resulting Prefect tasks by name. Nothing is registered by importing a module.
 
@@ -10,13 +12,14 @@ changes what it produces (most versions live in the method module, e.g. `farmflo
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
-from farmflow.config import SampleConfig
+from farmflow.config import METHODS, Method, SampleConfig
 from farmflow.data import synthetic
 from farmflow.evaluation import VERSION as EVAL_VERSION
-from farmflow.methods import best_of_n, dpo, expert_iteration, feedme, ppo, quark, reward, reward_conditioning, sft
+from farmflow.methods import best_of_n, dpo, expert_iteration, ppo, quark, reward, sft
 from farmflow.models import SAMPLER_VERSION
 from farmflow.storage import ArtifactRef, part_key, stage_key
 from farmflow.tasks.keys import config_get, key_config
@@ -111,6 +114,21 @@ LOSS = "loss {train_loss_first:.3f} -> {train_loss_last:.3f}"
 RL = "{steps:.0f} steps, reward {reward_first:.3f} -> {reward_last:.3f}, KL {kl_first:.2f} -> {kl_last:.2f}"
 UNLABELED = {"data": ("unlabeled",)}
 
+
+def trained_on_pairs(method: Method) -> Stage:
+    """The stage of a method the `METHODS` table wires alone (`Method.train`): SFT model + preferences → policy, its
+    version the method module's ``VERSION``."""
+    module = importlib.import_module(f"farmflow.methods.{method.name}")
+    return Stage(
+        method.name,
+        module.VERSION,
+        ("preferences", "sft"),
+        gpu=method.gpu,
+        processes="all",
+        summary="{examples:.0f} examples, {steps:.0f} steps, " + LOSS,
+    )
+
+
 STAGES: dict[str, Stage] = {
     s.name: s
     for s in (
@@ -166,7 +184,8 @@ STAGES: dict[str, Stage] = {
             reads=lambda c: {"data": ("eval",)},
             summary="win rate {win_rate:.1f} ± {standard_error:.1f}, mean gold {mean_gold:.3f}",
         ),
-        # --- methods (farmflow.methods.*)
+        # --- methods (farmflow.methods.*); those METHODS wires alone first
+        *(trained_on_pairs(m) for m in METHODS.values() if m.train),
         Stage(
             "best_of_n",
             best_of_n.VERSION + SAMPLED,
@@ -177,22 +196,6 @@ STAGES: dict[str, Stage] = {
         ),
         Stage("best_of_n_prefix", "1", ("best_of_n", "reward"), summary="mean reward {mean_reward:.3f}"),
         Stage("best_of_n_rescore", "1", ("best_of_n", "reward"), gpu=True, summary="mean reward {mean_reward:.3f}"),
-        Stage(
-            "feedme",
-            feedme.VERSION,
-            ("preferences", "sft"),
-            gpu=True,
-            processes="all",
-            summary="{examples:.0f} examples, {steps:.0f} steps, " + LOSS,
-        ),
-        Stage(
-            "reward_conditioning",
-            reward_conditioning.VERSION,
-            ("preferences", "sft"),
-            gpu=True,
-            processes="all",
-            summary="{examples:.0f} examples, " + LOSS,
-        ),
         Stage("reference_logps", dpo.VERSION, ("preferences", "sft"), gpu=True),
         Stage(
             "dpo",
