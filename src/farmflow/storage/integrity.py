@@ -118,7 +118,7 @@ def _stamp() -> str:
 class Verified:
     """Checks and quarantine, mixed into `farmflow.storage.store.Store` (uses its fs, layout and `_io`)."""
 
-    def _size_problem(self, folder: str, record: dict) -> str | None:
+    def size_problem(self, folder: str, record: dict) -> str | None:
         """A committed file that is missing or of another size (one listing); None: all match."""
         files = record.get("files")
         if not files:
@@ -214,7 +214,7 @@ class Verified:
                 if record is None:
                     continue
                 folder = self._folder(stage, key, record)
-                problem = self._size_problem(folder, record) or (self._hash_problem(folder, record) if hashes else None)
+                problem = self.size_problem(folder, record) or (self._hash_problem(folder, record) if hashes else None)
             if problem:
                 moved = self.quarantine(stage, key, record, problem) if repair else None
                 found.append(

@@ -83,6 +83,8 @@ class Leases:
         self.store, self.ttl = store, ttl or ttl_s()
         self.owner = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.held: dict[str, int] = {}
+        self.holders: dict[str, str] = {}
+        """Lease name → the live owner that held it when `try_acquire` last found it taken."""
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.thread: threading.Thread | None = None
@@ -180,6 +182,7 @@ class Leases:
         """Hold lease `name` now (True), or False while a live run holds it."""
         if name in self.held:
             return True
+        self.holders.pop(name, None)
         self._start()
         gen = 0
         for _ in range(8):  # each round either takes the lease, finds a live holder, or lost a race to one
@@ -196,6 +199,7 @@ class Leases:
                 self.held[name] = gen
                 return True
             if self.alive(str(info.get("owner"))):
+                self.holders[name] = str(info.get("owner"))
                 return False
             gen += 1
         return False

@@ -144,7 +144,7 @@ class Store(RowLogs, Verified):
         record = self._read_record(stage, key)
         if record is None:
             return None
-        problem = self._size_problem(self._folder(stage, key, record), record)
+        problem = self.size_problem(self._folder(stage, key, record), record)
         if problem:
             self.quarantine(stage, key, record, problem)
             return None
@@ -192,7 +192,7 @@ class Store(RowLogs, Verified):
         if record is None:
             raise FileNotFoundError(f"artifact {ref.stage}/{ref.key} is not committed in {self.root}")
         folder = self._folder(ref.stage, ref.key, record)
-        problem = self._size_problem(folder, record)
+        problem = self.size_problem(folder, record)
         if problem:
             raise self.corrupt(ref.stage, ref.key, record, problem)
         return folder, record
