@@ -155,7 +155,8 @@ class Verified:
             with self._io():
                 self.fs.makedirs(dest.rsplit("/", 1)[0], exist_ok=True)
                 if record is not None and record.get("data"):  # S3: the record first (the artifact is gone), then data
-                    self.fs.mv(self._p(stage, key, COMMIT_FILE), f"{dest}/{COMMIT_FILE}")
+                    self.fs.copy(self._p(stage, key, COMMIT_FILE), f"{dest}/{COMMIT_FILE}")
+                    self.fs.rm_file(self._p(stage, key, COMMIT_FILE))
                     self._move_folder(self._p(stage, key, record["data"]), f"{dest}/{record['data']}")
                 else:
                     self._move_folder(self._p(stage, key), dest)
@@ -165,9 +166,13 @@ class Verified:
         return dest
 
     def _move_folder(self, src: str, dest: str) -> None:
-        if self.fs.isdir(src) and not self.fs.find(src):
-            return
-        self.fs.mv(src, dest, recursive=True)
+        """Copy every file of `src` under `dest`, then delete them (`LocalStore` renames the folder instead)."""
+        files = self.fs.find(src)
+        if not files:
+            raise FileNotFoundError(src)
+        for path in files:
+            self.fs.copy(path, dest + path[len(src) :])
+        self.fs.rm(files)
 
     def corrupt(self, stage: str, key: str, record: dict, problem: str) -> CorruptArtifact:
         """Quarantine the artifact; the one-line error a reader raises."""
@@ -183,7 +188,8 @@ class Verified:
         try:
             with self._io():
                 self.fs.makedirs(dest.rsplit("/", 1)[0], exist_ok=True)
-                self.fs.mv(path, dest)
+                self.fs.copy(path, dest)
+                self.fs.rm_file(path)
         except FileNotFoundError:
             return
         log(

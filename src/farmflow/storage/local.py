@@ -105,6 +105,10 @@ class LocalStore(Store):
     def _local_copy(self, path: str) -> Path:
         return Path(path)
 
+    def _move_folder(self, src: str, dest: str) -> None:
+        Path(dest).parent.mkdir(parents=True, exist_ok=True)
+        os.rename(src, dest)  # one step: the artifact is gone from its place and whole in the quarantine
+
     def _write_atomic(self, path: str, data: bytes) -> None:
         final = Path(path)
         final.parent.mkdir(parents=True, exist_ok=True)
