@@ -103,22 +103,23 @@ def test_a_killed_annotation_run_is_taken_over_by_the_one_waiting_for_it(tmp_pat
     """B waits for the pairs A leased; A is SIGKILLed mid-run: B recovers A's journal and asks only what A never
     answered, so the judge answers each pair once, plus at most the requests A had in flight."""
     store = str(tmp_path / "store")
-    srv = JudgeServer(JudgeConfig(latency_s=0.05))
+    srv = JudgeServer(JudgeConfig(latency_s=1.0))  # slow while A runs, so A is still at it when B is ready
     with srv as url:
         a = annotate_proc(tmp_path, "a", url, store, 120, [str(tmp_path / "a")])
         try:
-            deadline = time.monotonic() + 120
+            deadline = time.monotonic() + 240
             while srv.state.stats["items_answered"] < 20:
                 assert a.poll() is None and time.monotonic() < deadline, a.stderr.read().decode()[-2000:]
                 time.sleep(0.01)
             b = annotate_proc(tmp_path, "b", url, store, 120, [str(tmp_path / "b")])
             while not (tmp_path / "b").exists() and time.monotonic() < deadline:
                 time.sleep(0.01)
-            time.sleep(1.0)  # B has found A's leases and waits
+            time.sleep(1.5)  # B has found A's leases and waits
             os.kill(a.pid, signal.SIGKILL)
         finally:
             a.kill()
             a.wait()
+        srv.state.config.latency_s = 0.0
         answered_by_a = srv.state.stats["items_answered"]
         run = finish(b)
         assert answered_by_a < 120 and None not in run["prefs"]
@@ -176,7 +177,7 @@ def test_a_killed_stage_holder_is_taken_over(tmp_path):
     store, marker = str(tmp_path / "store"), tmp_path / "marker"
     a = stage_proc(store, marker, 60.0)
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 240
         while not marker.exists():
             assert a.poll() is None and time.monotonic() < deadline, a.stderr.read().decode()[-2000:]
             time.sleep(0.05)

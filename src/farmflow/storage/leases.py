@@ -170,7 +170,7 @@ class Leases:
         try:
             with self.store._io():
                 self.store.fs.rm_file(f"{self._dir(name)}/{gen:010d}.json")
-        except (FileNotFoundError, OSError):
+        except Exception:  # noqa: BLE001 - best effort (see `release`)
             pass
         if isinstance(self.store.root, Path):  # a local store: no empty folder per lease left behind
             try:
@@ -214,10 +214,20 @@ class Leases:
         return {n for n, ok in zip(names, got) if ok}
 
     def release(self, names: list[str] | str) -> None:
-        for name in [names] if isinstance(names, str) else names:
-            gen = self.held.pop(name, None)
-            if gen is not None:
+        """Give up leases (one bulk delete on S3)."""
+        names = [names] if isinstance(names, str) else list(names)
+        gens = {name: self.held.pop(name) for name in names if name in self.held}
+        if not gens:
+            return
+        if isinstance(self.store.root, Path):
+            for name, gen in gens.items():
                 self._delete(name, gen)
+            return
+        try:
+            with self.store._io():
+                self.store.fs.rm([f"{self._dir(name)}/{gen:010d}.json" for name, gen in gens.items()])
+        except Exception:  # noqa: BLE001 - best effort: once this run closes, its heartbeat goes and its leases with it
+            pass
 
     def close(self) -> None:
         """Release every lease and stop the heartbeat (its file goes too: nobody waits for a closed run)."""
@@ -228,7 +238,7 @@ class Leases:
             try:
                 with self.store._io():
                     self.store.fs.rm_file(self._owner_path(self.owner))
-            except (FileNotFoundError, OSError):
+            except Exception:  # noqa: BLE001 - a heartbeat left behind goes stale after the TTL
                 pass
 
 
