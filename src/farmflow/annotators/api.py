@@ -5,7 +5,9 @@
 1. ties (identical outputs) are 1.5 and label-noised pairs a fair coin: neither is sent;
 2. every other pair gets its annotator (seeded hash of instruction + input) and the order
    its outputs are shown in (seeded hash of the pair), and is looked up in the row cache;
-3. the pairs not in the cache are grouped per annotator into requests of `batch_size`
+3. the pairs not in the cache are claimed in the store, so concurrent runs ask each pair once
+   (`plan.settle`: a pair another live run is asking is waited for in the row cache); the
+   pairs this run claimed are grouped per annotator into requests of `batch_size`
    numbered items and sent, at most `max_in_flight` at once, under the rate limit, with
    the pool's `served_model` as the model name when set. The first request to each
    endpoint and model goes alone, one after another (once per process), so a bad key, a
@@ -32,7 +34,7 @@ import concurrent.futures
 import hashlib
 import os
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -41,8 +43,8 @@ import openai
 import farmflow.annotators.budget as budget
 import farmflow.annotators.cache as cache
 import farmflow.annotators.failures as failures
+import farmflow.annotators.plan as planning
 import farmflow.annotators.prompts as prompts
-from farmflow.annotators.oracle import unit_hash
 from farmflow.annotators.ratelimit import make_limiter
 from farmflow.config import AnnotatorConfig, ApiAnnotatorConfig
 from farmflow.progress import log
@@ -61,22 +63,6 @@ class AnnotationError(RuntimeError):
 
 
 @dataclass
-class Pending:
-    """One pair to ask: outputs in canonical order, `swapped` = canonical output_2 shown first."""
-
-    key: str
-    instruction: str
-    input: str
-    output_1: str
-    output_2: str
-    swapped: bool
-
-    def shown(self) -> prompts.Item:
-        first, second = (self.output_2, self.output_1) if self.swapped else (self.output_1, self.output_2)
-        return prompts.Item(self.instruction, self.input, first, second)
-
-
-@dataclass
 class RunStats:
     requests: int = 0
     reasks: int = 0
@@ -89,6 +75,14 @@ class RunStats:
     seconds: float = 0.0
     stopped: str | None = None
     errors: Counter = field(default_factory=Counter)
+
+    def add(self, other: RunStats) -> None:
+        """Count `other` (a later batch of the same run) in."""
+        for name in ("requests", "reasks", "judged", "failed", "unsent", "prompt_tokens", "completion_tokens"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.cost_usd, self.seconds = self.cost_usd + other.cost_usd, self.seconds + other.seconds
+        self.stopped = self.stopped or other.stopped
+        self.errors.update(other.errors)
 
 
 # ----------------------------------------------------------------------------- secrets
@@ -125,13 +119,14 @@ Outcome = tuple  # (preferences or None, error or None, raw completion, [prompt,
 
 
 class _Run:
-    def __init__(self, cfg: AnnotatorConfig, store, key: str, limiter, progress: Callable[[int], None] | None = None):
+    def __init__(self, cfg: AnnotatorConfig, store, key: str, limiter, progress=None, claims=None):
         self.cfg, self.store, self.key, self.limiter, self.progress = cfg, store, key, limiter, progress
         self.sem = asyncio.Semaphore(cfg.max_in_flight)
         self.budget = budget.Budget(cfg.max_cost_usd)
         self.stats = RunStats()
         self.results: dict[str, dict] = {}
-        self.writer = cache.Writer(store, cfg.chunk_size) if store is not None else None
+        release = claims.release if claims is not None else None  # a pair's lease goes once its row is in the cache
+        self.writer = cache.Writer(store, cfg.chunk_size, on_commit=release) if store is not None else None
         self.fatal: str | None = None
         self.clients: dict[str, openai.AsyncOpenAI] = {}
 
@@ -150,38 +145,11 @@ class _Run:
     def model(self, a: ApiAnnotatorConfig) -> str:
         return cache.asked_model(a, self.cfg)
 
-    def record(self, a: ApiAnnotatorConfig, ahash: str, items: list[Pending], outcome: Outcome) -> None:
+    def record(self, a: ApiAnnotatorConfig, ahash: str, items: list[planning.Pending], outcome: Outcome) -> None:
         prefs, error, raw, usage, latency = outcome
         n, model = len(items), self.model(a)
         price = budget.cost(self.cfg.prices.get(model), *usage) / n
-        rows = []
-        for k, it in enumerate(items, 1):
-            shown = prefs[k - 1] if prefs is not None else None
-            rows.append(
-                {
-                    "key": it.key,
-                    "annotator": a.name,
-                    "annotator_hash": ahash,
-                    "model": model,
-                    "instruction": it.instruction,
-                    "input": it.input,
-                    "output_1": it.output_1,
-                    "output_2": it.output_2,
-                    "preference": None if shown is None else (3.0 - shown if it.swapped else shown),
-                    "status": "ok" if prefs is not None else "failed",
-                    "error": error,
-                    "raw_completion": raw,
-                    "prompt_tokens": usage[0] // n,
-                    "completion_tokens": usage[1] // n,
-                    "price_usd": price,
-                    "latency_s": latency,
-                    "created": cache.now(),
-                    "prompt_format": a.prompt_format,
-                    "item": k,
-                    "items": n,
-                    "swapped": it.swapped,
-                }
-            )
+        rows = cache.answer_rows(a, ahash, model, items, prefs, error, raw, usage, latency, price)
         if self.writer is not None:
             self.writer.add(rows)
         self.results |= {r["key"]: r for r in rows}
@@ -193,7 +161,7 @@ class _Run:
         if self.progress:
             self.progress(n)
 
-    async def ask(self, a: ApiAnnotatorConfig, base_url: str, ahash: str, items: list[Pending]) -> None:
+    async def ask(self, a: ApiAnnotatorConfig, base_url: str, ahash: str, items: list[planning.Pending]) -> None:
         async with self.sem:
             try:
                 outcome = await self._attempts(a, base_url, items)
@@ -205,7 +173,7 @@ class _Run:
                 return
             self.record(a, ahash, items, outcome)
 
-    async def _attempts(self, a: ApiAnnotatorConfig, base_url: str, items: list[Pending]) -> Outcome | None:
+    async def _attempts(self, a: ApiAnnotatorConfig, base_url: str, items: list[planning.Pending]) -> Outcome | None:
         """Send one request (again once if its reply cannot be read); None when it was not sent."""
         model = self.model(a)
         request = chat_request(a, model, items)
@@ -276,7 +244,7 @@ class _Run:
     def _key_source(self) -> str:
         return f"Prefect Secret {self.cfg.api_key_secret!r}" if self.cfg.api_key_secret else f"${self.cfg.api_key_env}"
 
-    async def run(self, requests: list[tuple[ApiAnnotatorConfig, str, str, list[Pending]]]) -> None:
+    async def run(self, requests: list[tuple[ApiAnnotatorConfig, str, str, list[planning.Pending]]]) -> None:
         start = time.perf_counter()
         try:
             # the first request to each endpoint and model not yet seen working in this process goes
@@ -314,7 +282,7 @@ _VERIFIED: set[tuple] = set()
 """(base_url, model, key digest) that answered in this process: later runs skip the lone first request."""
 
 
-def chat_request(a: ApiAnnotatorConfig, model: str, items: list[Pending]) -> dict:
+def chat_request(a: ApiAnnotatorConfig, model: str, items: list[planning.Pending]) -> dict:
     """The chat-completion parameters for one request: only what OpenAI-compatible servers accept."""
     messages = prompts.render([it.shown() for it in items], a.prompt_format, a.style)
     request: dict = {
@@ -340,10 +308,6 @@ def _run_coro(factory):
         return pool.submit(lambda: asyncio.run(factory())).result()
 
 
-def assign(cfg: AnnotatorConfig, instruction: str, input: str, pool: list) -> int:
-    return int(unit_hash(cfg.seed, "assign", instruction, input) * len(pool))
-
-
 def annotate_api(
     rows: list[dict], cfg: AnnotatorConfig, store, progress: Callable[[int], None] | None = None
 ) -> tuple[list[dict], RunStats]:
@@ -363,30 +327,7 @@ def annotate_api(
         if recovered:
             log("annotate: %d rows of an interrupted run recovered from its journal", recovered)
     ok, _ = cache.read(store, set(hashes)) if store is not None else ({}, {})
-
-    plan: list[dict] = []
-    todo: dict[int, dict[str, Pending]] = defaultdict(dict)  # annotator index -> key -> pending (deduplicated)
-    for row in rows:
-        ins, inp, o1, o2 = row["instruction"], row.get("input") or "", row["output_1"], row["output_2"]
-        i = assign(cfg, ins, inp, pool)
-        c1, c2, flipped = cache.canonical(o1, o2)
-        swapped_canon = unit_hash(cfg.seed, "order", ins, inp, c1, c2) < 0.5
-        entry = {
-            "annotator": pool[i].name,
-            "i": i,
-            "flipped": flipped,
-            "swapped": swapped_canon != flipped,
-            "noised": False,
-        }
-        settled = cache.without_judge(cfg, ins, inp, o1, o2)
-        if settled:
-            entry |= settled
-        else:
-            key = cache.row_key(hashes[i], ins, inp, c1, c2)
-            entry["key"] = key
-            if key not in ok:
-                todo[i][key] = Pending(key, ins, inp, c1, c2, swapped_canon)
-        plan.append(entry)
+    plan, todo = planning.plan(rows, cfg, hashes, ok)
 
     stats = RunStats()
     results: dict[str, dict] = {}
@@ -394,26 +335,27 @@ def annotate_api(
         progress(len(plan) - sum(len(p) for p in todo.values()))  # settled without a request
     if todo:
         secret = api_key(cfg)
-        requests = []
-        for i, pending in sorted(todo.items()):
-            items = list(pending.values())
-            b = pool[i].batch_size
-            requests += [(pool[i], urls[i], hashes[i], items[j : j + b]) for j in range(0, len(items), b)]
-        n_pairs = sum(len(p) for p in todo.values())
-        log(
-            "annotate: %d pairs to ask in %d requests (%d cached)",
-            n_pairs,
-            len(requests),
-            sum(1 for e in plan if e.get("key") in ok),
-        )
+        cached = sum(1 for e in plan if e.get("key") in ok)
+        log("annotate: %d pairs to ask (%d cached)", sum(len(p) for p in todo.values()), cached)
 
-        async def main() -> _Run:
-            run = _Run(cfg, store, secret, await make_limiter(cfg), progress)
-            await run.run(requests)
-            return run
+        def ask(batch: planning.Todo, claims) -> bool:
+            requests = []
+            for i, pending in sorted(batch.items()):
+                items, b = list(pending.values()), pool[i].batch_size
+                requests += [(pool[i], urls[i], hashes[i], items[j : j + b]) for j in range(0, len(items), b)]
+            log("annotate: %d pairs in %d requests", sum(len(p) for p in batch.values()), len(requests))
 
-        run = _run_coro(main)
-        stats, results = run.stats, run.results
+            async def main() -> _Run:
+                run = _Run(cfg, store, secret, await make_limiter(cfg), progress, claims)
+                await run.run(requests)
+                return run
+
+            run = _run_coro(main)
+            stats.add(run.stats)
+            results.update(run.results)
+            return run.stats.stopped is None
+
+        ok |= planning.settle(todo, store, set(hashes), ask, progress)  # + what concurrent runs answered
         reasons = ", ".join(f"{k}: {v}" for k, v in stats.errors.most_common())
         log(
             "annotate: %d requests (%d re-asks), %d judged, %d failed%s, %d not sent, $%.4f, %.1fs",
@@ -450,4 +392,4 @@ def annotate_api(
     return out, stats
 
 
-__all__ = ["AnnotationError", "Pending", "RunStats", "annotate_api", "api_key", "make_limiter"]
+__all__ = ["AnnotationError", "RunStats", "annotate_api", "api_key", "make_limiter"]

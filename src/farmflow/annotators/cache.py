@@ -110,6 +110,40 @@ def to_table(rows: list[dict]) -> pa.Table:
     return pa.Table.from_pylist(rows, schema=SCHEMAS[NAMESPACE])
 
 
+def answer_rows(a, ahash: str, model: str, items: list, prefs, error, raw, usage, latency: float, price: float) -> list:
+    """The cache rows of one request's outcome: per item (a `plan.Pending`) its preference relative to the canonical
+    order (`prefs`: as shown, None when the request failed), the tokens and price split evenly between the items."""
+    n, rows = len(items), []
+    for k, it in enumerate(items, 1):
+        shown = prefs[k - 1] if prefs is not None else None
+        rows.append(
+            {
+                "key": it.key,
+                "annotator": a.name,
+                "annotator_hash": ahash,
+                "model": model,
+                "instruction": it.instruction,
+                "input": it.input,
+                "output_1": it.output_1,
+                "output_2": it.output_2,
+                "preference": None if shown is None else (3.0 - shown if it.swapped else shown),
+                "status": "ok" if prefs is not None else "failed",
+                "error": error,
+                "raw_completion": raw,
+                "prompt_tokens": usage[0] // n,
+                "completion_tokens": usage[1] // n,
+                "price_usd": price,
+                "latency_s": latency,
+                "created": now(),
+                "prompt_format": a.prompt_format,
+                "item": k,
+                "items": n,
+                "swapped": it.swapped,
+            }
+        )
+    return rows
+
+
 def read(store, hashes: set[str] | None = None) -> tuple[dict[str, dict], dict[str, dict]]:
     """(ok, failed): the latest ok row per key, and the latest failed row of keys without one."""
     table = store.read_rows(NAMESPACE, NAMESPACE)
@@ -147,8 +181,9 @@ class Writer:
     """A run's rows on their way to the log: journaled as they come, appended every `chunk_size` rows or
     `flush_s` seconds, and at `close` (on every exit path; if that append fails the journal stays for `recover`)."""
 
-    def __init__(self, store, chunk_size: int, flush_s: float = 10.0):
-        self.store, self.chunk_size, self.flush_s = store, chunk_size, flush_s
+    def __init__(self, store, chunk_size: int, flush_s: float = 10.0, on_commit=None):
+        """`on_commit(keys)`: called with the row keys of each chunk once it is in the row log."""
+        self.store, self.chunk_size, self.flush_s, self.on_commit = store, chunk_size, flush_s, on_commit
         self.buffer: list[dict] = []
         self.since = time.monotonic()
         self.journal = journal.Journal(journal_dir(store))
@@ -171,8 +206,10 @@ class Writer:
     def flush(self) -> None:
         if self.buffer:
             self.store.append_rows(NAMESPACE, to_table(self.buffer), NAMESPACE)
-            self.buffer = []
+            keys, self.buffer = [r["key"] for r in self.buffer], []
             self.journal.committed()
+            if self.on_commit is not None:
+                self.on_commit(keys)
 
     def close(self) -> None:
         try:

@@ -6,7 +6,7 @@
 | `history` | leaderboard, history |
 | `evaluate` | eval winrate, eval annotators, eval rankings |
 | `config` | config presets, config show, config diff |
-| `store` | sql, artifacts ls, artifacts show |
+| `store` | sql, artifacts ls, artifacts show, artifacts verify |
 | `annotators` | judge-server, annotate, annotations reparse |
 | `models` | models get, models import, models ls |
 | `server` | server |

@@ -1,4 +1,4 @@
-"""`farmflow sql` and `farmflow artifacts`: look into a store (local or S3) with SQL."""
+"""`farmflow sql` and `farmflow artifacts`: look into a store (local or S3) with SQL, list and verify its artifacts."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def sql(
         raise UsageError('give a query, e.g. "SELECT stage, count(*) FROM artifacts GROUP BY stage"')
     if fmt == "parquet" and output is None:
         raise UsageError("--format parquet needs --output FILE")
-    con = connect(st)
+    con = connect(st, warn=lambda line: print(f"warning: {line}", file=sys.stderr))
     try:
         rel = con.sql(query)
         if rel is None:  # a statement without a result
@@ -119,6 +119,34 @@ def artifacts_show(
     ref = matches[0]
     record = st.record(ref) | {"ref": ref.model_dump(mode="json"), "files": st.files(ref)}
     print(json.dumps(record, indent=2, sort_keys=True))
+
+
+@artifacts_app.command("verify")
+def artifacts_verify(
+    store: Optional[str] = typer.Option(None, help=STORE_HELP),
+    repair: bool = typer.Option(
+        False, "--repair", help="Move what is corrupt to _quarantine/ in the store, so the next run computes it again."
+    ),
+    quick: bool = typer.Option(False, "--quick", help="Sizes only (one listing per artifact), no hashing."),
+    fmt: str = format_option(),
+) -> None:
+    """Check every artifact's files and every row-log chunk against the size and sha256 they were committed with.
+
+    Lists what is corrupt (exit code 1 unless --repair moved it all to _quarantine/)."""
+    check_format(fmt)
+    st = open_given(store)
+    found = st.verify(hashes=not quick, repair=repair)
+    if not found:
+        print(f"verified {len(st.records())} artifacts and the row logs of {st.root}: nothing corrupt", file=sys.stderr)
+        return
+    emit(
+        ["kind", "stage", "key", "problem", "quarantined"],
+        [(f["kind"], f["stage"], f["key"], f["problem"], f["quarantined"] or "") for f in found],
+        fmt,
+        default=exact,
+    )
+    if not repair:
+        raise CliError(f"{len(found)} corrupt in {st.root}; `farmflow artifacts verify --repair` moves them away")
 
 
 def register(app: typer.Typer) -> None:

@@ -22,9 +22,11 @@ over canonical JSON, so it is the same on every machine and in every process.
 
 from __future__ import annotations
 
+from farmflow.storage.errors import CorruptArtifact, StoreError
+from farmflow.storage.local import LocalStore
 from farmflow.storage.refs import COMMIT_FILE, ArtifactRef, canonical_json, digest, part_key, stage_key
 from farmflow.storage.schemas import SCHEMAS, conform
-from farmflow.storage.store import LocalStore, Store, StoreError
+from farmflow.storage.store import Store
 
 
 def open_store(uri: str) -> Store:
@@ -46,6 +48,7 @@ def open_store(uri: str) -> Store:
 __all__ = [
     "COMMIT_FILE",
     "ArtifactRef",
+    "CorruptArtifact",
     "LocalStore",
     "SCHEMAS",
     "Store",

@@ -1,7 +1,7 @@
 """The artifact store on S3 or any S3-compatible server (MinIO), through s3fs.
 
 Location: ``s3://bucket/prefix``, with non-secret options as query parameters so that one
-string carries the whole store to every task and worker::
+string carries the whole store to every task and worker (`farmflow.storage.s3_location`)::
 
     s3://farm/runs?endpoint_url=http://minio:9000&profile=farm&max_attempts=5
 
@@ -9,10 +9,12 @@ Credentials never appear in the location: they come from the standard AWS chain
 (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE`` or ``profile=``, instance
 roles...) or from a Prefect ``Secret`` block named by ``credentials_block=`` whose value is
 ``{"aws_access_key_id": ..., "aws_secret_access_key": ..., "aws_session_token": ...}``.
+Client errors are classified in `farmflow.storage.s3_errors`.
 
 Commits (S3 has no rename): an artifact's objects are written under a fresh attempt
 folder ``<stage>/<key>/<attempt>/``; then ``<stage>/<key>/_COMMIT.json``, which names the
-attempt, is created with a conditional PUT (``If-None-Match: *``). The first commit wins;
+attempt, is created with a conditional PUT (``If-None-Match: *``; leases use the same
+`_create`). The first commit wins;
 a loser deletes its attempt and returns the winner's ref. Readers resolve data only
 through the commit record, so they never see an uncommitted or losing attempt; an attempt
 left by a killed writer is never read.
@@ -40,94 +42,19 @@ import uuid
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
-from urllib.parse import parse_qsl, urlencode, urlsplit
 
-import pyarrow as pa
 import pyarrow.fs as pafs
-import pyarrow.parquet as pq
 from prefect.filesystems import WritableFileSystem
 from pydantic import Field, PrivateAttr
 
-from farmflow.config.credentials import CredentialsInValue, refuse_credentials
+from farmflow.storage.errors import StoreError
 from farmflow.storage.refs import COMMIT_FILE, ArtifactRef
-from farmflow.storage.store import Store, StoreError
+from farmflow.storage.s3_errors import ACCESS_CODES, LOST_RACE_CODES, error_code, is_connection_error
+from farmflow.storage.s3_location import block_credentials, parse_s3_uri, s3_location
+from farmflow.storage.store import Store
 
-OPTIONS = {
-    "endpoint_url": "S3-compatible endpoint (MinIO: http://host:9000); default $AWS_ENDPOINT_URL_S3 / "
-    "$AWS_ENDPOINT_URL, else AWS",
-    "region": "AWS region; default the AWS chain's ($AWS_DEFAULT_REGION, profile)",
-    "profile": "named AWS profile (~/.aws/credentials, ~/.aws/config)",
-    "credentials_block": "name of a Prefect Secret block with aws_access_key_id and aws_secret_access_key",
-    "max_attempts": "attempts per S3 request; transient errors are retried with backoff (botocore standard mode)",
-    "cache_dir": "local folder for downloaded models and checkpoints",
-}
-COMPLETE = "_COMPLETE"  # marker written last into a checkpoint folder
 CONNECT_TIMEOUT_S = 10
-LOST_RACE_CODES = {"PreconditionFailed", "ConditionalRequestConflict"}
-"""Answers to a conditional PUT (If-None-Match: *) whose object exists or is being written: AWS sends 412
-PreconditionFailed or 409 ConditionalRequestConflict; s3fs maps only some of them to FileExistsError."""
-ACCESS_CODES = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken", "403"}
-
-
-def parse_s3_uri(uri: str) -> tuple[str, str, dict[str, str]]:
-    """``s3://bucket/prefix?opt=value`` → (bucket, prefix, options); unknown options are an error."""
-    try:
-        refuse_credentials(uri, "S3 credentials come from profile, credentials_block or the AWS environment")
-    except CredentialsInValue as err:
-        raise StoreError(f"store URI: {err}") from None
-    parts = urlsplit(uri)
-    if parts.scheme != "s3" or not parts.netloc:
-        raise StoreError(f"store URI {uri.split('?')[0]!r}: expected s3://bucket/prefix")
-    options = dict(parse_qsl(parts.query, keep_blank_values=False))
-    unknown = sorted(set(options) - set(OPTIONS))
-    if unknown:
-        raise StoreError(
-            f"store URI s3://{parts.netloc}{parts.path}: unknown option(s) {unknown}; known: {', '.join(OPTIONS)}"
-        )
-    return parts.netloc, parts.path.strip("/"), options
-
-
-def s3_location(bucket: str, prefix: str, options: dict[str, Any]) -> str:
-    """The inverse of `parse_s3_uri` (options that are None are left out)."""
-    query = urlencode({k: v for k, v in options.items() if v is not None})
-    return f"s3://{bucket}/{prefix}".rstrip("/") + (f"?{query}" if query else "")
-
-
-def _block_credentials(name: str) -> dict[str, str]:
-    from prefect.blocks.system import Secret
-
-    try:
-        value = Secret.load(name).get()
-    except Exception as err:  # noqa: BLE001 - any failure to load is one clear error
-        raise StoreError(
-            f"cannot load the Prefect Secret block {name!r} with the S3 credentials ({type(err).__name__})"
-        ) from None
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError:
-            value = None
-    if not isinstance(value, dict) or not {"aws_access_key_id", "aws_secret_access_key"} <= set(value):
-        raise StoreError(
-            f"Prefect Secret block {name!r}: expected JSON with aws_access_key_id and aws_secret_access_key"
-        )
-    return {
-        "key": value["aws_access_key_id"],
-        "secret": value["aws_secret_access_key"],
-        "token": value.get("aws_session_token"),
-    }
-
-
-def _error_code(err: BaseException) -> str | None:
-    """The S3 error code (NoSuchBucket, InvalidAccessKeyId, ...) anywhere in an exception's chain."""
-    seen = set()
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        response = getattr(err, "response", None)
-        if isinstance(response, dict) and response.get("Error", {}).get("Code"):
-            return str(response["Error"]["Code"])
-        err = err.__cause__ or err.__context__
-    return None
+COMPLETE = "_COMPLETE"  # marker written last into a checkpoint folder
 
 
 class S3Store(Store):
@@ -156,7 +83,7 @@ class S3Store(Store):
         if options.get("profile"):
             kwargs["profile"] = options["profile"]
         if options.get("credentials_block"):
-            kwargs.update(_block_credentials(options["credentials_block"]))
+            kwargs.update(block_credentials(options["credentials_block"]))
         client_kwargs = {
             k: v for k, v in {"endpoint_url": self.endpoint, "region_name": options.get("region")}.items() if v
         }
@@ -195,7 +122,7 @@ class S3Store(Store):
         except StoreError:
             raise
         except FileNotFoundError as err:
-            if _error_code(err) == "NoSuchBucket" or "bucket does not exist" in str(err).lower():
+            if error_code(err) == "NoSuchBucket" or "bucket does not exist" in str(err).lower():
                 raise StoreError(self._describe(f"bucket {self.bucket!r} does not exist")) from None
             raise
         except FileExistsError:
@@ -212,7 +139,7 @@ class S3Store(Store):
                 )
             ) from None
         except Exception as err:  # noqa: BLE001 - classified below, re-raised when not an S3 problem
-            code = _error_code(err)
+            code = error_code(err)
             if isinstance(err, PermissionError) or code in ACCESS_CODES:
                 raise StoreError(
                     self._describe(
@@ -256,7 +183,7 @@ class S3Store(Store):
                 try:
                     self.fs.pipe_file(self._p(ref.stage, ref.key, COMMIT_FILE), body, mode="create")
                 except Exception as err:  # noqa: BLE001 - only the lost-race codes are translated; the rest go on to _io
-                    if _error_code(err) in LOST_RACE_CODES:  # the conditional PUT lost, however the server phrases it
+                    if error_code(err) in LOST_RACE_CODES:  # the conditional PUT lost, however the server phrases it
                         raise FileExistsError(ref.key) from None
                     raise
         except FileExistsError:  # another writer committed first: theirs is the artifact
@@ -313,6 +240,10 @@ class S3Store(Store):
             shutil.rmtree(tmp, ignore_errors=True)
         return target
 
+    def _drop_local_copy(self, path: str) -> bool:
+        shutil.rmtree(self._cached(path), ignore_errors=True)
+        return True
+
     # ---------------------------------------------------------------- checkpoints, row logs
     def _put_folder(self, local: Path, dest: str) -> None:
         # A checkpoint is complete once its marker exists; the marker's content (a fresh
@@ -339,8 +270,21 @@ class S3Store(Store):
         super().clear_checkpoints(stage, key)
         shutil.rmtree(self._cached(self._checkpoints(stage, key)), ignore_errors=True)
 
-    def _write_parquet_atomic(self, table: pa.Table, path: str) -> None:
-        pq.write_table(table, path, filesystem=self.arrow_fs)  # an S3 object appears complete or not at all
+    def _write_atomic(self, path: str, data: bytes) -> None:
+        self.fs.pipe_file(path, data)  # an S3 object appears complete or not at all
+
+    def _create(self, path: str, data: bytes) -> bool:
+        try:
+            with self._io():
+                try:
+                    self.fs.pipe_file(path, data, mode="create")  # a conditional PUT: If-None-Match: *
+                except Exception as err:  # noqa: BLE001 - only the lost-race codes are translated; the rest go to _io
+                    if error_code(err) in LOST_RACE_CODES:
+                        raise FileExistsError(path) from None
+                    raise
+        except FileExistsError:
+            return False
+        return True
 
     # ---------------------------------------------------------------- Prefect
     def result_storage(self) -> Any:
@@ -357,34 +301,6 @@ class S3Store(Store):
 
     def register_duckdb(self, con: Any) -> None:
         con.register_filesystem(self.fs)
-
-
-def is_connection_error(err: BaseException) -> bool:
-    """Whether `err`, or an exception it was raised from, says the endpoint could not be reached."""
-    from botocore.exceptions import ConnectionError as BotoConnectionError
-    from botocore.exceptions import ConnectTimeoutError, EndpointConnectionError, HTTPClientError
-
-    kinds: tuple[type, ...] = (
-        BotoConnectionError,
-        ConnectTimeoutError,
-        EndpointConnectionError,
-        HTTPClientError,
-        ConnectionError,
-        asyncio.TimeoutError,
-    )
-    try:
-        import aiohttp
-
-        kinds += (aiohttp.ClientConnectionError,)
-    except ImportError:  # pragma: no cover
-        pass
-    seen = set()
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        if isinstance(err, kinds):
-            return True
-        err = err.__cause__ or err.__context__
-    return False
 
 
 def block_name(location: str) -> str:

@@ -17,6 +17,9 @@ from, so any row can be traced back to its artifact):
 
 The views are built from the commit records, so they only ever read committed data, in
 the attempt folder the record names (uncommitted or losing S3 uploads are never read).
+A table or row-log chunk whose size differs from the one committed (a truncated file,
+`farmflow.storage.integrity`) is left out with one warning line, so one damaged file does
+not fail every query; ``farmflow artifacts verify --repair`` quarantines it.
 They are a snapshot: an artifact committed later appears on the next `connect`. A view
 with nothing to read yet still exists, with the columns of its schema and no rows.
 
@@ -28,13 +31,16 @@ notebook (see docs/store.md).
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Callable
 
 import duckdb
 import pyarrow as pa
 
+from farmflow.progress import log
 from farmflow.storage.schemas import SCHEMAS
 from farmflow.storage.store import Store
+
+Warn = Callable[[str], None]
 
 TABLE_VIEWS = {
     "instructions": "instructions",
@@ -130,38 +136,66 @@ ROW_VIEWS = {"annotations": "annotations", "runs": "runs"}
 """View name → row log (``_rows/<name>/``) it reads; each log's chunks have the schema of the same name."""
 
 
-def _rows_sql(store: Store, namespace: str) -> str | None:
-    """Every chunk of a row log, or None when it has none."""
+def _rows_sql(store: Store, namespace: str, bad: set[str]) -> str | None:
+    """Every chunk of a row log (and of the logs nested in it) but the `bad` ones, or None when it has none."""
     if not store.row_chunks(namespace):
         return None
-    chunks = _lit(store.url(store.rows_dir(namespace)) + "/**/*.parquet")
+    if not any(p.startswith(store.rows_dir(namespace) + "/") for p in bad):
+        chunks = _lit(store.url(store.rows_dir(namespace)) + "/**/*.parquet")
+    else:  # the good chunks by name
+        found = store.fs.find(store.rows_dir(namespace))
+        good = [p for p in found if p.endswith(".parquet") and not p.rsplit("/", 1)[1].startswith(".") and p not in bad]
+        if not good:
+            return None
+        chunks = "[" + ", ".join(_lit(store.url(p)) for p in good) + "]"
     return f"SELECT * FROM read_parquet({chunks}, union_by_name = true)"
 
 
-def _row_view_sql(store: Store, namespace: str) -> str:
-    return _rows_sql(store, namespace) or _empty([(f.name, _duck_type(f.type)) for f in SCHEMAS[namespace]])
+def _row_view_sql(store: Store, namespace: str, bad: set[str]) -> str:
+    return _rows_sql(store, namespace, bad) or _empty([(f.name, _duck_type(f.type)) for f in SCHEMAS[namespace]])
 
 
-def _leaderboard_history_sql(store: Store) -> str:
+def _leaderboard_history_sql(store: Store, bad: set[str]) -> str:
     """The runs recorded with history, in the legacy columns, then the legacy chunks (union by name: a column an
     old chunk lacks is NULL there)."""
     columns = ", ".join(SCHEMAS["leaderboard_history"].names)
-    recorded = f"SELECT {columns} FROM ({_row_view_sql(store, 'runs')}) WHERE history"
-    legacy = _rows_sql(store, "leaderboard_history")
+    recorded = f"SELECT {columns} FROM ({_row_view_sql(store, 'runs', bad)}) WHERE history"
+    legacy = _rows_sql(store, "leaderboard_history", bad)
     return recorded if legacy is None else f"{recorded}\nUNION ALL BY NAME\n{legacy}"
 
 
-def view_sql(store: Store) -> dict[str, str]:
-    """View name → its SELECT statement, for the store's committed artifacts right now."""
+def _intact(store: Store, records: list[dict], warn: Warn) -> tuple[list[dict], set[str]]:
+    """(the records whose table files have their committed sizes, the row-log chunks that do not); one warning line
+    per file left out."""
+    good = []
+    for r in records:
+        ref = r["ref"]
+        folder = ref["uri"].removeprefix("s3://")
+        problem = store.size_problem(folder, r) if ref["kind"] == "table" else None
+        if problem:
+            what = f"{ref['stage']}/{ref['key']}"
+            warn(f"sql: left out {what} ({problem}); `farmflow artifacts verify --repair` moves it away")
+        else:
+            good.append(r)
+    bad = store.bad_chunks()
+    for path, problem in bad:
+        warn(f"sql: left out row-log chunk {store.url(path)} ({problem})")
+    return good, {p for p, _ in bad}
+
+
+def view_sql(store: Store, warn: Warn = log) -> dict[str, str]:
+    """View name → its SELECT statement, for the store's committed artifacts right now (`warn`: told of each damaged
+    file left out)."""
     records = store.records()
+    tables, bad = _intact(store, records, warn)
     views = {"artifacts": _artifacts_sql(records)}
-    views |= {name: _table_sql(store, records, format) for name, format in TABLE_VIEWS.items()}
-    views |= {name: _row_view_sql(store, namespace) for name, namespace in ROW_VIEWS.items()}
-    views["leaderboard_history"] = _leaderboard_history_sql(store)
+    views |= {name: _table_sql(store, tables, format) for name, format in TABLE_VIEWS.items()}
+    views |= {name: _row_view_sql(store, namespace, bad) for name, namespace in ROW_VIEWS.items()}
+    views["leaderboard_history"] = _leaderboard_history_sql(store, bad)
     return views
 
 
-def create_views_sql(store: Store) -> str:
+def create_views_sql(store: Store, warn: Warn = log) -> str:
     """``CREATE OR REPLACE VIEW`` statements for every view, runnable in any DuckDB session."""
     header = f"-- farmflow views over {store.root} (a snapshot of its committed artifacts)\n"
     if str(store.root).startswith("s3://"):
@@ -170,13 +204,14 @@ def create_views_sql(store: Store) -> str:
             "-- DuckDB CLI: INSTALL httpfs; LOAD httpfs; CREATE SECRET (TYPE s3, KEY_ID '...', SECRET '...',\n"
             "--   ENDPOINT 'host:9000', URL_STYLE 'path', USE_SSL false);  -- ENDPOINT etc. only for MinIO\n"
         )
-    return header + "".join(f"CREATE OR REPLACE VIEW {name} AS\n{sql};\n\n" for name, sql in view_sql(store).items())
+    views = view_sql(store, warn)
+    return header + "".join(f"CREATE OR REPLACE VIEW {name} AS\n{sql};\n\n" for name, sql in views.items())
 
 
-def connect(store: Store, database: str = ":memory:") -> duckdb.DuckDBPyConnection:
+def connect(store: Store, database: str = ":memory:", warn: Warn = log) -> duckdb.DuckDBPyConnection:
     """A DuckDB connection with the store's filesystem registered and every view created."""
     con = duckdb.connect(database)
     if hasattr(store, "register_duckdb"):
         store.register_duckdb(con)
-    con.execute(create_views_sql(store))
+    con.execute(create_views_sql(store, warn))
     return con

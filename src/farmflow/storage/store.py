@@ -1,36 +1,40 @@
-"""The store over an fsspec filesystem (`Store`) and its embedded default backend (`LocalStore`).
+"""The store over an fsspec filesystem (`Store`): what is the same on a local disk and on S3.
 
-`Store` holds everything that is the same on a local disk and on S3: the layout, commit
-records, listing, Parquet reads and writes, row logs and training checkpoints. A backend
-only says how a write becomes visible (`_attempt`, `_finish`, `_put_folder`) and how a
-folder becomes local (`_local_copy`).
+`Store` holds the layout, commit records, listing, and the Parquet reads and writes of
+artifacts; row logs and checkpoints come from `farmflow.storage.rowlog`, checksums and
+quarantine from `farmflow.storage.integrity`, leases from `farmflow.storage.leases`. A
+backend (`farmflow.storage.local`, `farmflow.storage.s3`) only says how a write becomes
+visible (`_attempt`, `_finish`, `_put_folder`, `_write_atomic`, `_create`) and how a folder
+becomes local (`_local_copy`).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import uuid
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Iterator
 
 import fsspec
 import pyarrow as pa
-import pyarrow.dataset as ds
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from farmflow.storage.errors import StoreError
+from farmflow.storage.integrity import (
+    Verified,
+    content_problem,
+    digest_bytes,
+    digest_folder,
+    local_problem,
+    parquet_bytes,
+)
 from farmflow.storage.refs import COMMIT_FILE, ArtifactRef, canonical_json, utc_now
+from farmflow.storage.rowlog import RowLogs
 from farmflow.storage.schemas import SCHEMAS, conform
 
 
-class StoreError(RuntimeError):
-    """The store cannot be reached or used. The message names the location, never a credential."""
-
-
-class Store:
+class Store(RowLogs, Verified):
     """A content-addressed artifact store on an fsspec filesystem ``fs``, rooted at ``base``.
 
     ``root`` is what users see (a local `Path`, or ``s3://bucket/prefix``).
@@ -82,7 +86,16 @@ class Store:
         """A local folder with the contents of `path` (itself on a local disk)."""
         raise NotImplementedError
 
-    def _write_parquet_atomic(self, table: pa.Table, path: str) -> None:
+    def _drop_local_copy(self, path: str) -> bool:
+        """Forget a downloaded copy of `path` (True), or False where `path` is itself local."""
+        return False
+
+    def _write_atomic(self, path: str, data: bytes) -> None:
+        """Write a file that is only ever seen complete (a row-log chunk)."""
+        raise NotImplementedError
+
+    def _create(self, path: str, data: bytes) -> bool:
+        """Create a small file only if it does not exist, atomically (leases); False: it exists."""
         raise NotImplementedError
 
     def result_storage(self) -> Any:
@@ -124,12 +137,21 @@ class Store:
 
     # ---------------------------------------------------------------- lookup
     def get(self, stage: str, key: str) -> ArtifactRef | None:
-        """The committed artifact for (stage, key), or None."""
+        """The committed artifact for (stage, key), or None.
+
+        Its files' sizes are checked against the commit record (one listing): a truncated or missing
+        file quarantines the artifact (one line) and the answer is None, so it is computed again."""
         record = self._read_record(stage, key)
-        return None if record is None else self._ref(stage, key, record)
+        if record is None:
+            return None
+        problem = self.size_problem(self._folder(stage, key, record), record)
+        if problem:
+            self.quarantine(stage, key, record, problem)
+            return None
+        return self._ref(stage, key, record)
 
     def exists(self, ref: ArtifactRef) -> bool:
-        return self._read_record(ref.stage, ref.key) is not None
+        return self.get(ref.stage, ref.key) is not None
 
     def record(self, ref: ArtifactRef) -> dict:
         """The whole commit record (ref, config, inputs) of a committed artifact."""
@@ -164,19 +186,35 @@ class Store:
     def list(self) -> list[ArtifactRef]:
         return [ArtifactRef.model_validate(r["ref"]) for r in self.records()]
 
-    def _require(self, ref: ArtifactRef) -> str:
+    def _require(self, ref: ArtifactRef) -> tuple[str, dict]:
+        """(data folder, commit record) of a committed artifact whose files have their committed sizes."""
         record = self._read_record(ref.stage, ref.key)
         if record is None:
             raise FileNotFoundError(f"artifact {ref.stage}/{ref.key} is not committed in {self.root}")
-        return self._folder(ref.stage, ref.key, record)
+        folder = self._folder(ref.stage, ref.key, record)
+        problem = self.size_problem(folder, record)
+        if problem:
+            raise self.corrupt(ref.stage, ref.key, record, problem)
+        return folder, record
+
+    def _checked(self, ref: ArtifactRef, name: str) -> bytes:
+        """The bytes of one file of a committed artifact, checked against its size and sha256."""
+        folder, record = self._require(ref)
+        with self._io():
+            data = self.fs.cat_file(f"{folder}/{name}")
+        problem = content_problem(name, data, record)
+        if problem:
+            raise self.corrupt(ref.stage, ref.key, record, problem)
+        return data
 
     # ---------------------------------------------------------------- writes
     @staticmethod
-    def _record_of(ref: ArtifactRef, config: Any, inputs: dict | None) -> dict:
+    def _record_of(ref: ArtifactRef, config: Any, inputs: dict | None, files: dict[str, dict]) -> dict:
         return {
             "ref": ref.model_dump(mode="json"),
             "config": json.loads(canonical_json(config)) if config is not None else None,
             "inputs": {k: (v.key if isinstance(v, ArtifactRef) else v) for k, v in (inputs or {}).items()},
+            "files": files,
         }
 
     def put_table(
@@ -210,13 +248,13 @@ class Store:
         bad = [name for name in extra if not name.endswith(".parquet")]
         if bad:
             raise ValueError(f"extra table names must end in .parquet, got {bad} for stage {stage!r}")
+        payload = {"data.parquet": parquet_bytes(table), **(extra_files or {})}
+        payload |= {name: parquet_bytes(t) for name, t in extra.items()}
+        files = {name: digest_bytes(data) for name, data in payload.items()}
         with self._attempt(stage, key) as folder:
             with self._io():
-                pq.write_table(table, f"{folder}/data.parquet", filesystem=self.arrow_fs)
-                for name, data in (extra_files or {}).items():
+                for name, data in payload.items():
                     self.fs.pipe_file(f"{folder}/{name}", data)
-                for name, t in extra.items():
-                    pq.write_table(t, f"{folder}/{name}", filesystem=self.arrow_fs)
             ref = ArtifactRef(
                 uri="",
                 stage=stage,
@@ -228,7 +266,7 @@ class Store:
                 metrics=dict(metrics or {}),
                 parts=dict(parts or {}),
             )
-            return self._finish(folder, ref, self._record_of(ref, config, inputs))
+            return self._finish(folder, ref, self._record_of(ref, config, inputs, files))
 
     @contextmanager
     def put_model(
@@ -252,203 +290,51 @@ class Store:
             yield model, metrics
             if not any(model.glob("*.safetensors")):
                 raise ValueError(f"stage {stage!r} saved no safetensors weights into its model artifact")
+            files = digest_folder(model, "model/")
             self._upload(model, f"{folder}/model")
             ref = ArtifactRef(
                 uri="", stage=stage, key=key, kind="model", format=format, rows=None, created=utc_now(), metrics=metrics
             )
-            committed = self._finish(folder, ref, self._record_of(ref, config, inputs))
+            committed = self._finish(folder, ref, self._record_of(ref, config, inputs, files))
             if committed.uri == self.url(folder):  # this upload won: keep the local files as the cached copy
                 self._adopt(model, f"{folder}/model")
-
-    # ---------------------------------------------------------------- row logs
-    # Append-only tables outside the content-addressed artifacts, e.g. the row-level
-    # annotation cache: each append is one Parquet file under ``_rows/<namespace>/``,
-    # made visible in one step (a rename, or one S3 PUT), so a crash loses at most that
-    # chunk and a reader never sees a partial file.
-    def rows_dir(self, namespace: str) -> str:
-        """The folder of a row log (a filesystem path; `url` gives its URL)."""
-        if not namespace or any(part in ("", ".", "..") for part in namespace.split("/")):
-            raise ValueError(f"invalid row-log namespace {namespace!r}")
-        return self._p("_rows", namespace)
-
-    def append_rows(self, namespace: str, table: pa.Table, format: str) -> str:
-        """Append `table` (validated against the schema of `format`) as one chunk; returns its name."""
-        table = conform(table, format, where=f"row log {namespace!r}")
-        name = f"{utc_now().replace(':', '').replace('+', 'Z')}-{uuid.uuid4().hex[:8]}.parquet"
-        with self._io():
-            self._write_parquet_atomic(table, f"{self.rows_dir(namespace)}/{name}")
-        return name
-
-    def row_chunks(self, namespace: str) -> list[str]:
-        """The committed chunks of a row log (filesystem paths), oldest first."""
-        with self._io():
-            return sorted(
-                p
-                for p in self.fs.glob(f"{self.rows_dir(namespace)}/*.parquet")
-                if not p.rsplit("/", 1)[-1].startswith(".")
-            )
-
-    def read_rows(self, namespace: str, format: str) -> pa.Table:
-        """Every committed chunk of a row log, oldest first (an empty table if none)."""
-        schema = SCHEMAS[format]
-        chunks = self.row_chunks(namespace)
-        if not chunks:
-            return schema.empty_table()
-        with self._io():
-            return ds.dataset(chunks, schema=schema, format="parquet", filesystem=self.arrow_fs).to_table()
-
-    # ---------------------------------------------------------------- checkpoints
-    # Periodic training checkpoints of a stage that has not committed yet, under
-    # ``_checkpoints/<stage>/<key>/step-<N>/``. Each becomes visible only once complete
-    # (`_put_folder`); the newest `keep` stay.
-    def _checkpoints(self, stage: str, key: str) -> str:
-        return self._p("_checkpoints", stage, key)
-
-    def save_checkpoint(self, stage: str, key: str, step: int, folder: Path, keep: int = 2) -> None:
-        root = self._checkpoints(stage, key)
-        with self._io():
-            self._put_folder(Path(folder), f"{root}/step-{step:09d}")
-            for old in self._complete_folders(f"{root}/step-*")[:-keep]:
-                self.fs.rm(old, recursive=True)
-
-    def latest_checkpoint(self, stage: str, key: str) -> tuple[int, Path] | None:
-        """(completed steps, local folder) of the newest checkpoint, or None."""
-        with self._io():
-            steps = self._complete_folders(f"{self._checkpoints(stage, key)}/step-*")
-            if not steps:
-                return None
-            return int(steps[-1].rsplit("step-", 1)[1]), self._local_copy(steps[-1])
-
-    def clear_checkpoints(self, stage: str, key: str) -> None:
-        with self._io():
-            if self.fs.exists(self._checkpoints(stage, key)):
-                self.fs.rm(self._checkpoints(stage, key), recursive=True)
 
     # ---------------------------------------------------------------- reads
     def read_table(self, ref: ArtifactRef, name: str = "data.parquet", format: str | None = None) -> pa.Table:
         """The artifact's table, or with `name` one of its extra tables (`format`: that table's schema)."""
         if ref.kind != "table":
             raise ValueError(f"artifact {ref.stage}/{ref.key} is a {ref.kind}, not a table")
-        path = f"{self._require(ref)}/{name}"
-        with self._io():
-            return pq.read_table(path, schema=SCHEMAS.get(format or ref.format), filesystem=self.arrow_fs)
+        data = self._checked(ref, name)
+        return pq.read_table(pa.BufferReader(data), schema=SCHEMAS.get(format or ref.format))
 
     def model_dir(self, ref: ArtifactRef) -> Path:
-        """A local folder with the model (downloaded once per artifact on remote stores)."""
+        """A local folder with the model (downloaded once per artifact on remote stores), its files' sizes checked
+        against the commit record (a damaged download cache is fetched again once before the artifact counts as
+        corrupt)."""
         if ref.kind != "model":
             raise ValueError(f"artifact {ref.stage}/{ref.key} is a {ref.kind}, not a model")
-        path = f"{self._require(ref)}/model"
+        record = self._read_record(ref.stage, ref.key)
+        if record is None:
+            raise FileNotFoundError(f"artifact {ref.stage}/{ref.key} is not committed in {self.root}")
+        path = f"{self._folder(ref.stage, ref.key, record)}/model"
         with self._io():
-            return self._local_copy(path)
+            local = self._local_copy(path)
+            problem = local_problem(local, record, "model/")
+            if problem and self._drop_local_copy(path):
+                local = self._local_copy(path)
+                problem = local_problem(local, record, "model/")
+        if problem:
+            raise self.corrupt(ref.stage, ref.key, record, problem)
+        return local
 
     def read_file(self, ref: ArtifactRef, name: str) -> bytes:
-        """One file of a committed artifact (e.g. ``leaderboard.md``)."""
-        path = f"{self._require(ref)}/{name}"
-        with self._io():
-            return self.fs.cat_file(path)
+        """One file of a committed artifact (e.g. ``leaderboard.md``), checked against its commit record."""
+        return self._checked(ref, name)
 
     def files(self, ref: ArtifactRef) -> dict[str, int]:
         """Relative path → size in bytes of every data file of a committed artifact (not the commit record)."""
-        folder = self._require(ref)
+        folder, _ = self._require(ref)
         with self._io():
             found = self.fs.find(folder, detail=True)
         files = {p[len(folder) + 1 :]: int(info.get("size") or 0) for p, info in sorted(found.items())}
         return {name: size for name, size in files.items() if name != COMMIT_FILE}
-
-
-def _fsync(path: Path) -> None:
-    """Flush a file's (or a folder's entries') data to the disk: a committed artifact survives a power loss."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-class LocalStore(Store):
-    """The embedded default store: a folder (``./.farmflow/store`` or ``$FARMFLOW_STORE``).
-
-    Commits: an artifact is assembled in ``<root>/.staging/`` and moved into place with
-    one ``rename``; when two processes race on one key, the first rename wins and the
-    loser discards its copy.
-    """
-
-    def __init__(self, root: str | os.PathLike):
-        root = str(root)
-        if root.startswith("file://"):
-            root = root[len("file://") :]
-        self.root = Path(root).expanduser().absolute()
-        self.root.mkdir(parents=True, exist_ok=True)
-        self.fs = fsspec.filesystem("file")
-        self.arrow_fs = pafs.LocalFileSystem()
-        self.base = str(self.root)
-
-    def __repr__(self) -> str:
-        return f"LocalStore({str(self.root)!r})"
-
-    def path(self, stage: str, key: str) -> Path:
-        return self.root / stage / key
-
-    def result_storage(self) -> Path:
-        return self.root / "_prefect"  # a Path: local result storage, no block to save
-
-    @contextmanager
-    def _attempt(self, stage: str, key: str) -> Iterator[str]:
-        staging = self.root / ".staging" / f"{stage}-{key}-{uuid.uuid4().hex[:8]}"
-        staging.mkdir(parents=True)
-        try:
-            yield str(staging)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-
-    def _finish(self, folder: str, ref: ArtifactRef, record: dict) -> ArtifactRef:
-        for path in Path(folder).rglob("*"):  # the data reaches the disk before the record that vouches for it
-            if path.is_file():
-                _fsync(path)
-        with open(Path(folder) / COMMIT_FILE, "w") as f:
-            f.write(json.dumps(record, indent=2, sort_keys=True))
-            f.flush()
-            os.fsync(f.fileno())
-        final = self.path(ref.stage, ref.key)
-        final.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.rename(folder, final)
-            _fsync(final.parent)  # the rename itself survives a power loss
-        except OSError:
-            if not (final / COMMIT_FILE).is_file():  # not a lost race: a real failure
-                raise
-        committed = self.get(ref.stage, ref.key)
-        assert committed is not None
-        return committed
-
-    @contextmanager
-    def _workdir(self, folder: str) -> Iterator[Path]:
-        yield Path(folder)
-
-    def _put_folder(self, local: Path, dest: str) -> None:
-        final = Path(dest)
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = final.parent / f".{final.name}-{uuid.uuid4().hex[:8]}"
-        shutil.copytree(local, tmp)
-        if final.exists():  # a re-saved step: move the old copy out of sight first, so `final` is never half deleted
-            old = final.parent / f".{final.name}-old-{uuid.uuid4().hex[:8]}"
-            os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
-
-    def _complete_folders(self, pattern: str) -> list[str]:
-        return sorted(p for p in self.fs.glob(pattern) if Path(p).is_dir())
-
-    def _local_copy(self, path: str) -> Path:
-        return Path(path)
-
-    def _write_parquet_atomic(self, table: pa.Table, path: str) -> None:
-        final = Path(path)
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = final.parent / f".{final.name}.tmp"
-        pq.write_table(table, tmp)
-        _fsync(tmp)
-        os.rename(tmp, final)
-        _fsync(final.parent)

@@ -5,9 +5,13 @@ key, checkpointer), its config, its input `ArtifactRef`s and options, and return
 `Model`. The task takes ``store_uri`` in place of the `StageRun` and
 
 1. computes the stage key (`farmflow.tasks.registry.Stage.key`);
-2. returns the committed artifact if the store has that key (and it is complete);
-3. otherwise counts the run (`EXECUTED`), calls the function, commits its result with the config, the inputs and the
-   run's seconds, drops its checkpoints and logs the stage's summary line.
+2. returns the committed artifact if the store has that key (and it is complete; `Store.get` checks its files'
+   sizes and quarantines a damaged one, which is then computed again here);
+3. otherwise takes the stage key's lease in the store (`farmflow.storage.leases`): while another run holds it, waits
+   for that run's commit and returns it (single flight: two runs needing one stage compute it once; a dead holder's
+   lease expires);
+4. holding the lease, counts the run (`EXECUTED`), calls the function, commits its result with the config, the
+   inputs and the run's seconds, drops its checkpoints, releases the lease and logs the stage's summary line.
 
 Prefect's cache key is the same stage key and the persisted result is the `ArtifactRef` as JSON, so a rerun with the
 same config does not even enter the task. Options (``checkpoints``, ``batch_size``, ``backend``) are not part of the
@@ -25,7 +29,7 @@ import inspect
 import threading
 import time
 from collections import Counter, defaultdict
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -37,6 +41,7 @@ import farmflow.tasks.launch as launch
 from farmflow.models.checkpoint import Checkpointer
 from farmflow.progress import log
 from farmflow.storage import ArtifactRef, open_store
+from farmflow.storage.leases import Leases, single_flight
 from farmflow.tasks.registry import Stage
 
 EXECUTED: Counter[str] = Counter()
@@ -109,27 +114,53 @@ class StageRun:
 def lookup(
     stage: Stage, store_uri: str, config: Any, inputs: dict[str, ArtifactRef]
 ) -> tuple[Any, str, ArtifactRef | None]:
-    """The store, the stage key and the committed artifact for it (None: compute it now; counted in `EXECUTED`)."""
+    """The store, the stage key and the committed artifact for it (None: not committed yet; `claimed` decides who
+    computes it)."""
     key = stage.key(config, inputs)
-    if OUTBOX is not None:  # a launched child: the parent found no artifact; write to the outbox
+    if OUTBOX is not None:  # a launched child: the parent found no artifact and holds the lease; write to the outbox
         return OUTBOX, key, None
     store = open_store(store_uri)
+    hit = find(stage, store, key, config)
+    if hit is not None:
+        log("%s: reusing %s from the store", stage.name, key[:12])
+    return store, key, hit
+
+
+def find(stage: Stage, store: Any, key: str, config: Any) -> ArtifactRef | None:
+    """The committed artifact for `key` if it serves `config`, else None."""
     hit = store.get(stage.name, key)
     if hit is not None and not stage.is_complete(store, hit, config):
         log("%s: %s is committed without something this run asks for; computing it again", stage.name, key[:12])
         hit = None
-    if hit is not None:
-        log("%s: reusing %s from the store", stage.name, key[:12])
+    return hit
+
+
+@contextmanager
+def claimed(stage: Stage, store: Any, key: str, config: Any) -> Iterator[ArtifactRef | None]:
+    """Single flight: yields the artifact another run committed meanwhile (waiting while it computes it), or None when
+    this run holds the stage key's lease and computes it now (counted in `EXECUTED`)."""
+    if OUTBOX is not None:  # a launched child: its parent holds the lease
+        leases, flight = None, nullcontext(None)
     else:
-        with _EXECUTED_LOCK:
-            EXECUTED[stage.name] += 1
-    return store, key, hit
+        leases = Leases(store)
+        flight = single_flight(
+            leases, f"stages/{stage.name}/{key}", lambda: find(stage, store, key, config), f"{stage.name} {key[:12]}"
+        )
+    try:
+        with flight as hit:
+            if hit is None:
+                with _EXECUTED_LOCK:
+                    EXECUTED[stage.name] += 1
+            yield hit
+    finally:
+        if leases is not None:
+            leases.close()
 
 
 def run_stage(
     stage: Stage, fn: Callable[..., Table | Model], store_uri: str, config: Any, params: dict[str, Any]
 ) -> ArtifactRef | None:
-    """Key → hit? → `fn` → commit: one stage run in this process (`params`: its inputs and options).
+    """Key → hit? → lease → `fn` → commit: one stage run in this process (`params`: its inputs and options).
 
     Returns the committed artifact (None in the processes of a launched child other than the main one)."""
     config = stage.typed_config(config)
@@ -137,10 +168,13 @@ def run_stage(
     store, key, hit = lookup(stage, store_uri, config, inputs)
     if hit is not None:
         return hit
-    run = StageRun(store, store_uri, stage.name, key)
-    started = time.perf_counter()
-    out = fn(run, config, **params)
-    ref = commit(run, out, config, inputs, time.perf_counter() - started)
+    with claimed(stage, store, key, config) as hit:
+        if hit is not None:
+            return hit
+        run = StageRun(store, store_uri, stage.name, key)
+        started = time.perf_counter()
+        out = fn(run, config, **params)
+        ref = commit(run, out, config, inputs, time.perf_counter() - started)
     if run.ckpt is not None:
         run.ckpt.clear()
     if stage.summary and ref is not None:  # None: a launched child's other processes, which do not write
@@ -209,7 +243,10 @@ def stage_task(stage: Stage, **options: Any):
                 store, key, hit = lookup(
                     stage, uri, config, {k: v for k, v in params.items() if isinstance(v, ArtifactRef)}
                 )
-                return hit or launch.run_in_child(stage.name, store, key, uri, config, params, execution)
+                if hit is not None:
+                    return hit
+                with claimed(stage, store, key, config) as hit:
+                    return hit or launch.run_in_child(stage.name, store, key, uri, config, params, execution)
             return run_stage(stage, fn, uri, config, params)
 
         run.__signature__ = task_signature
