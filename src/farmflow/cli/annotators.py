@@ -17,6 +17,7 @@ from typing import Iterator, Optional
 
 import typer
 
+from farmflow.cli import guard
 from farmflow.cli.errors import CliError, UsageError
 
 annotations_app = typer.Typer(help="The row-level annotation cache.", no_args_is_help=True)
@@ -244,7 +245,7 @@ def reparse(
 @contextlib.contextmanager
 def local_judge(store: Optional[str] = None, port: int = LOCAL_JUDGE_PORT) -> Iterator[list[str]]:
     """Start a loopback judge server (a subprocess) and yield config overrides that annotate through it."""
-    cmd = [sys.executable, "-m", "farmflow.cli.annotators", "--port", str(port)]
+    cmd = guard.wrap([sys.executable, "-m", "farmflow.cli.annotators", "--port", str(port)])  # dies with this process
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline() if proc.stdout else ""

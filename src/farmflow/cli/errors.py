@@ -12,6 +12,7 @@ unexpected error, 130 for Ctrl-C. `FAMILIES` says which exception means which.
 
 from __future__ import annotations
 
+import signal
 import sys
 import traceback
 from typing import Any
@@ -20,6 +21,7 @@ import typer
 from typer.core import TyperGroup
 
 import farmflow.cli.logs as logs
+from farmflow import shutdown
 
 
 class CliError(Exception):
@@ -54,6 +56,9 @@ FAMILIES: tuple[tuple[str, str, int | None], ...] = (
 
 def classify(err: BaseException) -> tuple[int, bool]:
     """(exit code, expected?) of an exception a command raised."""
+    signum = shutdown.requested()
+    if signum is not None and isinstance(err, (KeyboardInterrupt, shutdown.Stopped)):
+        return 128 + signum, True  # what a shell reports for a process the signal ended: 143 SIGTERM, 130 SIGINT
     if isinstance(err, KeyboardInterrupt):
         return 130, True
     for module, name, code in FAMILIES:
@@ -72,7 +77,11 @@ def one_line(err: BaseException) -> str:
 def report(err: BaseException) -> int:
     """Print `err` for people (module doc) and return the exit code."""
     code, expected = classify(err)
-    if isinstance(err, KeyboardInterrupt):
+    signum = shutdown.requested()
+    if signum is not None and isinstance(err, (KeyboardInterrupt, shutdown.Stopped)):
+        line = "; ".join([f"stopped by {signal.Signals(signum).name}", *shutdown.notes()])
+        line += "; finished stages are cached: the same command continues from there"
+    elif isinstance(err, KeyboardInterrupt):
         line = "interrupted"
     elif expected:
         line = one_line(err)

@@ -14,6 +14,7 @@ import typer
 
 from farmflow.cli.boards import print_summary
 from farmflow.cli.errors import UsageError
+from farmflow.cli.guard import guard_temporary_api
 from farmflow.cli.logs import State
 from farmflow.cli.logs import start as start_log
 from farmflow.cli.output import console, emit, print_json, say
@@ -64,6 +65,7 @@ def start_temporary_api() -> Callable[[], Any]:
     settings = prefect.settings.get_current_settings()
     if settings.api.url or not settings.server.ephemeral.enabled:
         return lambda: None
+    guard_temporary_api()  # the server dies with this process, even on SIGKILL
 
     def start() -> None:
         from prefect.server.api.server import SubprocessASGIServer
@@ -83,7 +85,10 @@ def run_flow(name: str, flow: Any, **kwargs: Any) -> Any:
     error, as a direct call would); with the temporary API, wait until it has recorded the run (`settle`)."""
     import prefect.settings
 
+    from farmflow import shutdown
+
     start_log(name)
+    shutdown.install()  # SIGTERM/SIGINT: checkpoint, stop within seconds (farmflow.shutdown)
     temporary_api = not prefect.settings.get_current_settings().api.url
     state = flow(**kwargs, return_state=True)
     if temporary_api:

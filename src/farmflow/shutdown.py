@@ -1,0 +1,124 @@
+"""Stopping on SIGTERM or SIGINT within seconds, with training checkpointed and the store consistent.
+
+`install()` (the CLI calls it before a flow run) makes the first SIGTERM or SIGINT:
+
+* ask every loop to stop: `farmflow.models.checkpoint.Checkpointer.save` saves a checkpoint at once and raises
+  `Stopped` (each training loop calls it after every step), and a stage about to start raises `Stopped`
+  (`farmflow.flows.runner.StageRunner`);
+* raise `Interrupted` (a KeyboardInterrupt) in the main thread, so the flow stops waiting for its stages;
+* start a deadline: `GRACE_S` seconds later (longer while a checkpoint is being written, at most `MAX_GRACE_S`)
+  the process exits whatever is still running (a sampling or scoring stage). Artifacts and checkpoints are written
+  atomically, so what a hard exit cuts short is simply not there, and a rerun computes or resumes it.
+
+A second signal exits at once. Child processes that must not outlive this one watch it (`farmflow.cli.guard`).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from typing import Iterator
+
+GRACE_S = 5.0
+"""Seconds from the first signal until the process exits, unless a checkpoint is being written."""
+MAX_GRACE_S = 120.0
+"""Seconds from the first signal until the process exits even while a checkpoint is being written."""
+
+
+class Stopped(Exception):
+    """A stage ended early because the process was asked to stop; its message says what was saved."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """Raised in the main thread by the first SIGTERM or SIGINT after `install()`."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class _State:
+    signum: int | None = None
+    saving = 0
+    lock = threading.Lock()
+    event = threading.Event()
+    notes: list[str] = []
+
+
+def requested() -> int | None:
+    """The signal that asked this process to stop, or None."""
+    return _State.signum if _State.event.is_set() else None
+
+
+def request(signum: int = signal.SIGTERM) -> None:
+    """Ask every loop to stop (what the signal handler does; tests call it directly)."""
+    _State.signum = signum
+    _State.event.set()
+
+
+def reset() -> None:
+    """Forget a stop request (tests, and a CLI process that runs several flows)."""
+    _State.event.clear()
+    _State.signum = None
+    _State.notes.clear()
+
+
+def check(where: str) -> None:
+    """Raise `Stopped` when a stop was requested (called before work starts)."""
+    if requested() is not None:
+        raise Stopped(f"{where}: not started, the process was asked to stop")
+
+
+def note(line: str) -> None:
+    """Record what a stopping stage saved (the CLI prints these after the stop)."""
+    with _State.lock:
+        _State.notes.append(line)
+
+
+def notes() -> list[str]:
+    with _State.lock:
+        return list(_State.notes)
+
+
+@contextmanager
+def saving() -> Iterator[None]:
+    """Mark a checkpoint write in progress: the deadline waits for it (up to MAX_GRACE_S)."""
+    with _State.lock:
+        _State.saving += 1
+    try:
+        yield
+    finally:
+        with _State.lock:
+            _State.saving -= 1
+
+
+def _deadline(signum: int, grace_s: float, max_grace_s: float) -> None:
+    start = time.monotonic()
+    while True:
+        waited = time.monotonic() - start
+        if waited >= max_grace_s or (waited >= grace_s and not _State.saving):
+            break
+        time.sleep(0.1)
+    sys.stderr.flush()
+    os._exit(128 + signum)
+
+
+def _handle(signum: int, _frame) -> None:
+    if requested() is not None:  # the second signal: no more waiting
+        os._exit(128 + signum)
+    request(signum)
+    threading.Thread(target=_deadline, args=(signum, GRACE_S, MAX_GRACE_S), name="farmflow-stop", daemon=True).start()
+    raise Interrupted(signum)
+
+
+def install() -> None:
+    """Handle SIGTERM and SIGINT as the module says (main thread only; elsewhere a no-op)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    reset()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _handle)
