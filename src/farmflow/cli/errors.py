@@ -12,13 +12,17 @@ unexpected error, 130 for Ctrl-C. `FAMILIES` says which exception means which.
 
 from __future__ import annotations
 
-import signal
 import sys
 import traceback
 from typing import Any
 
 import typer
 from typer.core import TyperGroup
+
+try:  # the Click that parses the options: typer vendors its own
+    from typer._click.exceptions import UsageError as ClickUsageError
+except ImportError:  # pragma: no cover - a typer that uses Click itself
+    from click.exceptions import UsageError as ClickUsageError
 
 import farmflow.cli.logs as logs
 from farmflow import shutdown
@@ -68,7 +72,7 @@ def classify(err: BaseException) -> tuple[int, bool]:
     return 1, False
 
 
-def one_line(err: BaseException) -> str:
+def one_line(err: BaseException | str) -> str:
     """The exception's message on one line (its lines joined by '; ')."""
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
     return "; ".join(lines) or type(err).__name__
@@ -79,8 +83,7 @@ def report(err: BaseException) -> int:
     code, expected = classify(err)
     signum = shutdown.requested()
     if signum is not None and isinstance(err, (KeyboardInterrupt, shutdown.Stopped)):
-        line = "; ".join([f"stopped by {signal.Signals(signum).name}", *shutdown.notes()])
-        line += "; finished stages are cached: the same command continues from there"
+        line = shutdown.message()
     elif isinstance(err, KeyboardInterrupt):
         line = "interrupted"
     elif expected:
@@ -105,6 +108,10 @@ class FarmflowGroup(TyperGroup):
         with logs.session():
             try:
                 return super().invoke(ctx)
+            except ClickUsageError as err:  # a bad option or argument: one line too, not Click's framed usage text
+                where = f"`{err.ctx.command_path} --help`" if err.ctx else "`farmflow --help`"
+                typer.echo(f"error: {one_line(err.format_message())}; {where} lists the options", err=True)
+                raise typer.Exit(err.exit_code) from None
             except (typer.Exit, typer.Abort, typer.exceptions.TyperException, BrokenPipeError):
                 raise  # Click's own: usage errors, --help, an explicit exit status, a reader that left (`| head`)
             except (Exception, KeyboardInterrupt) as err:  # noqa: BLE001 - the one place that reports them

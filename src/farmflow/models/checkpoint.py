@@ -135,6 +135,7 @@ class Checkpointer:
         return self.enabled and (by_steps or by_time)
 
     def restore(self, **objects: Any) -> tuple[int, dict[str, Any]]:
+        shutdown.beat(id(self))  # a stop waits for this loop's next step (farmflow.shutdown)
         if not self.enabled:
             return 0, {}
         latest = self.store.latest_checkpoint(self.stage, self.key)
@@ -146,6 +147,7 @@ class Checkpointer:
         """Checkpoint at `step` (the number of completed steps) when it is due; only the main process writes.
 
         When the process was asked to stop (`farmflow.shutdown`), checkpoint now and raise `Stopped`."""
+        shutdown.beat(id(self))
         stopping = shutdown.requested() is not None
         saved = False
         if self.enabled and (force or stopping or self.due(step)) and is_main_process():
@@ -156,6 +158,7 @@ class Checkpointer:
             self._last = time.monotonic()
             saved = True
         if stopping:
+            shutdown.done(id(self))
             kept = f"checkpoint at step {step}, a rerun resumes there" if self.enabled else "checkpoints are off"
             shutdown.note(f"{self.stage}: stopped after step {step} ({kept})")
             raise shutdown.Stopped(f"{self.stage}: stopped after step {step} ({kept})")
