@@ -15,7 +15,6 @@ from typer.testing import CliRunner
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the bench package beside tests/
 
 from bench.chaos.inputs import CASES, expand, judge, make_files  # noqa: E402
-
 from farmflow.cli import app  # noqa: E402
 
 SUBPROCESS_ONLY = {

@@ -44,6 +44,7 @@ def annotation_faults(work: Path, n: int = 200, rate: float = 0.2, faults=FAULTS
     ends with failed pairs is rerun (what its message says to do) up to `reruns` times."""
     from farmflow.annotators.server import JudgeConfig, JudgeServer
 
+    work.mkdir(parents=True, exist_ok=True)
     pairs_file(work / "pairs.json", n)
     judge = JudgeServer(JudgeConfig())
     with judge as upstream:
