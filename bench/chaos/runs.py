@@ -22,7 +22,7 @@ class Outcome:
     rc: int | None
     seconds: float
     output: str
-    left_behind: list[int] = field(default_factory=list)  # processes of its session alive after it ended
+    left_behind: list[int] = field(default_factory=list)  # processes it started, alive after it ended
     stop_seconds: float | None = None  # from the signal to the exit
 
     @property
@@ -60,8 +60,13 @@ def env_for(work: Path, **extra: str) -> dict[str, str]:
 
 
 def _session(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-s", str(pid)], capture_output=True, text=True).stdout.split()
-    return [int(p) for p in out if int(p) != pid]
+    """Every process `pid` started, and theirs (servers may run in sessions of their own)."""
+    found, todo = [], [pid]
+    while todo:
+        out = subprocess.run(["pgrep", "-P", str(todo.pop())], capture_output=True, text=True).stdout.split()
+        found += [int(p) for p in out]
+        todo += [int(p) for p in out]
+    return found
 
 
 def farmflow(

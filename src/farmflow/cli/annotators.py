@@ -251,7 +251,8 @@ def reparse(
 def local_judge(store: Optional[str] = None, port: int = LOCAL_JUDGE_PORT) -> Iterator[list[str]]:
     """Start a loopback judge server (a subprocess) and yield config overrides that annotate through it."""
     cmd = guard.wrap([sys.executable, "-m", "farmflow.cli.annotators", "--port", str(port)])  # dies with this process
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # its own session: Ctrl-C in a terminal reaches the run only, which stops the server when done with it
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         line = proc.stdout.readline() if proc.stdout else ""
         if "listening on" not in line:

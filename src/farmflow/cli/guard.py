@@ -55,6 +55,7 @@ def guard_temporary_api() -> None:
         return subprocess.Popen(
             args=wrap([sys.executable, "-m", "uvicorn", *app, *serve]),
             env={**os.environ, **env, **get_current_settings().to_environment_variables(exclude_unset=True)},
+            start_new_session=True,  # Ctrl-C in a terminal reaches the run, which stops it when done with it
         )
 
     SubprocessASGIServer._run_uvicorn_command = run_uvicorn_command
