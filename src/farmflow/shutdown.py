@@ -1,11 +1,11 @@
 """Stopping on SIGTERM or SIGINT within seconds, with training checkpointed and the store consistent.
 
-`install()` (the CLI calls it before a flow run) makes the first SIGTERM or SIGINT:
+Inside `handling()` (the CLI runs each flow in it), the first SIGTERM or SIGINT:
 
-* ask every loop to stop: `farmflow.models.checkpoint.Checkpointer.save` saves a checkpoint at once and raises
+* asks every loop to stop: `farmflow.models.checkpoint.Checkpointer.save` saves a checkpoint at once and raises
   `Stopped` (each training loop calls it after every step), and a stage about to start raises `Stopped`
   (`farmflow.flows.runner.StageRunner`);
-* start a deadline: `GRACE_S` seconds later the process exits whatever is still running (a sampling or scoring
+* starts a deadline: `GRACE_S` seconds later the process exits whatever is still running (a sampling or scoring
   stage), later while a training loop is expected at its next step (`beat`: each loop's checkpointer reports every
   step, so its step time is known) or a checkpoint is being written, but never after `MAX_GRACE_S`. Artifacts and
   checkpoints are written atomically, so what a hard exit cuts short is simply not there, and a rerun computes or
@@ -144,10 +144,17 @@ def _handle(signum: int, _frame) -> None:
     threading.Thread(target=_deadline, args=(signum, GRACE_S, MAX_GRACE_S), name="farmflow-stop", daemon=True).start()
 
 
-def install() -> None:
-    """Handle SIGTERM and SIGINT as the module says (main thread only; elsewhere a no-op)."""
+@contextmanager
+def handling() -> Iterator[None]:
+    """Handle SIGTERM and SIGINT as the module says while inside (main thread only; elsewhere nothing changes); the
+    handlers from before come back afterwards (a test process calling the CLI keeps its Ctrl-C)."""
     if threading.current_thread() is not threading.main_thread():
+        yield
         return
     reset()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, _handle)
+    before = {sig: signal.signal(sig, _handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)

@@ -94,10 +94,10 @@ def run_flow(name: str, flow: Any, **kwargs: Any) -> Any:
     start_log(name)
     # SIGTERM/SIGINT: training checkpoints, the run stops within seconds (farmflow.shutdown). Prefect's own SIGTERM
     # handler, for flow runs a Prefect runner cancels, would raise inside the running stage before it could save.
-    shutdown.install()
     prefect.flow_engine.capture_sigterm = contextlib.nullcontext
     temporary_api = not prefect.settings.get_current_settings().api.url
-    state = flow(**kwargs, return_state=True)
+    with shutdown.handling():
+        state = flow(**kwargs, return_state=True)
     if temporary_api and shutdown.requested() is None:
         settle(state.state_details.flow_run_id)
     return state.result()
