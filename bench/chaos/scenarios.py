@@ -13,7 +13,7 @@ import signal
 from pathlib import Path
 
 from bench.chaos.proxy import FAULTS, FaultProxy, TcpProxy
-from bench.chaos.runs import Outcome, committed, env_for, farmflow
+from bench.chaos.runs import STAGE_LINE, Outcome, committed, env_for, farmflow
 
 MICRO = ["run", "compare", "--preset", "synthetic-micro", "--method", "dpo"]
 Row = dict
@@ -77,22 +77,34 @@ def annotation_faults(work: Path, n: int = 200, rate: float = 0.2, faults=FAULTS
     ]
 
 
+def _after_stage(n: int, delay: float):
+    """A `signal_when` that holds `delay` seconds after the run logged its n-th stage."""
+    seen: dict[str, float] = {}
+
+    def when(out: str, t: float) -> bool:
+        if "at" not in seen and len(STAGE_LINE.findall(out)) >= n:
+            seen["at"] = t
+        return "at" in seen and t >= seen["at"] + delay
+
+    return when
+
+
 def kill_runs(work: Path, sig: int, count: int, seed: int = 0) -> list[Row]:
     """`count` micro comparisons killed with `sig` at a random point, each then rerun to the end."""
     rng, rows = random.Random(seed + sig), []
     for i in range(count):
         store = work / f"store-{sig}-{i}"
-        at = rng.uniform(15, 90)
+        after, delay = rng.randint(1, 8), rng.uniform(0, 6)  # a random point: after the n-th stage, plus a delay
         args = [*MICRO, "--store", str(store)]
-        killed = farmflow(args, work, signal_when=lambda _out, t, at=at: t >= at, sig=sig, timeout_s=900)
+        killed = farmflow(args, work, signal_when=_after_stage(after, delay), sig=sig, timeout_s=900)
         before = committed(store)
         rerun = farmflow(args, work, timeout_s=900)
         again = rerun.ran() & before
         stop = f" (stopped in {killed.stop_seconds:.1f} s)" if killed.stop_seconds is not None else " (ended first)"
         rows.append(
             {
-                "fault": f"{signal.Signals(sig).name} of `farmflow run compare --method dpo` (synthetic-micro) at "
-                f"{at:.0f} s",
+                "fault": f"{signal.Signals(sig).name} of `farmflow run compare --method dpo` (synthetic-micro) "
+                f"{delay:.1f} s after its stage {after} ended",
                 "injected": 1,
                 "lost": 0 if rerun.rc == 0 else "rerun failed",
                 "paid twice": len(again),
