@@ -12,6 +12,7 @@ and SIGTERM at random points of a synthetic-micro comparison, truncated artifact
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import signal
 import subprocess
@@ -67,7 +68,7 @@ def write_report(path: Path, faults: list[dict], inputs: list[dict], command: st
         "  stages a rerun computed again although they were committed (goal 0);",
         "* **saw**: the exit code, how many lines the user read, tracebacks among them, and the last error line.",
         "",
-        f"Made by `{command}` ({minutes:.0f} min on a shared 2-core machine).",
+        f"Made by {command} ({minutes:.0f} min on a shared 2-core machine; rows in bench/results/chaos.json).",
         "",
         "## Faults",
         "",
@@ -90,37 +91,53 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pairs", type=int, default=200, help="pairs annotated through the fault proxy")
     parser.add_argument("--kills", type=int, default=1, help="runs killed per signal (SIGKILL, SIGTERM)")
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "reliability.md")
+    parser.add_argument(
+        "--results", type=Path, default=REPO / "bench" / "results" / "chaos.json",
+        help="every scenario's rows; a run of some scenarios (--only) replaces theirs and keeps the others'",
+    )  # fmt: skip
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     chosen = [s.strip() for s in args.only.split(",") if s.strip()]
-    start = time.monotonic()
-    faults: list[dict] = []
-    inputs: list[dict] = []
+    results = json.loads(args.results.read_text()) if args.results.exists() else {"scenarios": {}}
+    command = "make chaos" if not argv else "python -m bench.chaos " + shlex.join(argv)
     with tempfile.TemporaryDirectory(prefix="farmflow-chaos-") as tmp:
         work = Path(tmp)
         steps = {
-            "annotation": lambda: faults.extend(scenarios.annotation_faults(work / "annotation", args.pairs)),
+            "annotation": lambda: scenarios.annotation_faults(work / "annotation", args.pairs),
             "kill": lambda: [
-                faults.extend(scenarios.kill_runs(work / "kill", sig, args.kills))
+                row
                 for sig in (signal.SIGKILL, signal.SIGTERM)
+                for row in scenarios.kill_runs(work / "kill", sig, args.kills)
             ],
-            "corrupt": lambda: faults.extend(scenarios.corrupt_artifacts(work / "corrupt")),
-            "s3": lambda: faults.extend(scenarios.s3_outage(work / "s3")),
-            "disk": lambda: faults.extend(scenarios.full_disk(work / "disk")),
-            "inputs": lambda: inputs.extend(bad_inputs(work / "inputs")),
+            "corrupt": lambda: scenarios.corrupt_artifacts(work / "corrupt"),
+            "s3": lambda: scenarios.s3_outage(work / "s3"),
+            "disk": lambda: scenarios.full_disk(work / "disk"),
+            "inputs": lambda: bad_inputs(work / "inputs"),
         }
-        command = "make chaos" if not argv else "python -m bench.chaos " + shlex.join(argv)
         for name in chosen:
             t = time.monotonic()
             try:
-                steps[name]()
+                rows = steps[name]()
             except Exception as err:  # noqa: BLE001 - a scenario that breaks is a row of the report, not the end
-                faults.append({"fault": name, "injected": "-", "lost": "-", "paid twice": "-",
-                               "saw": f"the scenario itself failed: {type(err).__name__}: {err}"})  # fmt: skip
-            print(f"chaos: {name} done in {time.monotonic() - t:.0f} s", file=sys.stderr, flush=True)
-            write_report(args.out, faults, inputs, command, (time.monotonic() - start) / 60)  # after each scenario
-    print(f"chaos: wrote {args.out}", file=sys.stderr)
+                rows = [{"fault": name, "injected": "-", "lost": "-", "paid twice": "-",
+                         "saw": f"the scenario itself failed: {type(err).__name__}: {err}"}]  # fmt: skip
+            minutes = (time.monotonic() - t) / 60
+            results["scenarios"][name] = {"rows": rows, "minutes": minutes, "command": command}
+            print(f"chaos: {name} done in {minutes:.1f} min", file=sys.stderr, flush=True)
+            args.results.write_text(json.dumps(results, indent=1) + "\n")
+            report(results, args.out)  # after each scenario
+    print(f"chaos: wrote {args.out} and {args.results}", file=sys.stderr)
     return 0
+
+
+def report(results: dict, out: Path) -> None:
+    done = {name: results["scenarios"][name] for name in ALL if name in results["scenarios"]}
+    faults = [row for name, s in done.items() if name != "inputs" for row in s["rows"]]
+    inputs = done.get("inputs", {}).get("rows", [])
+    commands = sorted({s["command"] for s in done.values()})
+    write_report(
+        out, faults, inputs, " and ".join(f"`{c}`" for c in commands), sum(s["minutes"] for s in done.values())
+    )
 
 
 if __name__ == "__main__":

@@ -9,8 +9,8 @@ generator), injects one fault, the kinds in `faults` taking turns:
   completion's text replaced by prose that answers nothing), ``truncated_json`` (HTTP 200, the JSON body cut in half,
   Content-Length matching the cut), ``reset_after`` (the connection is reset instead of relaying the answer).
 
-`counts` says how often each was injected, `paid_lost` how many upstream answers the faults after forwarding threw
-away (a client has to ask those again: re-paying them is the fault's doing, not the client's).
+`counts` says how often each was injected, `paid_lost` how many pairs the faults after forwarding threw away the
+judge's paid answer to (a client has to ask those again: re-paying them is the fault's doing, not the client's).
 
 TCP mode (`TcpProxy`) relays bytes both ways; `down()` resets every open connection and each new one until `up()`
 (an S3 endpoint that vanishes for a while and comes back with its data).
@@ -99,7 +99,7 @@ class FaultProxy(_Loop):
 
     @property
     def paid_lost(self) -> int:
-        return sum(self.counts[k] for k in AFTER)
+        return self.counts["destroyed_pairs"]
 
     def _draw(self) -> str | None:
         with self.lock:
@@ -148,6 +148,9 @@ class FaultProxy(_Loop):
         keep = {k: v for k, v in headers.items() if k.lower() not in ("host", "content-length", "connection")}
         upstream = await self.client.request(method, target, headers=keep, content=body)
         data, kind = upstream.content, upstream.headers.get("content-type", "application/json")
+        if fault in AFTER and upstream.status_code == 200:
+            with self.lock:
+                self.counts["destroyed_pairs"] += _pairs_in(body)
         if fault == "reset_after":
             _abort(writer)
             return False
@@ -167,6 +170,16 @@ class FaultProxy(_Loop):
         head += [f"Content-Length: {len(data)}", *(f"{k}: {v}" for k, v in (extra or {}).items())]
         writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + data)
         await writer.drain()
+
+
+def _pairs_in(body: bytes) -> int:
+    """How many pairs a judging request asks about (1 when it is not one of farmflow's prompts)."""
+    from farmflow.annotators.prompts import parse_prompt
+
+    try:
+        return max(1, len(parse_prompt(json.loads(body)["messages"])[1]))
+    except Exception:  # noqa: BLE001 - any other request counts once
+        return 1
 
 
 class TcpProxy(_Loop):

@@ -21,7 +21,8 @@ Row = dict
 
 def _saw(out: Outcome) -> str:
     rc = "timeout" if out.rc is None else out.rc
-    return f"rc {rc}, {len(out.lines)} lines, {out.tracebacks} tracebacks: {out.error!r}"
+    last = f": {out.error!r}" if out.rc != 0 else ""
+    return f"rc {rc}, {len(out.lines)} lines, {out.tracebacks} tracebacks{last}"
 
 
 def pairs_file(path: Path, n: int, seed: int = 0) -> list[dict]:
@@ -63,15 +64,15 @@ def annotation_faults(work: Path, n: int = 200, rate: float = 0.2, faults=FAULTS
     lost = n - len(rows)  # a pair neither answered nor marked failed in the output
     paid_twice = sum(c - 1 for c in answers if c > 1)
     excess = max(0, paid_twice - proxy.paid_lost)
-    injected = ", ".join(f"{k} {v}" for k, v in sorted(proxy.counts.items()) if k != "requests")
+    kinds = {k: v for k, v in proxy.counts.items() if k in FAULTS}
+    injected = ", ".join(f"{k} {v}" for k, v in sorted(kinds.items()))
     runs = "; ".join(f"run {i + 1}: {_saw(o)}" for i, o in enumerate(outs))
     return [
         {
             "fault": f"judge API at {rate:.0%} faults ({', '.join(faults)}), {n} pairs",
-            "injected": f"{sum(v for k, v in proxy.counts.items() if k != 'requests')} of "
-            f"{proxy.counts['requests']} requests ({injected})",
+            "injected": f"{sum(kinds.values())} of {proxy.counts['requests']} requests ({injected})",
             "lost": lost,
-            "paid twice": f"{excess} (+{paid_twice - excess} whose paid answer a fault destroyed)",
+            "paid twice": f"{excess} (+{paid_twice - excess} pairs whose paid answer a fault destroyed)",
             "saw": f"{answered}/{n} annotated, {n - answered - lost} marked failed; {runs}",
         }
     ]

@@ -17,8 +17,8 @@ from typing import Iterator, Optional
 
 import typer
 
-from farmflow.cli import guard
 from farmflow.cli.errors import CliError, UsageError
+from farmflow.cli.guard import wrap as guarded
 from farmflow.cli.preflight import check_store, existing_store, location_of, writable_output
 
 annotations_app = typer.Typer(help="The row-level annotation cache.", no_args_is_help=True)
@@ -250,7 +250,7 @@ def reparse(
 @contextlib.contextmanager
 def local_judge(store: Optional[str] = None, port: int = LOCAL_JUDGE_PORT) -> Iterator[list[str]]:
     """Start a loopback judge server (a subprocess) and yield config overrides that annotate through it."""
-    cmd = guard.wrap([sys.executable, "-m", "farmflow.cli.annotators", "--port", str(port)])  # dies with this process
+    cmd = guarded([sys.executable, "-m", "farmflow.cli.annotators", "--port", str(port)])  # dies with this process
     # its own session: Ctrl-C in a terminal reaches the run only, which stops the server when done with it
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:

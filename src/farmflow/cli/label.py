@@ -11,7 +11,7 @@ import typer
 
 from farmflow.cli.errors import UsageError
 from farmflow.cli.output import say
-from farmflow.cli.preflight import writable_output, writable_store
+from farmflow.cli.preflight import writable_store
 from farmflow.cli.store import STORE_HELP, open_given
 
 label_app = typer.Typer(help="Label pairs by hand in a local web page; export and import labels.", no_args_is_help=True)
@@ -83,7 +83,6 @@ def export(
     if fmt not in FORMATS:
         raise UsageError(f"--format: unknown format {fmt!r}; use csv or jsonl")
     annotator(labeler)
-    writable_output(output)
     st = open_given(store)
     rows = export_rows(st, labeler, load_pairs(st, pairs) if pairs else None)
     write_rows(rows, output, fmt)
