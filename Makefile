@@ -18,7 +18,7 @@ export PREFECT_HOME ?= $(CURDIR)/.farmflow/prefect
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 180
 
-.PHONY: install demo lint test bench clean
+.PHONY: install demo lint test bench chaos clean
 
 install: $(STAMP)
 
@@ -48,6 +48,9 @@ bench: install  ## performance benchmarks; results in bench/results/
 	$(PY) -m bench.training  # creates .farmflow/bench/trl-venv (pinned TRL on top of .venv's packages) for the peer once
 	$(PY) -m bench.gpu  # ~1B Llama on a CUDA GPU (a few minutes); prints a message and skips without one
 	$(PY) -m bench.report  # BENCHMARKS.md from bench/results/*.json
+
+chaos: install  ## faults against real components on loopback (~30 min on 2 busy cores); writes docs/reliability.md
+	nice -n 10 $(PY) -m bench.chaos
 
 clean:  ## remove the local store and Prefect state (not the venv)
 	rm -rf .farmflow

@@ -277,6 +277,7 @@ def test_history_command_text_md_csv_and_json(store, tmp_path):
     wide = invoke("history", "--store", str(store.root), "--preset", "synthetic-micro", "--last", "10").splitlines()
     (row,) = [line for line in wide if line.startswith("reward_conditioning")]
     assert len(row) > 120 and row.count("±") == 8 and row.endswith("61.0 ± 3.0")
+    (tmp_path / "empty").mkdir()  # an existing store without runs (a missing one is refused: test_bad_inputs)
     empty = runner.invoke(app, ["history", "--store", str(tmp_path / "empty")])
     assert empty.exit_code == 1 and "no runs recorded in this store yet" in empty.output
 

@@ -18,6 +18,8 @@ from typing import Iterator, Optional
 import typer
 
 from farmflow.cli.errors import CliError, UsageError
+from farmflow.cli.guard import wrap as guarded
+from farmflow.cli.preflight import check_store, existing_store, location_of, writable_output
 
 annotations_app = typer.Typer(help="The row-level annotation cache.", no_args_is_help=True)
 
@@ -84,7 +86,9 @@ def _annotator_config(
     max_in_flight: Optional[int],
     served_model: Optional[str] = None,
 ):
-    from farmflow.config import ANNOTATOR_PRESETS, AnnotatorConfig, ConfigError
+    from pydantic import ValidationError
+
+    from farmflow.config import ANNOTATOR_PRESETS, AnnotatorConfig, ConfigError, describe_validation_error
 
     given = {
         "base_url": base_url,
@@ -101,6 +105,8 @@ def _annotator_config(
         path = Path(name)
         if path.is_file():
             return AnnotatorConfig.model_validate(json.loads(path.read_text()) | extra)
+    except ValidationError as err:  # one line naming each field, as for --set
+        raise UsageError(f"annotator {name!r}: {describe_validation_error(err)}") from None
     except (ValueError, ConfigError) as err:  # json.JSONDecodeError is a ValueError
         raise UsageError(f"annotator {name!r}: {err}") from None
     raise UsageError(
@@ -165,6 +171,7 @@ def annotate_file(
     logging.getLogger("farmflow").setLevel(logging.INFO)
     cfg = _annotator_config(annotator, base_url, max_cost_usd, max_in_flight, served_model)
     data = read_alpaca_eval(path)  # a ValueError naming the file and row: exit code 2
+    writable_output(output or path.with_suffix(".annotated.json"))  # before any request is paid
     rows = [
         {
             "id": str(r.get("id", i)),
@@ -185,6 +192,7 @@ def annotate_file(
                     f"{path}: row {i} is not a synthetic-farm task; the oracle cannot judge it (use an API annotator)"
                 )
             r["task"] = task_to_json(task)
+    check_store(location_of(store))
     error = None
     try:
         with progress("annotate", len(rows), unit="pair") as bar:
@@ -235,17 +243,16 @@ def reparse(
 ) -> None:
     """Parse the stored raw completions of failed rows again, without any API call; rows that now parse become ok."""
     from farmflow.annotators import cache
-    from farmflow.config import StoreConfig
-    from farmflow.storage import open_store
 
-    print(json.dumps(cache.reparse(open_store(store or StoreConfig().uri)), indent=2))
+    print(json.dumps(cache.reparse(existing_store(location_of(store))), indent=2))  # creates no store
 
 
 @contextlib.contextmanager
 def local_judge(store: Optional[str] = None, port: int = LOCAL_JUDGE_PORT) -> Iterator[list[str]]:
     """Start a loopback judge server (a subprocess) and yield config overrides that annotate through it."""
-    cmd = [sys.executable, "-m", "farmflow.cli.annotators", "--port", str(port)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    cmd = guarded([sys.executable, "-m", "farmflow.cli.annotators", "--port", str(port)])  # dies with this process
+    # its own session: Ctrl-C in a terminal reaches the run only, which stops the server when done with it
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         line = proc.stdout.readline() if proc.stdout else ""
         if "listening on" not in line:

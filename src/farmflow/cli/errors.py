@@ -19,7 +19,13 @@ from typing import Any
 import typer
 from typer.core import TyperGroup
 
+try:  # the Click that parses the options: typer vendors its own
+    from typer._click.exceptions import UsageError as ClickUsageError
+except ImportError:  # pragma: no cover - a typer that uses Click itself
+    from click.exceptions import UsageError as ClickUsageError
+
 import farmflow.cli.logs as logs
+from farmflow import shutdown
 
 
 class CliError(Exception):
@@ -54,6 +60,9 @@ FAMILIES: tuple[tuple[str, str, int | None], ...] = (
 
 def classify(err: BaseException) -> tuple[int, bool]:
     """(exit code, expected?) of an exception a command raised."""
+    signum = shutdown.requested()
+    if signum is not None and isinstance(err, (KeyboardInterrupt, shutdown.Stopped)):
+        return 128 + signum, True  # what a shell reports for a process the signal ended: 143 SIGTERM, 130 SIGINT
     if isinstance(err, KeyboardInterrupt):
         return 130, True
     for module, name, code in FAMILIES:
@@ -63,7 +72,7 @@ def classify(err: BaseException) -> tuple[int, bool]:
     return 1, False
 
 
-def one_line(err: BaseException) -> str:
+def one_line(err: BaseException | str) -> str:
     """The exception's message on one line (its lines joined by '; ')."""
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
     return "; ".join(lines) or type(err).__name__
@@ -72,7 +81,10 @@ def one_line(err: BaseException) -> str:
 def report(err: BaseException) -> int:
     """Print `err` for people (module doc) and return the exit code."""
     code, expected = classify(err)
-    if isinstance(err, KeyboardInterrupt):
+    signum = shutdown.requested()
+    if signum is not None and isinstance(err, (KeyboardInterrupt, shutdown.Stopped)):
+        line = shutdown.message()
+    elif isinstance(err, KeyboardInterrupt):
         line = "interrupted"
     elif expected:
         line = one_line(err)
@@ -96,6 +108,10 @@ class FarmflowGroup(TyperGroup):
         with logs.session():
             try:
                 return super().invoke(ctx)
+            except ClickUsageError as err:  # a bad option or argument: one line too, not Click's framed usage text
+                where = f"`{err.ctx.command_path} --help`" if err.ctx else "`farmflow --help`"
+                typer.echo(f"error: {one_line(err.format_message())}; {where} lists the options", err=True)
+                raise typer.Exit(err.exit_code) from None
             except (typer.Exit, typer.Abort, typer.exceptions.TyperException, BrokenPipeError):
                 raise  # Click's own: usage errors, --help, an explicit exit status, a reader that left (`| head`)
             except (Exception, KeyboardInterrupt) as err:  # noqa: BLE001 - the one place that reports them

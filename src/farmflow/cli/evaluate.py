@@ -10,6 +10,7 @@ import typer
 
 from farmflow.cli.errors import CliError, UsageError
 from farmflow.cli.output import check_format, emit, format_option, print_json, say
+from farmflow.cli.preflight import existing_store
 
 eval_app = typer.Typer(help="Evaluation statistics (AlpacaEval definitions).", no_args_is_help=True)
 
@@ -179,9 +180,7 @@ def annotators(
 def oracle_pairs(cfg, store: Optional[str], limit: int) -> list[dict]:
     """Val pairs of the latest sample_pairs artifact in `store`, else pairs generated from the preset's data."""
     if store:
-        from farmflow.storage import open_store
-
-        st = open_store(store)
+        st = existing_store(store)  # reading creates nothing
         found = [r for r in st.list() if r.stage == "sample_pairs"]
         if not found:
             raise UsageError(f"no sample_pairs artifact in {store}: run a flow first, or leave out --store")

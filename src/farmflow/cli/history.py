@@ -11,6 +11,7 @@ import typer
 from farmflow.cli.boards import print_board
 from farmflow.cli.errors import CliError, UsageError
 from farmflow.cli.output import check_format, emit, format_option, print_json, say
+from farmflow.cli.preflight import existing_store, location_of, writable_output
 
 STORE_HELP = "Artifact store (default $FARMFLOW_STORE, else ./.farmflow/store)."
 
@@ -30,14 +31,13 @@ def leaderboard(
     ),
 ) -> None:
     """Print one run's leaderboard from the store's runs table, and where its Parquet, Markdown and plot are."""
-    from farmflow.config import StoreConfig
     from farmflow.evaluation.history import RUN_COLUMNS, pick_run
-    from farmflow.storage import SCHEMAS, open_store
+    from farmflow.storage import SCHEMAS
 
     check_format(fmt)
     if run and preset:
         raise UsageError("give --run or --preset, not both")
-    st = open_store(store or StoreConfig().location)
+    st = existing_store(location_of(store))  # reading creates nothing
     recorded = st.read_rows("runs", "runs").to_pylist()
     if recorded:
         try:
@@ -116,7 +116,6 @@ def history(
     store: Optional[str] = typer.Option(None, help=STORE_HELP),
 ) -> None:
     """Win rate ± SE of each method across runs, oldest first; ▲/▼ marks a change larger than 2 combined SEs."""
-    from farmflow.config import StoreConfig
     from farmflow.evaluation.history import (
         LONG_COLUMNS,
         pick_preset,
@@ -126,11 +125,11 @@ def history(
         trend_markdown,
         trend_text,
     )
-    from farmflow.storage import open_store
 
     fmt = "table" if fmt == "text" else fmt
     check_format(fmt)
-    rows = open_store(store or StoreConfig().location).read_rows("runs", "runs").to_pylist()
+    writable_output(plot, "--plot")
+    rows = existing_store(location_of(store)).read_rows("runs", "runs").to_pylist()
     try:
         name, why = pick_preset(rows, preset)
     except LookupError as err:

@@ -11,6 +11,7 @@ import typer
 
 from farmflow.cli.errors import UsageError
 from farmflow.cli.output import say
+from farmflow.cli.preflight import writable_store
 from farmflow.cli.store import STORE_HELP, open_given
 
 label_app = typer.Typer(help="Label pairs by hand in a local web page; export and import labels.", no_args_is_help=True)
@@ -56,7 +57,7 @@ def serve(
     if not 0 < port < 65536:
         raise UsageError(f"--port {port}: use a port between 1 and 65535")
     check_port(port)
-    st = open_given(store)
+    st = writable_store(store)  # labels are saved into it: created when missing
     rows = load_pairs(st, pairs)
     say(f"labeling {len(rows)} pairs as human:{labeler} into {st.root}: http://127.0.0.1:{port}/ (Ctrl-C to stop)")
     run_server(st, rows, labeler, port)
@@ -100,7 +101,7 @@ def import_labels(
     """Add a file of preference labels to the store as a labeler's (all rows or, on a bad row, none)."""
     from farmflow.labeling.files import import_file
 
-    n = import_file(open_given(store), file, labeler)
+    n = import_file(writable_store(store), file, labeler)
     say(f"imported {n} labels as human:{labeler}")
 
 

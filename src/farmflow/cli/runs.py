@@ -6,6 +6,7 @@ after Prefect's temporary API has started), then runs the flow in this process w
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from typing import Any, Callable, Optional
@@ -14,9 +15,11 @@ import typer
 
 from farmflow.cli.boards import print_summary
 from farmflow.cli.errors import UsageError
+from farmflow.cli.guard import guard_temporary_api
 from farmflow.cli.logs import State
 from farmflow.cli.logs import start as start_log
 from farmflow.cli.output import console, emit, print_json, say
+from farmflow.cli.preflight import check_store
 from farmflow.cli.server import check_api, prefect_env
 
 STORE_HELP = "Artifact store (default $FARMFLOW_STORE, else ./.farmflow/store)."
@@ -31,9 +34,10 @@ def load(preset: str, overrides: list[str], store: Optional[str]):
 
 def check_model(cfg) -> None:
     """A model.pretrained that cannot be loaded here (not a folder, not cached, hub unreachable) fails now, in one
-    line, before Prefect's temporary API starts."""
+    line, before Prefect's temporary API starts; so does a store that does not answer or cannot be written."""
     from farmflow.modelcache import check_available
 
+    check_store(cfg.store.location)
     if cfg.model.pretrained:
         check_available(cfg.model.pretrained, cfg.model.revision)
 
@@ -64,6 +68,7 @@ def start_temporary_api() -> Callable[[], Any]:
     settings = prefect.settings.get_current_settings()
     if settings.api.url or not settings.server.ephemeral.enabled:
         return lambda: None
+    guard_temporary_api()  # the server dies with this process, even on SIGKILL
 
     def start() -> None:
         from prefect.server.api.server import SubprocessASGIServer
@@ -81,12 +86,19 @@ def start_temporary_api() -> Callable[[], Any]:
 def run_flow(name: str, flow: Any, **kwargs: Any) -> Any:
     """Call a flow in this process with a run log named `name` and return its result (a failed flow raises its
     error, as a direct call would); with the temporary API, wait until it has recorded the run (`settle`)."""
+    import prefect.flow_engine
     import prefect.settings
 
+    from farmflow import shutdown
+
     start_log(name)
+    # SIGTERM/SIGINT: training checkpoints, the run stops within seconds (farmflow.shutdown). Prefect's own SIGTERM
+    # handler, for flow runs a Prefect runner cancels, would raise inside the running stage before it could save.
+    prefect.flow_engine.capture_sigterm = contextlib.nullcontext
     temporary_api = not prefect.settings.get_current_settings().api.url
-    state = flow(**kwargs, return_state=True)
-    if temporary_api:
+    with shutdown.handling():
+        state = flow(**kwargs, return_state=True)
+    if temporary_api and shutdown.requested() is None:
         settle(state.state_details.flow_run_id)
     return state.result()
 
@@ -270,6 +282,7 @@ def reward_report(
     beside baselines: the longer output, the SFT policy's log-likelihood, the gold reward, the pool's Bayes optimum."""
     prefect_env()
     cfg = load(preset, set_, store)
+    check_model(cfg)
     api_ready = start_temporary_api()
     from farmflow.flows.reward_report import reward_report_flow
 

@@ -12,6 +12,7 @@ import typer
 
 from farmflow.cli.errors import CliError, UsageError
 from farmflow.cli.output import FORMAT_HELP, check_format, emit, exact, format_option
+from farmflow.cli.preflight import writable_output
 
 artifacts_app = typer.Typer(help="List and inspect the committed artifacts of a store.", no_args_is_help=True)
 STORE_HELP = (
@@ -21,11 +22,10 @@ STORE_HELP = (
 
 
 def open_given(store: Optional[str]):
-    """The store `--store` names (default $FARMFLOW_STORE, else ./.farmflow/store)."""
-    from farmflow.config import StoreConfig
-    from farmflow.storage import open_store
+    """The existing store `--store` names (default $FARMFLOW_STORE, else ./.farmflow/store); reading creates none."""
+    from farmflow.cli.preflight import existing_store, location_of
 
-    return open_store(store or StoreConfig().location)
+    return existing_store(location_of(store))
 
 
 def sql(
@@ -49,6 +49,7 @@ def sql(
     from farmflow.storage.sql import connect, create_views_sql
 
     check_format(fmt, ("table", "json", "csv", "md", "parquet"))
+    writable_output(output)
     st = open_given(store)
     if print_views:
         text = create_views_sql(st)

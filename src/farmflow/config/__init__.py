@@ -40,7 +40,7 @@ from farmflow.config.methods import (
     SFTConfig,
 )
 from farmflow.config.model import LoraConfig, ModelConfig
-from farmflow.config.overrides import load_config, validate_config
+from farmflow.config.overrides import describe_validation_error, load_config, validate_config
 from farmflow.config.pools import ANNOTATOR_PRESETS
 from farmflow.config.presets import PRESETS, SHARED_DATA, preset
 from farmflow.config.registry import FLOW_NAMES, METHODS, Method, methods_table
@@ -79,6 +79,7 @@ __all__ = [
     "SampleConfig",
     "Section",
     "StoreConfig",
+    "describe_validation_error",
     "load_config",
     "methods_table",
     "preset",

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from farmflow.config.base import Section
+from farmflow.config.base import MAX_BATCH, MAX_IN_FLIGHT, MAX_ROWS, MAX_TOKENS, Section
 from farmflow.config.credentials import CredentialsInValue, refuse_credentials
 from farmflow.config.pools import ANNOTATOR_PRESETS
 
@@ -87,6 +87,7 @@ class ApiAnnotatorConfig(Section):
     max_tokens: int | None = Field(
         None,
         ge=1,
+        le=MAX_TOKENS,
         description="Completion token cap per request; None: enough for the format (choice 12/item, json 120/item, "
         "logprobs 1).",
     )
@@ -163,12 +164,14 @@ class HFJudgeConfig(Section):
     max_prompt_tokens: int = Field(
         2048,
         ge=64,
+        le=MAX_TOKENS,
         description="Longest judging prompt in tokens (also capped by the model's context); longer pairs have both "
         "outputs cut in the middle, marked in the text, and are counted in the run's `truncated` metric.",
     )
     batch_size: int = Field(
         8,
         ge=1,
+        le=MAX_BATCH,
         json_schema_extra={"stage_key": False},
         description="Prompts per forward pass (left-padded; each pair is two prompts, one per order). Memory and speed "
         "only: not part of the judge's identity.",
@@ -246,6 +249,7 @@ class AnnotatorConfig(Section):
     max_in_flight: int = Field(
         32,
         ge=1,
+        le=MAX_IN_FLIGHT,
         json_schema_extra={"stage_key": False},
         description="Requests in flight at once (per annotation call).",
     )
@@ -279,6 +283,7 @@ class AnnotatorConfig(Section):
     chunk_size: int = Field(
         100,
         ge=1,
+        le=MAX_ROWS,
         json_schema_extra={"stage_key": False},
         description="Judged pairs written to the row cache per append (at least every 10 s); each answer is also "
         "journaled on local disk as it arrives, so a killed run loses only the requests in flight.",

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from farmflow.config.base import Section
+from farmflow.config.base import MAX_ROWS, Section
 
 FARM_SPLIT_FILES = {"sft": "sft", "pref": "preference", "unlabeled": "unlabeled", "val": "val"}
 """Our split names -> the file names of tatsu-lab/alpaca_farm's alpaca_instructions/ folder."""
@@ -62,17 +62,27 @@ class DataConfig(Section):
         min_length=1,
         description="Synthetic task families to draw instructions from (see farmflow.data.synthetic.FAMILIES).",
     )
-    sft_size: int = Field(10_000, ge=1, description="Instructions with demonstrations for SFT (paper: 10k).")
-    pref_size: int = Field(10_000, ge=1, description="Instructions for pairwise preference collection (paper: 10k).")
+    sft_size: int = Field(
+        10_000, ge=1, le=MAX_ROWS, description="Instructions with demonstrations for SFT (paper: 10k)."
+    )
+    pref_size: int = Field(
+        10_000, ge=1, le=MAX_ROWS, description="Instructions for pairwise preference collection (paper: 10k)."
+    )
     unlabeled_size: int = Field(
-        20_000, ge=0, description="Unlabeled instructions for expert iteration, PPO and Quark (paper: 20k)."
+        20_000,
+        ge=0,
+        le=MAX_ROWS,
+        description="Unlabeled instructions for expert iteration, PPO and Quark (paper: 20k).",
     )
     val_size: int = Field(
         2_000,
         ge=1,
+        le=MAX_ROWS,
         description="Validation instructions; their annotated pairs measure reward-model accuracy (paper: 2k).",
     )
-    eval_size: int = Field(805, ge=2, description="Evaluation instructions with reference outputs (paper: 805).")
+    eval_size: int = Field(
+        805, ge=2, le=MAX_ROWS, description="Evaluation instructions with reference outputs (paper: 805)."
+    )
     demo_error_rate: float = Field(
         0.2,
         ge=0,

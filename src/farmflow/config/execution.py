@@ -62,6 +62,16 @@ class StoreConfig(Section):
     def _no_credentials(cls, v: str | None) -> str | None:
         return refuse_credentials(v, "S3 credentials come from profile, credentials_block or the AWS environment")
 
+    @field_validator("uri")
+    @classmethod
+    def _known_scheme(cls, v: str) -> str:
+        scheme = v.split("://", 1)[0] if "://" in v else ""
+        if scheme and scheme not in ("file", "s3"):
+            raise ValueError(f"{scheme}:// stores are not supported; use a local folder, file:// or s3://bucket/prefix")
+        if not v.strip():
+            raise ValueError("empty; use a local folder, file:// or s3://bucket/prefix")
+        return v
+
     @model_validator(mode="after")
     def _s3_options_need_s3(self) -> "StoreConfig":
         given = [

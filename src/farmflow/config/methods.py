@@ -9,12 +9,14 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from farmflow.config.base import Section
+from farmflow.config.base import MAX_BATCH, MAX_EPOCHS, MAX_ROWS, MAX_SAMPLES, MAX_TOKENS, Section
 
 
 class SFTConfig(Section):
-    epochs: float = Field(3.0, gt=0, description="Passes over the SFT split (paper: 3 epochs).")
-    batch_size: int = Field(128, ge=1, description="Sequences per optimizer step (Alpaca/AlpacaFarm recipe: 128).")
+    epochs: float = Field(3.0, gt=0, le=MAX_EPOCHS, description="Passes over the SFT split (paper: 3 epochs).")
+    batch_size: int = Field(
+        128, ge=1, le=MAX_BATCH, description="Sequences per optimizer step (Alpaca/AlpacaFarm recipe: 128)."
+    )
     lr: float = Field(
         2e-5, gt=0, description="Peak AdamW learning rate (paper: 2e-5 for LLaMA-7B; tiny models need ~1e-3)."
     )
@@ -26,6 +28,7 @@ class SFTConfig(Section):
     micro_batch_size: int | None = Field(
         None,
         ge=1,
+        le=MAX_BATCH,
         json_schema_extra={"stage_key": False},
         description="Sequences per forward pass (per process); gradients of the micro-batches accumulate into one "
         "optimizer step of batch_size, so results equal the unaccumulated run up to float rounding (memory only; None: "
@@ -38,10 +41,11 @@ class SampleConfig(Section):
         1.0, gt=0, description="Sampling temperature (paper: 1.0 for pairs and reranking, 0.7 for evaluation)."
     )
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
-    max_new_tokens: int = Field(48, ge=1, description="Longest generated response in tokens.")
+    max_new_tokens: int = Field(48, ge=1, le=MAX_TOKENS, description="Longest generated response in tokens.")
     batch_size: int = Field(
         64,
         ge=1,
+        le=MAX_BATCH,
         json_schema_extra={"stage_key": False},
         description="Prompts per generation batch (memory and speed only: each sample has its own random stream, so "
         "the samples do not depend on it; not part of the stage key).",
@@ -58,8 +62,8 @@ class SampleConfig(Section):
 
 
 class RewardConfig(Section):
-    epochs: float = Field(1.0, gt=0, description="Passes over the preference pairs (paper: 1 epoch).")
-    batch_size: int = Field(16, ge=1, description="Pairs per optimizer step (AlpacaFarm: 16).")
+    epochs: float = Field(1.0, gt=0, le=MAX_EPOCHS, description="Passes over the preference pairs (paper: 1 epoch).")
+    batch_size: int = Field(16, ge=1, le=MAX_BATCH, description="Pairs per optimizer step (AlpacaFarm: 16).")
     lr: float = Field(
         3e-6, gt=0, description="Peak AdamW learning rate (AlpacaFarm: 3e-6 for LLaMA-7B; tiny models need ~3e-4)."
     )
@@ -71,6 +75,7 @@ class RewardConfig(Section):
     micro_batch_size: int | None = Field(
         None,
         ge=1,
+        le=MAX_BATCH,
         json_schema_extra={"stage_key": False},
         description="Pairs per forward pass (per process); gradients of the micro-batches accumulate into one "
         "optimizer step of batch_size, so results equal the unaccumulated run up to float rounding (memory only; None: "
@@ -79,7 +84,12 @@ class RewardConfig(Section):
 
 
 class BestOfNConfig(Section):
-    n: int = Field(16, ge=1, description="Samples drawn per prompt and reranked by the reward model (paper: n=1024).")
+    n: int = Field(
+        16,
+        ge=1,
+        le=MAX_SAMPLES,
+        description="Samples drawn per prompt and reranked by the reward model (paper: n=1024).",
+    )
     temperature: float = Field(1.0, gt=0, description="Sampling temperature of the candidates (paper: 1.0).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold for candidates.")
     seed: int = Field(0, description="Seed of the candidate sampler.")
@@ -114,9 +124,14 @@ class DPOConfig(Section):
         description="Strength of the implicit KL constraint to the SFT (reference) policy (DPO paper and AlpacaFarm: "
         "0.1).",
     )
-    epochs: float = Field(2.0, gt=0, description="Passes over the preference pairs (AlpacaFarm dpo.sh: 2 epochs).")
+    epochs: float = Field(
+        2.0, gt=0, le=MAX_EPOCHS, description="Passes over the preference pairs (AlpacaFarm dpo.sh: 2 epochs)."
+    )
     batch_size: int = Field(
-        128, ge=1, description="Pairs per optimizer step (AlpacaFarm dpo.sh: 8 GPUs x 1 x 16 accumulation = 128)."
+        128,
+        ge=1,
+        le=MAX_BATCH,
+        description="Pairs per optimizer step (AlpacaFarm dpo.sh: 8 GPUs x 1 x 16 accumulation = 128).",
     )
     lr: float = Field(1e-6, gt=0, description="Peak AdamW learning rate (AlpacaFarm dpo.sh: 1e-6 for LLaMA-7B).")
     warmup_ratio: float = Field(
@@ -127,6 +142,7 @@ class DPOConfig(Section):
     micro_batch_size: int | None = Field(
         None,
         ge=1,
+        le=MAX_BATCH,
         json_schema_extra={"stage_key": False},
         description="Pairs per forward pass (per process); gradients of the micro-batches accumulate into one "
         "optimizer step of batch_size, so results equal the unaccumulated run up to float rounding (memory only; None: "
@@ -138,16 +154,23 @@ class ExpertIterationConfig(Section):
     rounds: int = Field(
         1,
         ge=1,
+        le=MAX_EPOCHS,
         description="Rounds of (best-of-n on the unlabeled split, then SFT); round r samples from round r-1's policy "
         "(paper: 1 round).",
     )
     n: int = Field(
-        16, ge=1, description="Samples per unlabeled instruction, the reward model keeps the best (paper: best-of-16)."
+        16,
+        ge=1,
+        le=MAX_SAMPLES,
+        description="Samples per unlabeled instruction, the reward model keeps the best (paper: best-of-16).",
     )
     temperature: float = Field(1.0, gt=0, description="Sampling temperature of the candidates (paper: 1.0).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold for candidates.")
     max_prompts: int | None = Field(
-        None, ge=1, description="Use only this many unlabeled instructions (None: the whole split, as the paper)."
+        None,
+        ge=1,
+        le=MAX_ROWS,
+        description="Use only this many unlabeled instructions (None: the whole split, as the paper).",
     )
     train: SFTConfig = Field(
         default_factory=SFTConfig,
@@ -163,27 +186,34 @@ class PPOConfig(Section):
     epochs: float = Field(
         10.0,
         gt=0,
+        le=MAX_EPOCHS,
         description="Passes over the unlabeled prompts; steps = epochs x prompts / rollout_batch_size (alpaca_farm "
         "rlhf_ppo.sh: total_epochs 10).",
     )
     rollout_batch_size: int = Field(
         512,
         ge=1,
+        le=MAX_BATCH,
         description="Prompts sampled per PPO step, one response each (paper Appendix B: 512). On several processes "
         "each samples an equal share: it must divide by their number.",
     )
     step_batch_size: int = Field(
         256,
         ge=1,
+        le=MAX_BATCH,
         description="Rollouts per optimizer step; each PPO step makes ppo_epochs x rollout/step optimizer steps "
         "(paper: 256). On several processes each contributes an equal share: it must divide by their number.",
     )
     ppo_epochs: int = Field(
-        2, ge=1, description="Passes over each rollout batch (paper: 2 epochs per step; alpaca_farm noptepochs)."
+        2,
+        ge=1,
+        le=MAX_EPOCHS,
+        description="Passes over each rollout batch (paper: 2 epochs per step; alpaca_farm noptepochs).",
     )
     micro_batch_size: int = Field(
         32,
         ge=1,
+        le=MAX_BATCH,
         json_schema_extra={"stage_key": False},
         description="Prompts per sampling batch, sequences per forward pass when scoring rollouts and per "
         "gradient-accumulation chunk (memory only: not part of the stage key).",
@@ -197,6 +227,7 @@ class PPOConfig(Section):
     warmup_steps: int = Field(
         5,
         ge=0,
+        le=MAX_EPOCHS,
         description="PPO steps of linear warmup, then linear decay to 0 (alpaca_farm rlhf_ppo.sh: 5; transformers' "
         "linear schedule).",
     )
@@ -220,7 +251,9 @@ class PPOConfig(Section):
         gt=0,
         description="Sampling temperature of rollouts; log-probs are computed at the same temperature (paper: 1.0).",
     )
-    max_new_tokens: int = Field(300, ge=1, description="Longest response in tokens (alpaca_farm response_len: 300).")
+    max_new_tokens: int = Field(
+        300, ge=1, le=MAX_TOKENS, description="Longest response in tokens (alpaca_farm response_len: 300)."
+    )
     penalty_reward_value: float | None = Field(
         -1.0,
         description="Reward given instead of the reward model's score to responses that never emit EOS (alpaca_farm "
@@ -259,26 +292,30 @@ class QuarkConfig(Section):
     epochs: float = Field(
         10.0,
         gt=0,
+        le=MAX_EPOCHS,
         description="Passes over the unlabeled prompts; steps = epochs x prompts / rollout_batch_size (alpaca_farm "
         "rlhf_quark.sh: total_epochs 10).",
     )
     rollout_batch_size: int = Field(
         512,
         ge=1,
+        le=MAX_BATCH,
         description="Prompts sampled and scored per Quark step; the pool is reset to these every step (paper: 512). On "
         "several processes each samples an equal share: it must divide by their number.",
     )
     step_batch_size: int = Field(
         256,
         ge=1,
+        le=MAX_BATCH,
         description="Top-quantile samples per optimizer step, cycled when the quantile is smaller (paper: 256).",
     )
     grad_steps_per_rollout: int = Field(
-        1, ge=1, description="Optimizer steps per rollout (alpaca_farm num_gradient_steps_per_step: 1)."
+        1, ge=1, le=MAX_EPOCHS, description="Optimizer steps per rollout (alpaca_farm num_gradient_steps_per_step: 1)."
     )
     micro_batch_size: int = Field(
         32,
         ge=1,
+        le=MAX_BATCH,
         json_schema_extra={"stage_key": False},
         description="Prompts per sampling batch, sequences per forward pass / gradient-accumulation chunk (memory "
         "only: not part of the stage key).",
@@ -286,12 +323,16 @@ class QuarkConfig(Section):
     num_quantiles: int = Field(
         5,
         ge=1,
+        le=MAX_BATCH,
         description="Reward quantiles the rollout is split into; only the best one is trained on (Quark, Lu et al. "
         "2022: 5 quantiles; top-quantile variant).",
     )
     lr: float = Field(3e-6, gt=0, description="Peak AdamW learning rate (alpaca_farm rlhf_quark.sh: 3e-6).")
     warmup_steps: int = Field(
-        5, ge=0, description="Steps of linear warmup, then linear decay to 0 (alpaca_farm rlhf_quark.sh: 5)."
+        5,
+        ge=0,
+        le=MAX_EPOCHS,
+        description="Steps of linear warmup, then linear decay to 0 (alpaca_farm rlhf_quark.sh: 5).",
     )
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay (alpaca_farm: 0).")
     adam_eps: float = Field(1e-5, gt=0, description="AdamW epsilon (alpaca_farm: 1e-5).")
@@ -307,7 +348,9 @@ class QuarkConfig(Section):
     temperature: float = Field(
         1.0, gt=0, description="Sampling temperature of rollouts and of the trained log-probs (paper: 1.0)."
     )
-    max_new_tokens: int = Field(300, ge=1, description="Longest response in tokens (alpaca_farm response_len: 300).")
+    max_new_tokens: int = Field(
+        300, ge=1, le=MAX_TOKENS, description="Longest response in tokens (alpaca_farm response_len: 300)."
+    )
     penalty_reward_value: float | None = Field(
         -1.0,
         description="Score given to responses that never emit EOS, so they rank last (the value PPO uses; "

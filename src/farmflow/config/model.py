@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from farmflow.config.base import Section
+from farmflow.config.base import MAX_TOKENS, MAX_WIDTH, Section
 
 
 class LoraConfig(Section):
@@ -15,6 +15,7 @@ class LoraConfig(Section):
     r: int = Field(
         16,
         ge=1,
+        le=MAX_WIDTH,
         description="Rank of each adapter (LoRA paper: 4-64; 16 is a common choice for 7B instruction tuning).",
     )
     alpha: float = Field(
@@ -56,18 +57,19 @@ class ModelConfig(Section):
         description="Recompute activations in the backward pass of a pretrained model (less memory, ~30% more time); "
         "saved in its config.",
     )
-    hidden_size: int = Field(128, ge=8, description="Width of the tiny Llama-style model.")
-    num_layers: int = Field(4, ge=1, description="Transformer blocks.")
-    num_heads: int = Field(4, ge=1, description="Attention heads (hidden_size must be divisible by it).")
-    intermediate_size: int = Field(384, ge=8, description="MLP width.")
+    hidden_size: int = Field(128, ge=8, le=MAX_WIDTH, description="Width of the tiny Llama-style model.")
+    num_layers: int = Field(4, ge=1, le=MAX_WIDTH, description="Transformer blocks.")
+    num_heads: int = Field(4, ge=1, le=MAX_WIDTH, description="Attention heads (hidden_size must be divisible by it).")
+    intermediate_size: int = Field(384, ge=8, le=MAX_WIDTH, description="MLP width.")
     max_seq_len: int = Field(
         160,
         ge=16,
+        le=MAX_TOKENS,
         description="Longest prompt + response in tokens; longer sequences are truncated (also caps a pretrained "
         "model's context).",
     )
     vocab_size: int = Field(
-        1024, ge=300, description="Size of the byte-level BPE vocabulary trained on the farm's text."
+        1024, ge=300, le=MAX_WIDTH, description="Size of the byte-level BPE vocabulary trained on the farm's text."
     )
     seed: int = Field(0, description="Seed for weight initialization.")
     lora: LoraConfig | None = Field(

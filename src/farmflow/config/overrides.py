@@ -19,7 +19,8 @@ from farmflow.config.pools import ANNOTATOR_PRESETS
 from farmflow.config.presets import preset
 
 
-def _format_validation_error(err: ValidationError, prefix: str = "") -> str:
+def describe_validation_error(err: ValidationError, prefix: str = "") -> str:
+    """A pydantic error on one line: each problem names its field (`prefix.field`), joined by '; '."""
     lines = []
     for e in err.errors():
         loc = ".".join(str(p) for p in (prefix, *e["loc"]) if p != "")
@@ -116,4 +117,4 @@ def validate_config(data: dict | FarmConfig) -> FarmConfig:
     try:
         return FarmConfig.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(_format_validation_error(err)) from None
+        raise ConfigError(describe_validation_error(err)) from None

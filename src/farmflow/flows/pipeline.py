@@ -93,7 +93,14 @@ class Upstream:
     @property
     def reward(self) -> ArtifactRef:
         return self._get(
-            "reward", lambda: self.run(train_reward_task, self.cfg.reward, preferences=self.preferences, sft=self.sft)
+            "reward",
+            lambda: self.run(
+                train_reward_task,
+                self.cfg.reward,
+                preferences=self.preferences,
+                sft=self.sft,
+                checkpoints=self.cfg.checkpoints,
+            ),
         )
 
     def refs(self) -> dict[str, ArtifactRef]:

@@ -13,6 +13,7 @@ from contextlib import nullcontext
 from datetime import datetime
 from typing import Any
 
+from farmflow import shutdown
 from farmflow.config import ExecutionConfig
 from farmflow.flows.remote import run_remote
 from farmflow.storage import ArtifactRef, StoreError, open_store
@@ -81,6 +82,7 @@ class StageRunner:
     def __call__(self, task, config: Any, label: str | None = None, **inputs: Any) -> ArtifactRef:
         """Run `task` with `config` and keyword inputs (ArtifactRefs, plus options such as `checkpoints`)."""
         label = label or task.name
+        shutdown.check(label)  # after SIGTERM/SIGINT no stage starts
         remote = self.remote(task.name)
         start = time.perf_counter()
         try:
@@ -129,6 +131,7 @@ class StageRunner:
         model = task.name in self.execution.gpu_stages
         with MODEL_LOCK if model else nullcontext():
             waited = time.perf_counter() - start if model else 0.0
+            shutdown.check(task.name)  # the stop came while this stage waited for another model stage
             return *self._run_task(task, config, inputs, start), waited
 
     def _run_task(self, task, config: Any, inputs: dict[str, Any], start: float) -> tuple[ArtifactRef, bool]:

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from farmflow.config import RewardConfig
 from farmflow.models import batch_order, optimizer_and_schedule, pack_examples, tokenize_examples
+from farmflow.models.checkpoint import Checkpointer
 from farmflow.models.runtime import Runtime
 from farmflow.progress import progress
 
@@ -51,19 +52,26 @@ def train_reward(
     preferences: Sequence[float],
     cfg: RewardConfig,
     max_len: int,
+    checkpointer: Checkpointer | None = None,
 ) -> dict[str, float]:
-    """Train `model` in place on preference pairs; returns training metrics."""
+    """Train `model` in place on preference pairs; returns training metrics.
+
+    With a `checkpointer`, the loop resumes from its latest checkpoint and saves new ones as it goes (as SFT)."""
     total = max(1, round(cfg.epochs * math.ceil(len(prompts) / cfg.batch_size)))
     batches = batch_order(len(prompts), cfg.batch_size, total, cfg.seed)
     rt = Runtime(model, len(batches[0]), cfg.micro_batch_size, "reward")
     opt, sched = optimizer_and_schedule(model, cfg.lr, cfg.weight_decay, total, cfg.warmup_ratio)
     model, opt = rt.prepare(model, opt)
+    ckpt = rt.checkpointer(checkpointer or Checkpointer(None, "reward", "", 0))
+    state = {"modules": {"model": rt.unwrap(model)}, "optimizers": {"opt": opt}, "schedulers": {"sched": sched}}
+    start, extra = ckpt.restore(**state)
     model.train()
-    losses = []
+    losses = list(extra.get("losses", []))
     p_ids, o_ids = tokenize_examples(tokenizer, prompts, list(out_1) + list(out_2))  # once, not every step
     o1_ids, o2_ids = o_ids[: len(prompts)], o_ids[len(prompts) :]
-    with progress("reward", total, unit="step") as bar:
-        for idx in batches:
+    with progress("reward", total, unit="step", initial=start) as bar:
+        for step in range(start, total):
+            idx = batches[step]
             step_loss = 0.0
             for rows in rt.micro_batches():
                 part = idx[rows]
@@ -83,6 +91,12 @@ def train_reward(
             losses.append(rt.sum(step_loss))
             bar.update(1)
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
+            ckpt.save(step + 1, **state, extra={"losses": losses})
     rt.finish(model)
     tail = losses[-max(1, len(losses) // 10) :]
-    return {"steps": float(total), "train_loss_first": losses[0], "train_loss_last": sum(tail) / len(tail)}
+    return {
+        "steps": float(total),
+        "resumed_from_step": float(start),
+        "train_loss_first": losses[0],
+        "train_loss_last": sum(tail) / len(tail),
+    }

@@ -30,6 +30,7 @@ from typing import Any, Protocol
 import torch
 from safetensors.torch import load_file, load_model, save_file, save_model
 
+from farmflow import shutdown
 from farmflow.models.runtime import is_main_process
 
 STATE_FILE = "state.json"
@@ -134,6 +135,7 @@ class Checkpointer:
         return self.enabled and (by_steps or by_time)
 
     def restore(self, **objects: Any) -> tuple[int, dict[str, Any]]:
+        shutdown.beat(id(self))  # a stop waits for this loop's next step (farmflow.shutdown)
         if not self.enabled:
             return 0, {}
         latest = self.store.latest_checkpoint(self.stage, self.key)
@@ -142,15 +144,25 @@ class Checkpointer:
         return load_state(latest[1], **objects)
 
     def save(self, step: int, *, force: bool = False, **objects: Any) -> bool:
-        """Checkpoint at `step` (the number of completed steps) when it is due; only the main process writes."""
-        if not self.enabled or not (force or self.due(step)) or not is_main_process():
-            return False
-        with tempfile.TemporaryDirectory(prefix="farmflow-ckpt-") as tmp:
-            save_state(tmp, step=step, **objects)
-            self.store.save_checkpoint(self.stage, self.key, step, Path(tmp))
-        self.saved += 1
-        self._last = time.monotonic()
-        return True
+        """Checkpoint at `step` (the number of completed steps) when it is due; only the main process writes.
+
+        When the process was asked to stop (`farmflow.shutdown`), checkpoint now and raise `Stopped`."""
+        shutdown.beat(id(self))
+        stopping = shutdown.requested() is not None
+        saved = False
+        if self.enabled and (force or stopping or self.due(step)) and is_main_process():
+            with shutdown.saving(), tempfile.TemporaryDirectory(prefix="farmflow-ckpt-") as tmp:
+                save_state(tmp, step=step, **objects)
+                self.store.save_checkpoint(self.stage, self.key, step, Path(tmp))
+            self.saved += 1
+            self._last = time.monotonic()
+            saved = True
+        if stopping:
+            shutdown.done(id(self))
+            kept = f"checkpoint at step {step}, a rerun resumes there" if self.enabled else "checkpoints are off"
+            shutdown.note(f"{self.stage}: stopped after step {step} ({kept})")
+            raise shutdown.Stopped(f"{self.stage}: stopped after step {step} ({kept})")
+        return saved
 
     def clear(self) -> None:
         """Drop the checkpoints once the final artifact is committed."""

@@ -132,8 +132,14 @@ def annotate_task(run: StageRun, config: AnnotatorConfig, pairs: ArtifactRef) ->
 
 
 @stage_task(STAGES["train_reward"])
-def train_reward_task(run: StageRun, config: RewardConfig, preferences: ArtifactRef, sft: ArtifactRef) -> Model:
-    """Bradley–Terry reward model from the SFT model, trained on PREF, measured on val."""
+def train_reward_task(
+    run: StageRun,
+    config: RewardConfig,
+    preferences: ArtifactRef,
+    sft: ArtifactRef,
+    checkpoints: CheckpointConfig | None = None,
+) -> Model:
+    """Bradley–Terry reward model from the SFT model, trained on PREF, measured on val (resumable)."""
     table = run.store.read_table(preferences)
     train, held = split_rows(table, "pref"), split_rows(table, "val")
     model = reward_from_policy(run.store.model_dir(sft), seed=config.seed)
@@ -148,6 +154,7 @@ def train_reward_task(run: StageRun, config: RewardConfig, preferences: Artifact
         col(train, "preference"),
         config,
         model.config.max_position_embeddings,
+        run.checkpointer(checkpoints),
     )
     if held:
         r1 = score(model, tokenizer, prompts_of(held), col(held, "output_1")).tolist()
