@@ -152,3 +152,19 @@ def test_interval_rows_mark_resolved_and_tied_methods():
     dpo = next(line for line in md.splitlines() if "| dpo |" in line)
     assert dpo.startswith("| 1 | dpo | 100.0 [100.0, 100.0] | +50.0 [+") and "| ▲ |" in dpo
     assert "| 2–3 | feedme |" in md and "2 replicate(s) × 60 evaluation prompts" in md
+
+
+def test_a_single_run_leaderboard_states_what_it_resolves():
+    from farmflow.evaluation.leaderboard import leaderboard_markdown, resolution_note
+
+    rows = [
+        {"method": m, "win_rate": 50.0, "standard_error": se, "avg_length": 9, "n": 400}
+        for m, se in (("a", 2.4), ("b", 2.5), ("c", 2.6))
+    ]
+    # median SE 2.5; 1.96 · √2 · 2.5 = 6.93
+    assert resolution_note(rows) == (
+        "With 400 evaluation prompts a win rate's SE is about 2.5 points: two methods must differ by more than "
+        "6.9 points to be told apart (95%; paired intervals: --replicates)."
+    )
+    assert resolution_note(rows) in leaderboard_markdown(rows)
+    assert resolution_note([{"method": "a", "win_rate": 1.0, "standard_error": float("nan"), "n": 3}]) is None
