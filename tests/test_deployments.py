@@ -33,6 +33,7 @@ def test_one_deployment_per_flow_plus_nightly_and_gpu_stage(deps):
     expected = {f"{name}/farmflow" for name in FLOWS} | {
         "overoptimization/farmflow",
         "reward-report/farmflow",
+        "validation-study/farmflow",
         "compare/nightly-compare",
         "stage/gpu",
     }
@@ -81,6 +82,7 @@ def test_nightly_compare_has_the_configured_cron_and_records_history(deps):
     (sched,) = nightly.schedules
     assert sched.schedule.cron == "30 2 * * 1-5" and sched.schedule.timezone == "Europe/Paris"
     assert nightly.parameters["history"] is True
+    assert nightly.parameters["replicates"] == 3  # evaluation.nightly_replicates: the history compares intervals
     assert not deps["compare/farmflow"].schedules
 
 

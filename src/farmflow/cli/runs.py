@@ -161,6 +161,8 @@ def compare(
         print_json(summary | {"wall_seconds": wall})
     else:
         print_summary(summary, wall, str(State.path))
+        if summary.get("replicates", 1) > 1:  # the intervals, differences to SFT and rank ranges
+            console().print(summary["markdown"])
 
 
 def demo(
@@ -206,6 +208,13 @@ def run(
     ),
     store: Optional[str] = typer.Option(None, help=STORE_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+    replicates: Optional[int] = typer.Option(
+        None,
+        "--replicates",
+        min=1,
+        help="compare only: run under K seeds (evaluation.replicates) and show means, 95%% intervals and each "
+        "method's paired difference to SFT; each replicate's stages are cached (K=3 after K=2 runs one more).",
+    ),
 ) -> None:
     """Run a flow on a preset with overrides; unchanged stages come from the cache."""
     from farmflow.config import FLOW_NAMES
@@ -216,7 +225,9 @@ def run(
     chosen = methods_of(methods)
     if chosen and flow != "compare":
         raise UsageError("--method only applies to the compare flow")
-    cfg = load(preset, set_, store)
+    if replicates is not None and flow != "compare":
+        raise UsageError("--replicates only applies to the compare flow")
+    cfg = load(preset, list(set_) + ([f"evaluation.replicates={replicates}"] if replicates else []), store)
     check_model(cfg)
     compare(cfg, as_json, flow=flow, methods=chosen, api_ready=start_temporary_api())
 

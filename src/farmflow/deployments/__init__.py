@@ -9,7 +9,9 @@ when missing and registers the deployments on the Prefect server (``PREFECT_API_
   ``reward-report/farmflow``, on the CPU pool: the flow itself orchestrates, annotates and evaluates there;
 * ``compare/nightly-compare``: the compare flow on a cron schedule (time and timezone
   configurable) with ``history: true``, so each run appends its leaderboard to the
-  store's ``leaderboard_history`` table;
+  store's ``leaderboard_history`` table, and ``replicates`` from the preset's
+  ``evaluation.nightly_replicates``, so the history compares intervals (seed variance included), not single draws;
+* ``study/farmflow``: the validation study (`farmflow.flows.study`);
 * ``stage/gpu``: `farmflow.flows.distributed.stage_flow` on the GPU pool, one stage per flow
   run, for flows whose config says ``execution.mode: distributed``;
 * the automation ``farmflow: crash unresponsive runs``: every deployed run sends a heartbeat
@@ -69,6 +71,7 @@ def deployments(
     from farmflow.flows.distributed import stage_flow
     from farmflow.flows.overoptimization import overoptimization_flow
     from farmflow.flows.reward_report import reward_report_flow
+    from farmflow.flows.study import study_flow
 
     if cfg is None:
         cfg = load_config(preset, list(overrides or []))  # fails early, naming the field, on a bad preset or override
@@ -81,12 +84,20 @@ def deployments(
     params = deployment_parameters(preset, overrides)
     heartbeat = {"env": {"PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(cfg.execution.heartbeat_s)}}
     common = {"entrypoint_type": EntrypointType.MODULE_PATH, "tags": [TAG], "job_variables": heartbeat}
-    flows = [*FLOWS.values(), overoptimization_flow, reward_report_flow]
+    flows = [*FLOWS.values(), overoptimization_flow, reward_report_flow, study_flow]
     out = [
         fl.to_deployment(name=DEPLOYMENT, parameters=form_parameters(fl, params), work_pool_name=cpu_pool, **common)
         for fl in flows
     ]
-    nightly = form_parameters(compare_flow, params | {"history": True, "methods": list(nightly_methods or []) or None})
+    nightly = form_parameters(
+        compare_flow,
+        params
+        | {
+            "history": True,
+            "methods": list(nightly_methods or []) or None,
+            "replicates": cfg.evaluation.nightly_replicates,
+        },
+    )
     schedule = nightly_schedule or Cron(nightly_cron, timezone=timezone)
     when = f"every night ({nightly_cron}, {timezone})" if nightly_schedule is None else "on its schedule"
     out.append(
@@ -95,7 +106,8 @@ def deployments(
             parameters=nightly,
             schedules=[schedule],
             work_pool_name=cpu_pool,
-            description=f"The method comparison {when}; appends the leaderboard to leaderboard_history.",
+            description=f"The method comparison {when}, {cfg.evaluation.nightly_replicates} replicates; appends the "
+            "leaderboard with intervals to leaderboard_history.",
             **common,
         )
     )

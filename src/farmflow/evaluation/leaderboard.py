@@ -170,7 +170,24 @@ def leaderboard_markdown(rows: Sequence[dict], title: str = "Leaderboard") -> st
         lines.append("")
         lines += [f"Annotator: {a}; reference: {ref}." for a, ref in judges]
         lines += [f"The judge {note}." for note in sorted({judge_quality(a) for a, _ in judges} - {None})]
+    note = resolution_note(rows)
+    if note:
+        lines += ["", note]
     return "\n".join(lines) + "\n"
+
+
+def resolution_note(rows: Sequence[dict]) -> str | None:
+    """What an evaluation of this size resolves: the median SE of a win rate over the rows, and the smallest difference
+    between two methods' win rates that is more than noise at 95% (1.96·√2·SE for two independent estimates; a paired
+    comparison on the same prompts, `--replicates`, often resolves less). None without standard errors."""
+    ses = sorted(r["standard_error"] for r in rows if r.get("standard_error") and not math.isnan(r["standard_error"]))
+    if not ses:
+        return None
+    se, n = ses[len(ses) // 2], max(int(r.get("n") or 0) for r in rows)
+    return (
+        f"With {n} evaluation prompts a win rate's SE is about {se:.1f} points: two methods must differ by more than "
+        f"{1.96 * math.sqrt(2) * se:.1f} points to be told apart (95%; paired intervals: --replicates)."
+    )
 
 
 def plot_leaderboard(rows: Sequence[dict], path: str, title: str = "Win rate vs reference") -> None:

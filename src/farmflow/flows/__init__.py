@@ -28,8 +28,8 @@ artifact has disappeared from the store is recomputed instead of trusted.
 
 Modules: `form` (parameters → config), `runner` (running one stage), `remote` and
 `distributed` (stages on the GPU pool), `pipeline` (upstream, methods, fan-out), `record`
-(runs table, history), `methods` (the method and compare flows), `overoptimization`,
-`reward_report`.
+(runs table, history), `methods` (the method and compare flows), `replicates` (a comparison under K seeds, the
+leaderboard with intervals), `overoptimization`, `reward_report`, `study` (the validation study).
 """
 
 from farmflow.config import METHODS

@@ -27,6 +27,7 @@ from farmflow.flows.pipeline import (
     shared_upstream,
 )
 from farmflow.flows.record import history_task, publish_curve, record_run_task
+from farmflow.flows.replicates import run_replicates
 from farmflow.flows.runner import StageRunner
 from farmflow.storage import ArtifactRef
 from farmflow.tasks import evaluate_task, leaderboard_task
@@ -137,6 +138,8 @@ def method_flow(method: Method) -> Flow:
     """    methods: Methods to compare (default: all); the baselines (untrained, SFT) are always evaluated.
     history: Publish the trend of this preset's runs (Prefect artifact history, plot in the store) and count the run
         in the leaderboard_history view (the nightly comparison does); every run is recorded in the store's runs table.
+    replicates: Run the comparison under this many seeds and show means with 95% intervals and each method's paired
+        difference to SFT (None: evaluation.replicates; 1: one draw, the over-optimization curve included).
 """,
     module=ENTRYPOINT_MODULE,
 )
@@ -147,13 +150,17 @@ def compare_flow(
     eval_size: int | None = None,
     pref_size: int | None = None,
     history: bool = False,
+    replicates: int | None = None,
     overrides: list[str] | None = None,
     advanced: FarmConfig | None = None,
 ) -> dict[str, Any]:
     """Every chosen method (default: all) on one farm; shared stages run once, methods in parallel; leaderboard and
-    over-optimization curve."""
+    over-optimization curve (with replicates: a leaderboard with intervals, `farmflow.flows.replicates`)."""
     cfg = run_config(preset, advanced, overrides, seed, eval_size, pref_size)
     chosen = list(methods) if methods else list(METHODS)
+    k = replicates or cfg.evaluation.replicates
+    if k > 1:
+        return run_replicates(cfg, chosen, f"Leaderboard: {cfg.name}, {k} replicates", k, history=history)
     return run_methods(cfg, chosen, f"Leaderboard: {cfg.name}", curve=True, history=history)
 
 

@@ -142,6 +142,76 @@ SCHEMAS: dict[str, pa.Schema] = {
             ("evaluation_key", _STR),
         ]
     ),
+    # a replicated comparison (evaluation.replicates): a leaderboard row per method (means over the replicates) plus
+    # bootstrap intervals, the paired difference to SFT and the rank range (farmflow.evaluation.replicates).
+    "replicate_leaderboard": pa.schema(
+        [
+            ("method", _STR),
+            ("family", _STR),
+            ("win_rate", _F),
+            ("standard_error", _F),
+            ("discrete_win_rate", _F),
+            ("lc_win_rate", _F),
+            ("lc_standard_error", _F),
+            ("mean_gold", _F),
+            ("gold_standard_error", _F),
+            ("avg_length", _I),
+            ("n", _I),
+            ("annotator", _STR),
+            ("reference", _STR),
+            ("evaluation_key", _STR),
+            ("replicates", _I),
+            ("win_rate_low", _F),
+            ("win_rate_high", _F),
+            ("replicate_sd", _F),
+            ("replicate_low", _F),
+            ("replicate_high", _F),
+            ("gold_low", _F),
+            ("gold_high", _F),
+            ("diff_to_sft", _F),
+            ("diff_low", _F),
+            ("diff_high", _F),
+            ("diff_standard_error", _F),
+            ("resolvable_difference", _F),
+            ("resolved", _STR),
+            ("gold_diff_to_sft", _F),
+            ("gold_diff_low", _F),
+            ("gold_diff_high", _F),
+            ("rank_best", _I),
+            ("rank_worst", _I),
+        ]
+    ),
+    # the validation study (farmflow.evaluation.study): one row per method, its win rate under the simulated arm
+    # (p_sim^eval) and the human-like arm with 95% bootstrap intervals, its difference to SFT under each, its ranks.
+    "validation_study": pa.schema(
+        [
+            ("method", _STR),
+            ("family", _STR),
+            ("replicates", _I),
+            ("n", _I),
+            ("sim_win_rate", _F),
+            ("sim_low", _F),
+            ("sim_high", _F),
+            ("human_win_rate", _F),
+            ("human_low", _F),
+            ("human_high", _F),
+            ("mean_gold", _F),
+            ("sim_diff_to_sft", _F),
+            ("sim_diff_low", _F),
+            ("sim_diff_high", _F),
+            ("sim_resolved", _STR),
+            ("human_diff_to_sft", _F),
+            ("human_diff_low", _F),
+            ("human_diff_high", _F),
+            ("human_resolved", _STR),
+            ("sim_rank", _F),
+            ("human_rank", _F),
+            ("gold_rank", _F),
+        ]
+    ),
+    # the validation study's findings (study_summary.parquet beside it): one quantity per row with its 95% interval
+    # (NaN where none) and a word or two (e.g. 'present' / 'absent' for an over-optimization curve).
+    "study_summary": pa.schema([("quantity", _STR), ("value", _F), ("low", _F), ("high", _F), ("detail", _STR)]),
     # the runs (a row log under _rows/runs/, one chunk per flow run that ends in a leaderboard: compare runs,
     # nightly and manual, and single-method flows): the run (run_id: the last 8 hex digits of its flow-run id,
     # when, which flow, preset, config key, whether it publishes the trend, its leaderboard artifact) followed

@@ -1,0 +1,224 @@
+"""The validation study (AlpacaFarm Fig. 3, Fig. 5, Table 2) on the synthetic farm, as plain functions.
+
+* **A human-like arm.** The paper validates its simulator against human win rates. The synthetic farm's stand-in for
+  humans judges by the gold reward alone, with noise: one oracle annotator with no length, list or position bias whose
+  sharpness is set so that two independent judgements of the same pair agree as often as two crowdworkers did
+  (65.7% in the paper; `HUMAN_AGREEMENT`). For a pair whose gold rewards differ by Δ it prefers the better output with
+  probability q = sigmoid(sharpness·Δ), so two of its judgements agree with probability q² + (1 − q)²
+  (`agreement`); `calibrate_sharpness` solves for the sharpness on the study's own evaluation pairs.
+* **Rankings.** Every method's win rate under the simulated evaluator (p_sim^eval) and under the human-like arm, and
+  Spearman and Pearson between the two over methods (the baselines' untrained model left out: a method nobody would
+  deploy inflates any correlation) with bootstrap intervals over prompts (`bootstrap.ranking_agreement`).
+* **Over-optimization.** A curve (best-of-n over n) is *over-optimized* under a judge when its best point beats its
+  highest-pressure point with a paired 95% interval that excludes 0 (`overoptimization_findings`).
+* **How many prompts.** The half-width of the paired difference to SFT shrinks as 1/√n; `bootstrap.eval_size_for`
+  gives the prompts needed to resolve 2 points.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+
+from farmflow.config import AnnotatorConfig, OracleAnnotatorConfig
+from farmflow.evaluation.bootstrap import N_BOOT, bootstrap_mean, eval_size_for, paired_bootstrap, rankdata
+from farmflow.evaluation.leaderboard import method_family
+from farmflow.evaluation.replicates import aligned
+
+HUMAN_AGREEMENT = 0.657
+"""Human-human agreement on AlpacaFarm's pairwise preferences (paper §3.3: 65.7%)."""
+HUMAN = "human-like"
+LEFT_OUT = ("untrained",)
+"""Baselines left out of the ranking correlations."""
+
+
+def human_like_annotator(sharpness: float, seed: int = 0) -> AnnotatorConfig:
+    """The human-like arm: one oracle annotator judging by gold alone (no biases), `sharpness` logits per unit of gold,
+    no label noise."""
+    return AnnotatorConfig(
+        pool=[OracleAnnotatorConfig(name=HUMAN, sharpness=float(sharpness))], label_noise=0.0, seed=seed
+    )
+
+
+def gold_differences(rows: Sequence[dict]) -> np.ndarray:
+    """gold_2 − gold_1 of evaluation rows (NaN where a pair shows the same output twice: any judge calls it a tie)."""
+    out = []
+    for r in rows:
+        if r.get("gold_1") is None or r.get("gold_2") is None:
+            raise ValueError(
+                f"evaluation row {r.get('id', '?')!r} has no gold reward: the study needs the synthetic farm"
+            )
+        out.append(math.nan if r["output_1"] == r["output_2"] else r["gold_2"] - r["gold_1"])
+    return np.array(out, dtype=float)
+
+
+def agreement(diffs: np.ndarray, sharpness: float) -> float:
+    """Mean probability that two independent judgements by the human-like annotator agree on pairs with gold
+    differences `diffs` (NaN: identical outputs, a sure tie: agreement 1)."""
+    d = np.asarray(diffs, dtype=float)
+    q = 1.0 / (1.0 + np.exp(-np.clip(sharpness * np.nan_to_num(d), -500, 500)))
+    agree = np.where(np.isnan(d), 1.0, q**2 + (1 - q) ** 2)
+    return float(agree.mean())
+
+
+def calibrate_sharpness(diffs: np.ndarray, target: float = HUMAN_AGREEMENT) -> tuple[float, float]:
+    """(sharpness, agreement it gives): the sharpness whose `agreement` on these pairs is `target` (bisection in log
+    space; rounded to 3 significant digits so the annotator's stage keys are stable). When even a deterministic judge
+    agrees less often (many pairs of equal gold), the sharpest one tried."""
+    lo, hi = math.log(1e-2), math.log(1e4)
+    if agreement(diffs, math.exp(hi)) <= target:
+        return 1e4, agreement(diffs, 1e4)
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if agreement(diffs, math.exp(mid)) < target else (lo, mid)
+    s = float(f"{math.exp((lo + hi) / 2):.3g}")
+    return s, agreement(diffs, s)
+
+
+def study_rows(
+    sim: dict[str, Sequence[Sequence[dict]]],
+    human: dict[str, Sequence[Sequence[dict]]],
+    baseline: str = "sft",
+    n_boot: int = N_BOOT,
+) -> list[dict]:
+    """One ``validation_study`` row per method: win rate under each arm [95% CI], mean gold, difference to `baseline`
+    under each arm [paired 95% CI] and whether it is resolved, and the method's rank under each arm and by gold.
+
+    `sim[method][r]` / `human[method][r]`: replicate r's evaluation rows of the method under each arm."""
+    _, s = aligned(sim)
+    _, h = aligned(human)
+    _, g = aligned(sim, "gold_2")
+    methods = list(sim)
+    ranked = [m for m in methods if m not in LEFT_OUT]
+    ranks = {
+        arm: dict(zip(ranked, rankdata(-np.array([scores[m].mean() for m in ranked]))))
+        for arm, scores in (("sim", s), ("human", h), ("gold", g))
+    }
+    rows = []
+    for i, m in enumerate(methods):
+        row = {"method": m, "family": method_family(m), "replicates": s[m].shape[0], "n": s[m].shape[1]}
+        for arm, scores in (("sim", s), ("human", h)):
+            wr = bootstrap_mean(scores[m], n_boot, seed=i)
+            row |= {
+                f"{arm}_win_rate": 100 * wr["estimate"],
+                f"{arm}_low": 100 * wr["low"],
+                f"{arm}_high": 100 * wr["high"],
+            }
+            if m == baseline or baseline not in scores:
+                row |= {f"{arm}_diff_to_sft": math.nan, f"{arm}_diff_low": math.nan, f"{arm}_diff_high": math.nan}
+                row[f"{arm}_resolved"] = ""
+            else:
+                d = paired_bootstrap(scores[m], scores[baseline], n_boot, seed=1000 + i)
+                row |= {
+                    f"{arm}_diff_to_sft": 100 * d["estimate"],
+                    f"{arm}_diff_low": 100 * d["low"],
+                    f"{arm}_diff_high": 100 * d["high"],
+                    f"{arm}_resolved": ("better" if d["low"] > 0 else "worse") if d["excludes_zero"] else "tied",
+                }
+        row["mean_gold"] = float(g[m].mean()) if g[m].size else math.nan
+        for arm in ("sim", "human", "gold"):
+            row[f"{arm}_rank"] = float(ranks[arm].get(m, math.nan))
+        rows.append(row)
+    rows.sort(key=lambda r: -r["sim_win_rate"])
+    return rows
+
+
+def resolution_rows(rows: Sequence[dict], target: float = 2.0) -> list[dict]:
+    """``study_summary`` rows on what the evaluation set resolves: the median SE of a win rate (from its 95% interval),
+    the median half-width of a paired difference to SFT, and the prompts needed to resolve `target` points."""
+    n = max(int(r["n"]) for r in rows)
+    se = [(r["sim_high"] - r["sim_low"]) / (2 * 1.96) for r in rows]
+    half = [(r["sim_diff_high"] - r["sim_diff_low"]) / 2 for r in rows if not math.isnan(r["sim_diff_to_sft"])]
+    out = [
+        {
+            "quantity": "win rate SE (points)",
+            "value": float(np.median(se)),
+            "low": math.nan,
+            "high": math.nan,
+            "detail": f"{n} prompts",
+        },
+    ]
+    if half:
+        h = float(np.median(half))
+        out += [
+            {
+                "quantity": "resolvable difference to SFT (points)",
+                "value": h,
+                "low": float(min(half)),
+                "high": float(max(half)),
+                "detail": f"median half-width of the paired 95% intervals at {n} prompts",
+            },
+            {
+                "quantity": f"prompts to resolve {target:g} points",
+                "value": float(eval_size_for(target, n, h)),
+                "low": float(eval_size_for(target, n, min(half))),
+                "high": float(eval_size_for(target, n, max(half))),
+                "detail": "half-width ∝ 1/√n, from the median (low/high: the tightest/widest method)",
+            },
+        ]
+    return out
+
+
+def overoptimization_findings(curves: dict[tuple[str, str, str], list[dict]], n_boot: int = N_BOOT) -> list[dict]:
+    """``study_summary`` rows, one per curve: is it over-optimized under its judge?
+
+    `curves[(labeller, family, judge)]`: the curve's points, each {"pressure", "scores": evaluation rows}. The judge
+    'gold' scores by the gold reward (×100). value: the best point's mean minus the highest-pressure point's (points),
+    with its paired 95% interval; 'present' when the best point is not the last and the interval excludes 0."""
+    out = []
+    for (labeller, family, judge), points in curves.items():
+        points = sorted(points, key=lambda p: p["pressure"])
+        field = "gold_2" if judge == "gold" else "preference"
+        _, scores = aligned({str(i): [p["rows"]] for i, p in enumerate(points)}, field)
+        means = [scores[str(i)].mean() for i in range(len(points))]
+        best, last = int(np.argmax(means)), len(points) - 1
+        d = paired_bootstrap(scores[str(best)], scores[str(last)], n_boot, seed=len(out))
+        present = best != last and bool(d["excludes_zero"])
+        out.append(
+            {
+                "quantity": f"over-optimization: {family}, reward model on {labeller} labels, judged by {judge}",
+                "value": 100 * d["estimate"],
+                "low": 100 * d["low"],
+                "high": 100 * d["high"],
+                "detail": f"{'present' if present else 'absent'} (best at {points[best]['pressure']:g}, "
+                f"last {points[last]['pressure']:g})",
+            }
+        )
+    return out
+
+
+def _f(x: float, fmt: str) -> str:
+    return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
+
+
+def study_markdown(rows: Sequence[dict], summary: Sequence[dict], title: str = "Validation study") -> str:
+    """The study as Markdown: the findings (quantity, value [95% CI], detail), then one line per method."""
+    lines = [f"### {title}", "", "| finding | value [95% CI] | detail |", "|---|---:|---|"]
+    for s in summary:
+        ci = f" [{_f(s['low'], '.3g')}, {_f(s['high'], '.3g')}]" if not math.isnan(s["low"]) else ""
+        lines.append(f"| {s['quantity']} | {_f(s['value'], '.3g')}{ci} | {s['detail']} |")
+    lines += [
+        "",
+        "| method | simulated (p_sim^eval) [95% CI] | human-like [95% CI] | mean gold | Δ vs SFT, simulated | "
+        "Δ vs SFT, human-like | ranks sim / human / gold |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        diffs = [
+            "—"
+            if not r[f"{a}_resolved"]
+            else f"{r[f'{a}_diff_to_sft']:+.1f} [{r[f'{a}_diff_low']:+.1f}, {r[f'{a}_diff_high']:+.1f}] "
+            f"{r[f'{a}_resolved']}"
+            for a in ("sim", "human")
+        ]
+        ranks = " / ".join(_f(r[f"{a}_rank"], "g") for a in ("sim", "human", "gold"))
+        lines.append(
+            f"| {r['method']} | {r['sim_win_rate']:.1f} [{r['sim_low']:.1f}, {r['sim_high']:.1f}] | "
+            f"{r['human_win_rate']:.1f} [{r['human_low']:.1f}, {r['human_high']:.1f}] | {_f(r['mean_gold'], '.3f')} | "
+            f"{diffs[0]} | {diffs[1]} | {ranks} |"
+        )
+    k, n = max(r["replicates"] for r in rows), max(r["n"] for r in rows)
+    lines += ["", f"{k} replicate(s) × {n} evaluation prompts; intervals: bootstrap over prompts (and replicates)."]
+    return "\n".join(lines) + "\n"

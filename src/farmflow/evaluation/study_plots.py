@@ -1,0 +1,116 @@
+"""The validation study's figures (PNG, matplotlib): the paper's Fig. 3 (simulated vs human win rates over methods)
+and Fig. 5 (win rate against the proxy reward as best-of-n's n grows, per labeller and judge)."""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from farmflow.evaluation.leaderboard import FAMILY_COLOURS, method_family
+
+
+def _agg():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_rankings(rows: Sequence[dict], summary: Sequence[dict], path: str, title: str = "Validation study") -> None:
+    """Each method's win rate under the human-like arm (x) and the simulated arm (y), 95% intervals on both, with the
+    Spearman and Pearson correlations and their intervals in the title (paper Fig. 3)."""
+    plt = _agg()
+    fig, ax = plt.subplots(figsize=(6, 5.2), dpi=120)
+    for r in rows:
+        colour = FAMILY_COLOURS[method_family(r["method"])]
+        ax.errorbar(
+            r["human_win_rate"],
+            r["sim_win_rate"],
+            xerr=[[r["human_win_rate"] - r["human_low"]], [r["human_high"] - r["human_win_rate"]]],
+            yerr=[[r["sim_win_rate"] - r["sim_low"]], [r["sim_high"] - r["sim_win_rate"]]],
+            fmt="o",
+            color=colour,
+            capsize=2,
+        )
+        ax.annotate(
+            r["method"], (r["human_win_rate"], r["sim_win_rate"]), xytext=(4, 3), textcoords="offset points", fontsize=7
+        )
+    lo = min(min(r["human_low"], r["sim_low"]) for r in rows) - 2
+    hi = max(max(r["human_high"], r["sim_high"]) for r in rows) + 2
+    ax.plot([lo, hi], [lo, hi], color="grey", lw=0.8, ls="--")
+    ax.set_xlabel("human-like win rate vs reference (%)")
+    ax.set_ylabel("simulated (p_sim^eval) win rate vs reference (%)")
+    found = {s["quantity"]: s for s in summary}
+    lines = [title]
+    for name in ("Spearman (sim, human-like)", "Pearson (sim, human-like)"):
+        if name in found:
+            s = found[name]
+            lines.append(f"{name}: {s['value']:.2f} [{s['low']:.2f}, {s['high']:.2f}]")
+    ax.set_title("\n".join(lines), fontsize=9)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_overoptimization(curve: Sequence[dict], path: str, title: str = "Over-optimization") -> None:
+    """One panel per labeller (whose labels trained the reward model): win rate under each judge against the proxy
+    reward, best-of-n's points labelled by n, and the mean gold reward (×100, dashed) on one axis (paper Fig. 5)."""
+    plt = _agg()
+    labellers = list(dict.fromkeys(r["labeller"] for r in curve))
+    judges = list(dict.fromkeys(r["annotator"] for r in curve))
+    fig, axes = plt.subplots(1, len(labellers), figsize=(5.2 * len(labellers), 4.2), dpi=120, squeeze=False)
+    for ax, labeller in zip(axes[0], labellers):
+        for j, judge in enumerate(judges):
+            line = sorted(
+                (
+                    r
+                    for r in curve
+                    if r["labeller"] == labeller and r["annotator"] == judge and r["family"] == "best_of_n"
+                ),
+                key=lambda r: r["pressure"],
+            )
+            if not line:
+                continue
+            ax.errorbar(
+                [r["proxy_reward"] for r in line],
+                [r["win_rate"] for r in line],
+                yerr=[0 if math.isnan(r["standard_error"]) else r["standard_error"] for r in line],
+                marker="o",
+                color=f"C{j}",
+                capsize=2,
+                label=f"judged by {judge}",
+            )
+            for r in line:
+                ax.annotate(
+                    f"{r['pressure']:g}",
+                    (r["proxy_reward"], r["win_rate"]),
+                    xytext=(3, 3),
+                    textcoords="offset points",
+                    fontsize=6,
+                )
+        gold = sorted(
+            {r["label"]: r for r in curve if r["labeller"] == labeller and r["family"] == "best_of_n"}.values(),
+            key=lambda r: r["pressure"],
+        )
+        if gold and not any(math.isnan(r["mean_gold"]) for r in gold):
+            ax.plot(
+                [r["proxy_reward"] for r in gold],
+                [100 * r["mean_gold"] for r in gold],
+                color="black",
+                ls="--",
+                marker="s",
+                ms=3,
+                label="gold reward ×100",
+            )
+        ax.set_title(f"reward model on {labeller} labels", fontsize=9)
+        ax.set_xlabel("proxy reward (mean over eval outputs)")
+        ax.set_ylabel("win rate vs reference (%) / gold ×100")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(title + " (points: best-of-n's n)")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

@@ -1,0 +1,265 @@
+"""The validation study flow (``validation-study``; `farmflow study validate`): does the simulator rank methods like
+humans do, and does over-optimization show? (AlpacaFarm Fig. 3, Fig. 5, Table 2; `farmflow.evaluation.study`.)
+
+1. Every chosen method and the baselines under K replicates (`farmflow.flows.replicates`: K seeds, SFT replicated
+   unless ``evaluation.replicate_sft`` is False), each judged by the simulated evaluator p_sim^eval; the leaderboard
+   with intervals and each method's paired difference to SFT.
+2. The human-like arm: a gold-based annotator whose sharpness makes two of its judgements agree as often as two
+   humans (65.7%), calibrated on replicate 0's evaluation pairs; it judges the same outputs (`evaluate` stages).
+3. Over-optimization (the over-optimization flow's pieces): for each labeller (p_sim^ann, greedy) a reward model on
+   its labels, best-of-n for each n (and PPO snapshots with `ppo_every`), every point judged by p_sim^ann, greedy and
+   the human-like arm; the gold reward comes with every evaluation.
+4. `study_task`: the ``validation_study`` table (one row per method), ``study_summary.parquet`` (Spearman and Pearson
+   between the arms with bootstrap intervals, what the evaluation set resolves, over-optimization per curve),
+   ``study.md``, ``rankings.png``, ``overoptimization.png``; Prefect markdown and table artifacts.
+
+Every stage is cached by its key: a rerun executes nothing, a larger K runs only the new replicates.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+from prefect import flow, task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.cache_policies import NO_CACHE
+from prefect.context import TaskRunContext
+
+from farmflow.config import METHODS, FarmConfig
+from farmflow.evaluation.bootstrap import N_BOOT, ranking_agreement
+from farmflow.evaluation.overopt import GREEDY_ORACLE
+from farmflow.evaluation.replicates import aligned
+from farmflow.evaluation.study import (
+    HUMAN,
+    HUMAN_AGREEMENT,
+    LEFT_OUT,
+    calibrate_sharpness,
+    gold_differences,
+    human_like_annotator,
+    overoptimization_findings,
+    resolution_rows,
+    study_markdown,
+    study_rows,
+)
+from farmflow.evaluation.study_plots import plot_overoptimization, plot_rankings
+from farmflow.flows.form import MethodName, PresetName, prefect_run_name, run_config, with_form_doc
+from farmflow.flows.overoptimization import best_of_n_points, labelled_upstream, point_configs, ppo_points
+from farmflow.flows.replicates import replicate_board_task, replicate_config, replicate_evaluations
+from farmflow.flows.runner import StageRunner
+from farmflow.storage import ArtifactRef, open_store, stage_key
+from farmflow.storage.schemas import SCHEMAS
+from farmflow.tasks import evaluate_task
+from farmflow.tasks.analysis import overoptimization_task
+
+STUDY_NS = (1, 2, 4, 8, 16, 64)
+LABELLERS = ("p_sim^ann", "greedy")
+VERSION = "1"
+
+
+def _tables(store, refs: list[dict[str, ArtifactRef]]) -> dict[str, list[list[dict]]]:
+    """method → [replicate r's evaluation rows]."""
+    return {m: [store.read_table(evs[m]).to_pylist() for evs in refs] for m in refs[0]}
+
+
+@task(name="validation_study", cache_policy=NO_CACHE, persist_result=False)
+def study_task(
+    store_uri: str,
+    sim: list[dict[str, ArtifactRef]],
+    human: list[dict[str, ArtifactRef]],
+    curve: ArtifactRef | None,
+    calibration: dict[str, float],
+    title: str,
+    n_boot: int = N_BOOT,
+) -> ArtifactRef:
+    """The study's table, findings and figures from its evaluations (flow doc, step 4); content-keyed, rebuilt only
+    when an input changed."""
+    store = open_store(store_uri)
+    inputs = {
+        f"{arm}:{m}@{r}": ref
+        for arm, refs in (("sim", sim), ("human", human))
+        for r, evs in enumerate(refs)
+        for m, ref in evs.items()
+    } | ({"curve": curve} if curve else {})
+    key = stage_key("validation_study", VERSION, {"title": title, "n_boot": n_boot, **calibration}, inputs)
+    ref = store.get("validation_study", key)
+    if ref is None:
+        sim_rows, human_rows = _tables(store, sim), _tables(store, human)
+        rows = study_rows(sim_rows, human_rows, n_boot=n_boot)
+        ranked = [m for m in sim_rows if m not in LEFT_OUT]
+        _, s = aligned({m: sim_rows[m] for m in ranked})
+        _, h = aligned({m: human_rows[m] for m in ranked})
+        _, g = aligned({m: sim_rows[m] for m in ranked}, "gold_2")
+        summary = [
+            {
+                "quantity": "human-like agreement (two judgements of one pair)",
+                "value": calibration["agreement"],
+                "low": float("nan"),
+                "high": float("nan"),
+                "detail": f"sharpness {calibration['sharpness']:g}; paper: humans 65.7%",
+            },
+        ]
+        for other, scores in (("human-like", h), ("gold", g)):
+            c = ranking_agreement([s[m] for m in ranked], [scores[m] for m in ranked], n_boot)
+            for name in ("Spearman", "Pearson"):
+                summary.append(
+                    {
+                        "quantity": f"{name} (sim, {other})",
+                        "value": c[name.lower()],
+                        "low": c[f"{name.lower()}_low"],
+                        "high": c[f"{name.lower()}_high"],
+                        "detail": f"{len(ranked)} methods, bootstrap over prompts",
+                    }
+                )
+        summary += resolution_rows(rows)
+        curve_rows = store.read_table(curve).to_pylist() if curve else []
+        if curve_rows:
+            summary += overoptimization_findings(curve_points(store, curve_rows), n_boot)
+        markdown = study_markdown(rows, summary, title)
+        with tempfile.TemporaryDirectory() as tmp:
+            plot_rankings(rows, summary, f"{tmp}/rankings.png", title)
+            files = {"study.md": markdown.encode(), "rankings.png": Path(f"{tmp}/rankings.png").read_bytes()}
+            if curve_rows:
+                plot_overoptimization(curve_rows, f"{tmp}/overoptimization.png", f"Over-optimization ({title})")
+                files["overoptimization.png"] = Path(f"{tmp}/overoptimization.png").read_bytes()
+        ref = store.put_table(
+            "validation_study",
+            key,
+            pa.Table.from_pylist(rows, schema=SCHEMAS["validation_study"]),
+            "validation_study",
+            config={"title": title, **calibration},
+            inputs=inputs,
+            metrics={q["quantity"]: q["value"] for q in summary if q["quantity"].startswith(("Spearman", "Pearson"))},
+            extra_files=files,
+            extra_tables={"study_summary.parquet": (pa.Table.from_pylist(summary), "study_summary")},
+        )
+    if TaskRunContext.get() is not None:
+        markdown = store.read_file(ref, "study.md").decode()
+        create_markdown_artifact(
+            markdown + f"\nParquet, Markdown and plots: `{ref.uri}`\n", key="validation-study", description=title
+        )
+        summary = store.read_table(ref, "study_summary.parquet").to_pylist()
+        create_table_artifact(
+            [{k: (None if v != v else v) for k, v in r.items()} for r in summary],
+            key="validation-study-findings",
+            description=title,
+        )
+    return ref
+
+
+def curve_points(store, curve_rows: list[dict]) -> dict[tuple[str, str, str], list[dict]]:
+    """(labeller, family, judge) → its points with their evaluation rows; judge 'gold' once per labeller and family."""
+    curves: dict[tuple[str, str, str], list[dict]] = {}
+    for r in curve_rows:
+        rows = store.read_table(store.get("evaluate", r["evaluation_key"])).to_pylist()
+        curves.setdefault((r["labeller"], r["family"], r["annotator"]), []).append(
+            {"pressure": r["pressure"], "rows": rows}
+        )
+        gold = curves.setdefault((r["labeller"], r["family"], "gold"), [])
+        if all(p["pressure"] != r["pressure"] for p in gold):
+            gold.append({"pressure": r["pressure"], "rows": rows})
+    return curves
+
+
+def overoptimization_curve(
+    run: StageRunner, cfg: FarmConfig, judges: dict[str, Any], ns: tuple[int, ...], ppo_every: int | None
+) -> ArtifactRef:
+    """Best-of-n (and PPO) against a reward model per labeller, every point judged by every judge (flow doc, step 3)."""
+    configs, sampled = [], None
+    for labeller in LABELLERS:
+        up = labelled_upstream(run, cfg, labeller)
+        tag = f" [{labeller}]"
+        points = best_of_n_points(up, ns, tag, sampled)
+        sampled = sampled or points[-1].outputs
+        points += ppo_points(up, ppo_every, tag) if ppo_every else []
+        configs += point_configs(up, points, judges, labeller)
+    return run(
+        overoptimization_task, {"title": f"Over-optimization ({cfg.name})", "points": configs}, "overoptimization"
+    )
+
+
+def run_study(
+    cfg: FarmConfig,
+    methods: list[str] | tuple[str, ...],
+    replicates: int,
+    ns: tuple[int, ...] = STUDY_NS,
+    ppo_every: int | None = None,
+    target_agreement: float = HUMAN_AGREEMENT,
+    n_boot: int = N_BOOT,
+) -> dict[str, Any]:
+    """The study (module doc) on one farm config; returns a JSON-able summary (findings, rows, artifacts, stages)."""
+    if cfg.data.source != "synthetic":
+        raise ValueError(
+            f"the validation study needs the synthetic farm's gold reward; data.source is {cfg.data.source!r}"
+        )
+    run = StageRunner(cfg.store.location, cfg.execution, cfg.name)
+    outputs, sim, data = [], [], None
+    for r in range(replicates):
+        up, done = replicate_evaluations(run, cfg, methods, r)
+        data = data or up.data
+        outputs.append({m: o for m, (o, _) in done.items()})
+        sim.append({m: ev for m, (_, ev) in done.items()})
+    calib_rows = [row for m, ev in sim[0].items() if m not in LEFT_OUT for row in run.store.read_table(ev).to_pylist()]
+    sharpness, reached = calibrate_sharpness(gold_differences(calib_rows), target_agreement)
+    human = []
+    for r in range(replicates):
+        judge = human_like_annotator(sharpness, seed=replicate_config(cfg, r).evaluation.annotator.seed)
+        tag = f" [replicate {r}]" if r else ""
+        human.append(
+            {
+                m: run(evaluate_task, judge, f"evaluate {m} ({HUMAN}){tag}", outputs=o, data=data)
+                for m, o in outputs[r].items()
+            }
+        )
+    board = replicate_board_task(run.store_uri, sim, f"Leaderboard: {cfg.name}, {replicates} replicate(s)", n_boot)
+    curve = None
+    if ns:
+        judges = {
+            "p_sim^ann": cfg.annotation,
+            "greedy": GREEDY_ORACLE,
+            HUMAN: human_like_annotator(sharpness, seed=cfg.evaluation.annotator.seed),
+        }
+        curve = overoptimization_curve(run, cfg, judges, tuple(ns), ppo_every)
+    title = f"Validation study: {cfg.name}, {replicates} replicate(s)"
+    ref = study_task(run.store_uri, sim, human, curve, {"sharpness": sharpness, "agreement": reached}, title, n_boot)
+    return {
+        "preset": cfg.name,
+        "replicates": replicates,
+        "store": str(run.store.root),
+        "rows": run.store.read_table(ref).to_pylist(),
+        "findings": run.store.read_table(ref, "study_summary.parquet").to_pylist(),
+        "markdown": run.store.read_file(ref, "study.md").decode(),
+        "leaderboard": run.store.read_file(board, "leaderboard.md").decode(),
+        "artifacts": {"study": ref.uri, "leaderboard": board.uri} | ({"overoptimization": curve.uri} if curve else {}),
+        "stages": run.timings,
+    }
+
+
+@flow(name="validation-study", flow_run_name=prefect_run_name, log_prints=True)
+@with_form_doc("""    methods: Methods to study (default: all); the baselines (untrained, SFT) are always evaluated.
+    replicates: Seeds of the whole experiment (None: evaluation.replicates).
+    ns: Best-of-n sample counts of the over-optimization curves (default 1, 2, 4, 8, 16, 64; empty: no curves).
+    ppo_every: Also PPO's curves: a snapshot every this many PPO steps, each a point (None: best-of-n only).
+    agreement: Human-human agreement the human-like arm is calibrated to (paper: 0.657).
+""")
+def study_flow(
+    preset: PresetName | None = None,
+    methods: list[MethodName] | None = None,
+    seed: int | None = None,
+    eval_size: int | None = None,
+    pref_size: int | None = None,
+    replicates: int | None = None,
+    ns: list[int] | None = None,
+    ppo_every: int | None = None,
+    agreement: float = HUMAN_AGREEMENT,
+    overrides: list[str] | None = None,
+    advanced: FarmConfig | None = None,
+) -> dict[str, Any]:
+    """The validation study: simulated vs human-like win rates over methods (Spearman, Pearson, intervals), each method
+    against SFT, over-optimization under p_sim^ann, a greedy annotator and gold; table, plots and Prefect artifacts."""
+    cfg = run_config(preset, advanced, overrides, seed, eval_size, pref_size)
+    chosen = list(methods) if methods else list(METHODS)
+    k = replicates or cfg.evaluation.replicates
+    return run_study(cfg, chosen, k, tuple(STUDY_NS if ns is None else ns), ppo_every, agreement)

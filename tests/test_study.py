@@ -1,0 +1,136 @@
+"""The validation study: the human-like arm's calibration, findings on hand-made cases, the flow on synthetic-micro."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from farmflow import tasks
+from farmflow.evaluation.study import (
+    agreement,
+    calibrate_sharpness,
+    gold_differences,
+    human_like_annotator,
+    overoptimization_findings,
+    study_rows,
+)
+
+
+def test_two_judgements_agree_as_computed_by_hand():
+    # q = sigmoid(s·Δ); agreement q² + (1 − q)². Δ = 0.1, s = ln 3 / 0.1: q = 3/4, agreement 9/16 + 1/16 = 0.625
+    s = math.log(3) / 0.1
+    assert agreement(np.array([0.1, -0.1]), s) == pytest.approx(0.625)
+    assert agreement(np.array([math.nan]), 1.0) == 1.0  # the same output twice: always a tie
+    assert agreement(np.array([0.0]), 50.0) == 0.5  # equal gold: a coin flip
+
+
+def test_calibrated_sharpness_gives_the_human_agreement():
+    # every pair Δ = 0.1: q = (1 + sqrt(2·0.657 − 1)) / 2 = 0.7802, s = logit(q) / 0.1 = 12.67
+    s, reached = calibrate_sharpness(np.full(50, 0.1), 0.657)
+    q = (1 + math.sqrt(2 * 0.657 - 1)) / 2
+    assert s == pytest.approx(math.log(q / (1 - q)) / 0.1, rel=5e-3)  # 3 significant digits
+    assert reached == pytest.approx(0.657, abs=1e-3)
+    # half the pairs of equal gold cap agreement at (1 + 0.5) / 2 = 0.75: below 0.657 is still reachable, 0.8 is not
+    capped = np.array([0.1] * 10 + [0.0] * 10)
+    assert calibrate_sharpness(capped, 0.7)[1] == pytest.approx(0.7, abs=1e-3)
+    s_max, best = calibrate_sharpness(capped, 0.8)
+    assert s_max == 1e4 and best == pytest.approx(0.75)
+    judge = human_like_annotator(s, seed=3)
+    assert judge.label_noise == 0 and judge.seed == 3 and len(judge.pool) == 1
+    assert (judge.pool[0].length_bias, judge.pool[0].list_bias, judge.pool[0].position_bias) == (0, 0, 0)
+
+
+def test_gold_differences_need_gold():
+    rows = [{"id": "a", "output_1": "x", "output_2": "y", "gold_1": 0.2, "gold_2": 0.5}]
+    assert gold_differences(rows)[0] == pytest.approx(0.3)
+    with pytest.raises(ValueError, match="no gold reward"):
+        gold_differences([{"id": "b", "output_1": "x", "output_2": "y", "gold_1": None, "gold_2": None}])
+
+
+def _rows(prefs, gold=0.5):
+    return [{"id": f"p{i}", "preference": p, "gold_2": gold} for i, p in enumerate(prefs)]
+
+
+def test_study_rows_rank_methods_under_both_arms():
+    n = 40
+    sim = {
+        "untrained": [_rows([1.0] * n, 0.0)],
+        "sft": [_rows([1.0, 2.0] * (n // 2), 0.5)],
+        "dpo": [_rows([2.0] * n, 0.7)],
+    }
+    human = {  # the human-like arm agrees on the order
+        "untrained": [_rows([1.0] * n)],
+        "sft": [_rows([1.0] * (n // 2) + [2.0] * (n // 2))],
+        "dpo": [_rows([2.0] * (n - 4) + [1.0] * 4)],
+    }
+    rows = {r["method"]: r for r in study_rows(sim, human, n_boot=300)}
+    assert rows["dpo"]["sim_win_rate"] == 100.0 and rows["dpo"]["human_win_rate"] == 90.0
+    assert rows["dpo"]["sim_resolved"] == "better" and rows["dpo"]["human_resolved"] == "better"
+    assert (rows["dpo"]["sim_rank"], rows["sft"]["sim_rank"]) == (1.0, 2.0)
+    assert (rows["dpo"]["gold_rank"], rows["dpo"]["human_rank"]) == (1.0, 1.0)
+    assert math.isnan(rows["untrained"]["sim_rank"])  # left out of the rankings
+    assert rows["sft"]["sim_resolved"] == "" and rows["dpo"]["mean_gold"] == pytest.approx(0.7)
+
+
+def test_overoptimization_is_present_only_when_the_peak_beats_the_end():
+    n = 60
+    peaked = [
+        {"pressure": 1, "rows": _rows([1.0, 2.0] * (n // 2))},
+        {"pressure": 4, "rows": _rows([2.0] * n)},
+        {"pressure": 16, "rows": _rows([1.0] * n)},
+    ]
+    rising = [
+        {"pressure": 1, "rows": _rows([1.0] * n)},
+        {"pressure": 4, "rows": _rows([1.0, 2.0] * (n // 2))},
+        {"pressure": 16, "rows": _rows([2.0] * n)},
+    ]
+    found = overoptimization_findings({("a", "best_of_n", "a"): peaked, ("g", "best_of_n", "g"): rising}, n_boot=300)
+    assert found[0]["detail"].startswith("present (best at 4, last 16)")
+    assert (found[0]["value"], found[0]["low"], found[0]["high"]) == (100.0, 100.0, 100.0)
+    assert found[1]["detail"].startswith("absent (best at 16, last 16)") and found[1]["value"] == 0.0
+
+
+@pytest.mark.usefixtures("prefect_harness", "one_torch_thread")
+@pytest.mark.slow
+def test_study_flow_on_micro_writes_its_table_plots_and_artifacts_then_is_cached(micro_config):
+    from prefect.client.orchestration import get_client
+
+    from farmflow.flows.study import study_flow
+    from farmflow.storage.schemas import SCHEMAS
+
+    tasks.EXECUTED.clear()
+    summary = study_flow(advanced=micro_config, methods=["best_of_n"], replicates=1, ns=[1, 2])
+    assert sum(tasks.EXECUTED.values()) > 0
+    folder = summary["artifacts"]["study"]
+    table = pq.read_table(f"{folder}/data.parquet")
+    assert table.schema.names == SCHEMAS["validation_study"].names
+    assert sorted(table.column("method").to_pylist()) == ["best_of_4", "sft", "untrained"]
+    findings = {f["quantity"]: f for f in summary["findings"]}
+    assert findings["human-like agreement (two judgements of one pair)"]["value"] == pytest.approx(0.657, abs=0.01)
+    for name in ("Spearman (sim, human-like)", "Pearson (sim, human-like)", "prompts to resolve 2 points"):
+        assert name in findings, name
+    curves = [f for q, f in findings.items() if q.startswith("over-optimization")]
+    assert len(curves) == 2 * 4  # two labellers' reward models × judges p_sim^ann, greedy, human-like and gold
+    assert all(f["detail"].split()[0] in ("present", "absent") for f in curves)
+    for png in ("rankings.png", "overoptimization.png"):
+        assert open(f"{folder}/{png}", "rb").read(4) == b"\x89PNG"
+    assert "| finding | value [95% CI] | detail |" in open(f"{folder}/study.md").read()
+    with get_client(sync_client=True) as client:
+        keys = {a.key for a in client.read_artifacts()}
+    assert {"validation-study", "validation-study-findings", "leaderboard"} <= keys
+
+    tasks.EXECUTED.clear()
+    again = study_flow(advanced=micro_config, methods=["best_of_n"], replicates=1, ns=[1, 2])
+    assert tasks.EXECUTED == {} and again["artifacts"]["study"] == folder
+
+
+def test_the_study_cli_refuses_a_farm_without_gold(tmp_path):
+    from typer.testing import CliRunner
+
+    from farmflow.cli import app
+
+    result = CliRunner().invoke(app, ["study", "validate", "--preset", "smol-micro", "--store", str(tmp_path)])
+    assert result.exit_code == 2 and "gold reward" in result.output
