@@ -522,3 +522,33 @@ def test_an_over_long_prompt_keeps_its_bos_when_cut_to_fit():
     assert len(full) > 6
     assert prompt_ids(tok, [PROMPTS[0]], 6) == [[tok.bos_token_id] + full[-5:]]
     assert prompt_ids(tok, [PROMPTS[0]], 1000) == [[tok.bos_token_id] + full]  # fits: unchanged
+
+
+# ----------------------------------------------------------------------------- batch order
+
+
+def _quadratic_batch_order(n: int, batch_size: int, steps: int, seed: int) -> list[list[int]]:
+    """The reference: drop each batch from the front of the remaining order (quadratic in the indices drawn)."""
+    rng = random.Random(seed)
+    order: list[int] = []
+    batches = []
+    for _ in range(steps):
+        while len(order) < min(batch_size, n):
+            epoch = list(range(n))
+            rng.shuffle(epoch)
+            order += epoch
+        batches.append(order[:batch_size])
+        order = order[batch_size:]
+    return batches
+
+
+def test_batch_order_is_pinned_and_equals_the_reference():
+    assert batch_order(5, 2, 6, 0) == [[2, 1], [0, 4], [3, 0], [2, 1], [3, 4], [1, 0]]  # batches straddle epochs
+    assert batch_order(3, 8, 2, 1) == [[1, 2, 0], [2, 0, 1]]  # a batch larger than the data: one epoch each
+    assert batch_order(7, 3, 2, 42) == [[1, 3, 4], [2, 6, 0]]
+    for n, size, steps, seed in [(1, 1, 3, 0), (10, 3, 17, 5), (10, 10, 4, 2), (4, 6, 5, 3), (100, 7, 60, 9)]:
+        assert batch_order(n, size, steps, seed) == _quadratic_batch_order(n, size, steps, seed)
+    big = batch_order(50_000, 128, 2_000, 0)  # 256,000 indices drawn in linear time
+    assert all(len(b) == 128 for b in big)
+    first_epoch = [i for b in big[:390] for i in b] + big[390][:80]  # 390 * 128 + 80 = 50,000
+    assert sorted(first_epoch) == list(range(50_000))
