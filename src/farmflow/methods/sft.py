@@ -24,7 +24,14 @@ import torch
 import torch.nn.functional as F
 
 from farmflow.config import SFTConfig
-from farmflow.models import IGNORE, batch_order, optimizer_and_schedule, pack_examples, tokenize_examples
+from farmflow.models import (
+    IGNORE,
+    batch_order,
+    next_token_rows,
+    optimizer_and_schedule,
+    pack_examples,
+    tokenize_examples,
+)
 from farmflow.models.checkpoint import Checkpointer
 from farmflow.models.runtime import Runtime
 from farmflow.progress import progress
@@ -32,11 +39,42 @@ from farmflow.progress import progress
 VERSION = "1"
 
 
+RESPONSE_ROWS_MIN_VOCAB = 4096
+"""From this vocabulary size on, `lm_loss` projects only the response positions onto the vocabulary
+(`response_rows_loss`); below it, the full logits (`sft_loss`). The two are equal up to float rounding. A
+vocabulary of 49,152 (SmolLM2) makes the full projection and its log-softmax the largest cost of a step, most
+of it on prompt and padding positions; the synthetic farm's 1,024 makes it a small one, and its documented results
+(docs/evaluation.md) come from the full-logits rounding, to which its 0.6M-parameter reward model is sensitive
+(see "Known limits of the synthetic reward model")."""
+
+
 def sft_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy of predicting labels[t+1] from logits[t], ignoring -100 labels."""
     shift_logits = logits[:, :-1].reshape(-1, logits.shape[-1])
     shift_labels = labels[:, 1:].reshape(-1)
     return F.cross_entropy(shift_logits.float(), shift_labels, ignore_index=IGNORE)
+
+
+def response_rows_loss(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor):
+    """`sft_loss` with the vocabulary projection and cross-entropy over the response positions only.
+
+    The model returns logits for the positions that predict a counted label (`next_token_rows` as
+    ``logits_to_keep``), one row each, and the labels are shifted instead of the logits sliced. No KV cache is
+    built (``use_cache=False``): a training forward never reads one.
+    """
+    rows, targets = next_token_rows(labels)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=rows, use_cache=False).logits
+    return F.cross_entropy(logits.float(), targets)
+
+
+def lm_loss(
+    model, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor, response_rows: bool
+) -> torch.Tensor:
+    """The SFT loss of `model` on a batch: `response_rows_loss` with `response_rows` (a large vocabulary, see
+    `RESPONSE_ROWS_MIN_VOCAB`), else `sft_loss` of the full logits."""
+    if response_rows:
+        return response_rows_loss(model, input_ids, attention_mask, labels)
+    return sft_loss(model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits, labels)
 
 
 def train_sft(
@@ -56,6 +94,7 @@ def train_sft(
     """
     total = max(1, round(cfg.epochs * math.ceil(len(prompts) / cfg.batch_size)))
     batches = batch_order(len(prompts), cfg.batch_size, total, cfg.seed)
+    response_rows = model.config.vocab_size >= RESPONSE_ROWS_MIN_VOCAB
     rt = Runtime(model, len(batches[0]), cfg.micro_batch_size, name)
     trained = rt.adapt(model)
     opt, sched = optimizer_and_schedule(trained, cfg.lr, cfg.weight_decay, total, cfg.warmup_ratio)
@@ -76,7 +115,7 @@ def train_sft(
                 width = int(mask[rows].sum(1).max())  # right-padded: drop the columns only padding fills
                 b_ids, b_mask, b_labels = (t[rows, :width].to(rt.device) for t in (ids, mask, labels))
                 with rt.accumulate(trained):
-                    loss = sft_loss(trained(input_ids=b_ids, attention_mask=b_mask).logits, b_labels)
+                    loss = lm_loss(trained, b_ids, b_mask, b_labels, response_rows)
                     share = (labels[rows, 1:] != IGNORE).sum() / targets
                     rt.backward(loss, share)
                     rt.step(trained, opt, sched, 1.0)

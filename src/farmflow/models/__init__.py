@@ -39,9 +39,9 @@ from farmflow.models.encoding import (
     IGNORE,
     encode_examples,
     left_pad,
+    next_token_rows,
     pack_examples,
     prompt_ids,
-    response_window,
     tokenize_examples,
 )
 from farmflow.models.runtime import FULL_STATE, default_device, is_main_process
@@ -296,10 +296,10 @@ __all__ = [
     "load_pretrained",
     "load_reward",
     "load_tokenizer",
+    "next_token_rows",
     "optimizer_and_schedule",
     "pack_examples",
     "prompt_ids",
-    "response_window",
     "reward_from_policy",
     "sample",
     "sample_ids",
