@@ -7,8 +7,10 @@ each) and 32 requests in flight, so the ceiling is 32 × batch / 0.2 s pairs per
 and 800). Each run includes its fixed costs (the first request goes alone, one latency; the
 last requests drain). Reported: achieved pairs/s and its fraction of the ceiling (goal >=
 90%), and the same pairs annotated by `alpaca_eval`'s PairwiseAnnotator (same prompt, same
-server) with its own concurrency setting (``num_procs`` = 32 in the annotator config, the way
-alpaca_eval documents it) in one process, with the ratio (goal >= 2x). The two run
+server) with its own concurrency setting (``num_procs`` = 32 in the annotator config), its
+documented client config (OPENAI_CLIENT_CONFIG_PATH: one client, the loopback server) and one
+openai client for all requests (alpaca_eval builds its clients inside every request; the peer
+script memoizes that), in one process, with the ratio (goal >= 2x). The two run
 interleaved (`bench.harness.interleave`: one warm-up each, then A B, B A, ...); each
 alpaca_eval run is a fresh process whose imports are outside its timing.
 
@@ -45,7 +47,15 @@ REQUESTS, LATENCY_S, IN_FLIGHT, MODEL, ROUNDS = 1000, 0.2, 32, "gpt-4o-mini", 5
 PEER = r"""
 import json, sys, time, logging
 logging.disable(logging.WARNING)
+import alpaca_eval.utils
 from alpaca_eval.annotators import PairwiseAnnotator
+build_clients, clients = alpaca_eval.utils.get_all_clients, {}
+def one_client(*a, **k):  # alpaca_eval builds its clients in every request; one client serves them all here
+    key = repr((a, sorted(k.items(), key=repr)))
+    if key not in clients:
+        clients[key] = build_clients(*a, **k)
+    return clients[key]
+alpaca_eval.utils.get_all_clients = one_client
 args = json.loads(sys.argv[1])
 pairs = json.load(open(args["pairs"]))
 annotator = PairwiseAnnotator(annotators_config=args["config"], caching_path=None, is_avoid_reannotations=False)
@@ -180,7 +190,9 @@ def peer(rows: list[dict], url: str, batch: int, python: Path, work: Path) -> di
             ]
         )
     )
-    env = os.environ | {"OPENAI_API_BASE": url, "OPENAI_BASE_URL": url, "OPENAI_API_KEY": "bench"}
+    clients = folder / "openai_configs.yaml"  # alpaca_eval's documented client config: one client, our server
+    clients.write_text(yaml.safe_dump({"default": [{"api_key": "bench", "base_url": url}]}))
+    env = os.environ | {"OPENAI_CLIENT_CONFIG_PATH": str(clients), "OPENAI_API_KEY": "bench"}
     proc = subprocess.run(
         [str(python), "-c", PEER, json.dumps({"pairs": str(pairs), "config": str(folder / "configs.yaml")})],
         capture_output=True,

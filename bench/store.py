@@ -90,7 +90,7 @@ def comparisons(local, s3, client, table: pa.Table, weights: Path, tmp: Path, ca
         return lambda: store.append_rows(f"annotations/w{next(names)}", table, "annotations")
 
     for store in (local, s3):
-        store.append_rows("annotations/r", table, "annotations")  # what the read contenders read
+        store.append_rows("annotations", table, "annotations")  # what the read contenders (and DuckDB) read
         with store.put_model("bench", "ckpt-r", "policy") as (folder, _):
             shutil.copyfile(weights, folder / "model.safetensors")
     keys = iter(range(10**6))
@@ -115,7 +115,7 @@ def comparisons(local, s3, client, table: pa.Table, weights: Path, tmp: Path, ca
         ),
         (
             "local table read",
-            timed(lambda: local.read_rows("annotations/r", "annotations"), table_mb),
+            timed(lambda: local.read_rows("annotations", "annotations"), table_mb),
             timed(lambda: pq.read_table(parquet), table_mb),
             "pyarrow read_table",
         ),
@@ -139,7 +139,7 @@ def comparisons(local, s3, client, table: pa.Table, weights: Path, tmp: Path, ca
         ),
         (
             "S3 table read (moto, loopback)",
-            timed(lambda: s3.read_rows("annotations/r", "annotations"), table_mb),
+            timed(lambda: s3.read_rows("annotations", "annotations"), table_mb),
             timed(
                 lambda: (
                     client.download_file("bench", "peer/r.parquet", str(tmp / "d.parquet")),
