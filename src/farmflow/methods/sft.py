@@ -12,7 +12,9 @@ The loop runs through `farmflow.models.runtime.Runtime`: on a GPU when there is 
 several processes under ``accelerate launch`` (each takes a share of every batch), in
 micro-batches of `micro_batch_size` whose gradients accumulate, and through LoRA adapters
 when the model asks for them. The loss of a micro-batch is weighted by its share of the
-batch's response tokens, so the update is the full batch's.
+batch's response tokens, so the update is the full batch's. With ``packing`` the examples of a
+micro-batch are laid end to end in rows of up to `max_len` tokens (`farmflow.models.pack_rows`)
+instead of padded; the loss is the same up to float rounding.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from farmflow.models import (
     next_token_rows,
     optimizer_and_schedule,
     pack_examples,
+    pack_rows,
     tokenize_examples,
 )
 from farmflow.models.checkpoint import Checkpointer
@@ -55,7 +58,13 @@ def sft_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(shift_logits.float(), shift_labels, ignore_index=IGNORE)
 
 
-def response_rows_loss(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor):
+def response_rows_loss(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    labels: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+):
     """`sft_loss` with the vocabulary projection and cross-entropy over the response positions only.
 
     The model returns logits for the positions that predict a counted label (`next_token_rows` as
@@ -63,18 +72,33 @@ def response_rows_loss(model, input_ids: torch.Tensor, attention_mask: torch.Ten
     built (``use_cache=False``): a training forward never reads one.
     """
     rows, targets = next_token_rows(labels)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=rows, use_cache=False).logits
+    logits = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        logits_to_keep=rows,
+        use_cache=False,
+    ).logits
     return F.cross_entropy(logits.float(), targets)
 
 
 def lm_loss(
-    model, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor, response_rows: bool
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    labels: torch.Tensor,
+    response_rows: bool,
+    position_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The SFT loss of `model` on a batch: `response_rows_loss` with `response_rows` (a large vocabulary, see
-    `RESPONSE_ROWS_MIN_VOCAB`), else `sft_loss` of the full logits."""
+    `RESPONSE_ROWS_MIN_VOCAB`), else `sft_loss` of the full logits. A packed batch (`pack_rows`) comes with its
+    position ids and no attention mask."""
     if response_rows:
-        return response_rows_loss(model, input_ids, attention_mask, labels)
-    return sft_loss(model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits, labels)
+        return response_rows_loss(model, input_ids, attention_mask, labels, position_ids)
+    logits = model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+    ).logits
+    return sft_loss(logits, labels)
 
 
 def train_sft(
@@ -95,6 +119,7 @@ def train_sft(
     total = max(1, round(cfg.epochs * math.ceil(len(prompts) / cfg.batch_size)))
     batches = batch_order(len(prompts), cfg.batch_size, total, cfg.seed)
     response_rows = model.config.vocab_size >= RESPONSE_ROWS_MIN_VOCAB
+    pad_id = tokenizer.pad_token_id
     rt = Runtime(model, len(batches[0]), cfg.micro_batch_size, name)
     trained = rt.adapt(model)
     opt, sched = optimizer_and_schedule(trained, cfg.lr, cfg.weight_decay, total, cfg.warmup_ratio)
@@ -114,8 +139,14 @@ def train_sft(
             for rows in rt.micro_batches():
                 width = int(mask[rows].sum(1).max())  # right-padded: drop the columns only padding fills
                 b_ids, b_mask, b_labels = (t[rows, :width].to(rt.device) for t in (ids, mask, labels))
+                b_pos = None
+                if cfg.packing:
+                    b_ids, b_pos, b_labels = (
+                        t.to(rt.device) for t in pack_rows(ids[rows], mask[rows], labels[rows], max_len, pad_id)
+                    )
+                    b_mask = None
                 with rt.accumulate(trained):
-                    loss = lm_loss(trained, b_ids, b_mask, b_labels, response_rows)
+                    loss = lm_loss(trained, b_ids, b_mask, b_labels, response_rows, b_pos)
                     share = (labels[rows, 1:] != IGNORE).sum() / targets
                     rt.backward(loss, share)
                     rt.step(trained, opt, sched, 1.0)

@@ -41,6 +41,7 @@ from farmflow.models.encoding import (
     left_pad,
     next_token_rows,
     pack_examples,
+    pack_rows,
     prompt_ids,
     tokenize_examples,
 )
@@ -299,6 +300,7 @@ __all__ = [
     "next_token_rows",
     "optimizer_and_schedule",
     "pack_examples",
+    "pack_rows",
     "prompt_ids",
     "reward_from_policy",
     "sample",

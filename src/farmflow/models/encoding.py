@@ -81,6 +81,42 @@ def next_token_rows(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return rows, following[counted]
 
 
+def pack_rows(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor, max_len: int, pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A right-padded batch (`encode_examples`) packed end to end: (input_ids, position_ids, labels).
+
+    Examples go in order into the current row while it has room for them (`max_len` tokens), else start a new one;
+    rows are right-padded to the longest. Position ids restart at 0 with every example (and with the padding, a
+    segment of its own), which is how a Hugging Face model given no attention mask tells packed sequences apart
+    and keeps attention inside each. No loss crosses an example boundary: an example's first label is that of
+    its <s> (-100), so the last token of the one before predicts nothing.
+    """
+    lengths = attention_mask.sum(1).tolist()
+    rows: list[list[int]] = [[]]
+    used = 0
+    for i, n in enumerate(lengths):
+        if rows[-1] and used + n > max_len:
+            rows.append([])
+            used = 0
+        rows[-1].append(i)
+        used += n
+    width = max(sum(lengths[i] for i in row) for row in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    positions = torch.zeros((len(rows), width), dtype=torch.long)
+    packed_labels = torch.full((len(rows), width), IGNORE, dtype=torch.long)
+    for r, row in enumerate(rows):
+        at = 0
+        for i in row:
+            n = lengths[i]
+            ids[r, at : at + n] = input_ids[i, :n]
+            packed_labels[r, at : at + n] = labels[i, :n]
+            positions[r, at : at + n] = torch.arange(n)
+            at += n
+        positions[r, at:] = torch.arange(width - at)
+    return ids, positions, packed_labels
+
+
 def prompt_ids(tokenizer: PreTrainedTokenizerFast, prompts: Sequence[str], max_prompt_len: int) -> list[list[int]]:
     """``<s>`` + each prompt's tokens, the prompt cut from the left to fit `max_prompt_len` (BOS kept, as in
     training)."""
