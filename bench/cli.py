@@ -10,16 +10,18 @@ stage a cache hit (one un-timed run fills the store first); each run is a subpro
 * imports: `python -c "import farmflow.flows"`, the part of a run no server saves; server − imports is what a
   run costs beyond its imports (goal: at most 3 s).
 
-Runs alternate server, temporary, imports (REPEATS rounds, after one warm-up of each), so load from other
-processes on a shared machine falls on all three alike. Children run with .pyc caching on, as in a user's
+Runs are interleaved by `bench.harness.interleave` (server, temporary, imports, then reversed; --rounds rounds
+after one warm-up of each), so load from other processes on a shared machine falls on all three alike; the entry
+is runs/min with a server against the temporary server, noting the fixed cost beyond imports. ``--smoke`` (CI)
+times `farmflow --help` against the imports, once. Children run with .pyc caching on, as in a user's
 shell. Writes bench/results/cli.json.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
-import platform
 import shutil
 import signal
 import socket
@@ -28,10 +30,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import httpx
+
+from bench.harness import entry, interleave, machine, summary
 
 OUT = Path(__file__).parent / "results" / "cli.json"
 REPEATS = 7
@@ -115,76 +118,98 @@ def stop_server(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def spread(xs: list[float]) -> dict:
-    q1, _, q3 = statistics.quantiles(xs, n=4)
-    return {"median_s": statistics.median(xs), "min_s": min(xs), "max_s": max(xs), "q1_s": q1, "q3_s": q3, "runs_s": xs}
-
-
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=REPEATS, help="interleaved rounds")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="CI: `farmflow --help` in place of the cached run, no server, one round (checks the wiring in seconds)",
+    )
+    parser.add_argument("--out", type=Path, default=OUT, help="results file")
+    args = parser.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="farmflow-bench-cli-"))
     store = tmp / "store"
     temporary_env = child_env(tmp / "prefect-temporary")
     load_before = os.getloadavg()
     server = None
+    flows: dict[str, list[float]] = {"server": [], "temporary": []}
+
+    def run_with(name: str, env: dict):
+        def run() -> float:
+            if args.smoke:
+                start = time.perf_counter()
+                subprocess.run([FARMFLOW, "--help"], env=env, capture_output=True, check=True, timeout=600)
+                return time.perf_counter() - start
+            wall, flow = farmflow_run(store, env)
+            flows[name].append(flow)
+            return wall
+
+        return run
+
     try:
-        print("filling the store (one un-timed run with a temporary server)...", flush=True)
-        farmflow_run(store, temporary_env, cached=False)
-        server, url = start_server(tmp / "prefect-server", tmp / "server.log")
-        server_env = child_env(tmp / "prefect-client", PREFECT_API_URL=url)
-        farmflow_run(store, server_env)  # warm-up: the server's first flow run, the first .pyc writes
-        farmflow_run(store, temporary_env)
-        imports(temporary_env)
-        walls: dict[str, list[float]] = {"server": [], "temporary": [], "imports": []}
-        flows: dict[str, list[float]] = {"server": [], "temporary": []}
-        for k in range(REPEATS):
-            for name, env in (("server", server_env), ("temporary", temporary_env)):
-                wall, flow = farmflow_run(store, env)
-                walls[name].append(wall)
-                flows[name].append(flow)
-            walls["imports"].append(imports(temporary_env))
-            print(f"round {k + 1}/{REPEATS}: " + ", ".join(f"{n} {w[-1]:.1f}s" for n, w in walls.items()), flush=True)
+        contenders = {}
+        if not args.smoke:
+            print("filling the store (one un-timed run with a temporary server)...", flush=True)
+            farmflow_run(store, temporary_env, cached=False)
+            server, url = start_server(tmp / "prefect-server", tmp / "server.log")
+            contenders["server"] = run_with("server", child_env(tmp / "prefect-client", PREFECT_API_URL=url))
+        contenders["temporary"] = run_with("temporary", temporary_env)
+        contenders["imports"] = lambda: imports(temporary_env)
+        walls = interleave(contenders, rounds=1 if args.smoke else args.rounds, warmup=0 if args.smoke else 1)
     finally:
         if server is not None:
             stop_server(server)
         shutil.rmtree(tmp, ignore_errors=True)
 
     med = {name: statistics.median(xs) for name, xs in walls.items()}
-    beyond = med["server"] - med["imports"]
-    results = {
-        "machine": {
-            "cpu_count": os.cpu_count(),
-            "platform": platform.platform(),
-            "load_average_1_5_15_min": {"before": load_before, "after": os.getloadavg()},
-        },
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "command": "farmflow " + " ".join(ARGS) + " --store <store filled by one un-timed run>",
-        "repeats": REPEATS,
-        "wall": {name: spread(xs) for name, xs in walls.items()},
-        "in_flow_median_s": {name: statistics.median(xs) for name, xs in flows.items()},
-        "ratio_temporary_vs_server": med["temporary"] / med["server"],
-        "server_beyond_imports_s": beyond,
-        "server_beyond_imports_paired_median_s": statistics.median(
-            a - i for a, i in zip(walls["server"], walls["imports"])
-        ),
-        "goal_beyond_imports_s": GOAL_BEYOND_IMPORTS_S,
-        "goal_met": beyond <= GOAL_BEYOND_IMPORTS_S,
+    per_min = {name: [60 / x for x in xs] for name, xs in walls.items()}
+    results: dict = {
+        "machine": machine() | {"load_average_before": list(load_before)},
+        "command": "farmflow --help (smoke)"
+        if args.smoke
+        else "farmflow " + " ".join(ARGS) + " --store <store filled by one un-timed run>",
+        "rounds": len(walls["imports"]),
+        "wall_s": {name: summary(xs) | {"runs": xs} for name, xs in walls.items()},
+        "in_flow_median_s": {name: statistics.median(xs) for name, xs in flows.items() if xs},
+        "entries": [],
         "notes": (
             "wall: seconds from starting the subprocess to its exit, as a user sees it. server: PREFECT_API_URL "
             "set to `farmflow server` on loopback; temporary: no PREFECT_API_URL (Prefect's temporary server per "
             "run); imports: python -c 'import farmflow.flows'. in_flow: the run's own wall_seconds (the flow "
-            "call). Runs interleaved server, temporary, imports; beyond imports = median(server) - "
-            "median(imports); paired: median over rounds of server - imports."
+            "call). Runs interleaved (bench.harness.interleave: server, temporary, imports, then reversed); "
+            "beyond imports = median(server) - median(imports); paired: median over rounds of server - imports."
         ),
     }
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps(results, indent=2) + "\n")
-    for name, s in results["wall"].items():
-        print(f"{name:9s} median {s['median_s']:.1f}s (min {s['min_s']:.1f}, max {s['max_s']:.1f}, n={REPEATS})")
-    print(
-        f"temporary / server: {results['ratio_temporary_vs_server']:.2f}x; server beyond imports: {beyond:.1f}s "
-        f"(goal <= {GOAL_BEYOND_IMPORTS_S:g}s: {'met' if results['goal_met'] else 'not met'})"
-    )
-    print(f"wrote {OUT}")
+    if "server" in walls:
+        beyond = med["server"] - med["imports"]
+        paired = statistics.median(a - i for a, i in zip(walls["server"], walls["imports"]))
+        results |= {
+            "server_beyond_imports_s": beyond,
+            "server_beyond_imports_paired_median_s": paired,
+            "goal_beyond_imports_s": GOAL_BEYOND_IMPORTS_S,
+            "goal_met": beyond <= GOAL_BEYOND_IMPORTS_S,
+        }
+        results["entries"].append(
+            entry(
+                "cached `farmflow run best-of-n` (synthetic-micro): with `farmflow server` vs Prefect's temporary "
+                "server",
+                "runs/min",
+                {"server": per_min["server"], "temporary": per_min["temporary"]},
+                note=f"fixed cost beyond imports {beyond:.1f} s (paired {paired:.1f} s; goal <= "
+                f"{GOAL_BEYOND_IMPORTS_S:g} s: {'met' if beyond <= GOAL_BEYOND_IMPORTS_S else 'not met'})",
+            )
+        )
+    else:
+        results["entries"].append(entry("`farmflow --help` vs `import farmflow.flows` (smoke)", "runs/min", per_min))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    for name, st in results["wall_s"].items():
+        print(f"{name:9s} median {st['median']:.1f}s (min {st['min']:.1f}, max {st['max']:.1f}, n={st['rounds']})")
+    if "server" in walls:
+        print(f"temporary / server: {med['temporary'] / med['server']:.2f}x; beyond imports {beyond:.1f}s")
+    print(f"wrote {args.out}")
+    return results
 
 
 if __name__ == "__main__":

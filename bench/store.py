@@ -8,29 +8,34 @@
 
 Peers, same bytes: local: pyarrow writing/reading the Parquet file and a plain file copy;
 S3: boto3 `upload_file`/`download_file`. MB/s count the bytes of the Parquet file or the
-checkpoint; each number is the median of 3 runs. The S3 server is moto in this process
+checkpoint. The S3 server is moto in this process
 (pure Python), so the S3 numbers measure farmflow + s3fs + moto on loopback, not S3 or
-MinIO. Writes bench/results/store.json.
+MinIO. Every comparison runs farmflow and its peer interleaved (`bench.harness.interleave`: one warm-up each,
+then A B, B A, ... for --rounds rounds) and reports MB/s medians with their range and the ratio (farmflow / peer,
+higher is better) as `entries`. ``--smoke`` (CI): 2,000 rows, a 1 MB checkpoint, one round, in seconds.
+Writes bench/results/store.json.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
-import platform
 import shutil
-import statistics
 import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Callable
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from bench.harness import entry, interleave, machine
+
 OUT = Path(__file__).parent / "results" / "store.json"
-ROWS, CHECKPOINT_MB, REPEATS = 200_000, 50, 3
+ROWS, CHECKPOINT_MB, ROUNDS = 200_000, 50, 5
 
 
 def annotations_table(n: int) -> pa.Table:
@@ -61,68 +66,121 @@ def annotations_table(n: int) -> pa.Table:
     return pa.Table.from_arrays([pa.array(cols.get(f.name, [None] * n), f.type) for f in schema], schema=schema)
 
 
-def median_time(fn, setup=None) -> float:
-    times = []
-    for _ in range(REPEATS):
+def timed(fn: Callable[[], object], mb: Callable[[], float], setup: Callable[[], object] | None = None):
+    """A contender: one run of `fn` (after an untimed `setup`), measured in MB/s of `mb()` bytes."""
+
+    def run() -> float:
         if setup:
             setup()
         start = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        return mb() / (time.perf_counter() - start)
+
+    return run
 
 
-def bench_store(store, table: pa.Table, weights: Path, fresh_cache) -> dict:
-    """Write/read the table and the checkpoint through one store; the DuckDB aggregate."""
-    from farmflow.storage.sql import connect
+def comparisons(local, s3, client, table: pa.Table, weights: Path, tmp: Path, cache: Path, checkpoint_mb: float):
+    """(what, farmflow contender, peer contender) for every comparison; each contender returns MB/s."""
+    parquet = tmp / "peer.parquet"
+    pq.write_table(table, parquet)
+    size = {"parquet": parquet.stat().st_size / 1e6}
+    names = iter(range(10**6))
 
-    out: dict = {}
-    ns = iter(range(100))
-    names: list[str] = []
-    out["table_write_s"] = median_time(
-        lambda: names.append(store.append_rows(f"annotations/w{next(ns)}", table, "annotations"))
-    )
-    first = store.row_chunks("annotations/w0")[0]
-    out["parquet_mb"] = store.fs.size(first) / 1e6
-    out["table_read_s"] = median_time(lambda: store.read_rows("annotations/w0", "annotations"))
-    assert store.read_rows("annotations/w0", "annotations").num_rows == ROWS
+    def append(store) -> Callable[[], object]:
+        return lambda: store.append_rows(f"annotations/w{next(names)}", table, "annotations")
 
-    keys = iter(range(100))
-
-    def put_model():
-        with store.put_model("bench", f"ckpt-{next(keys)}", "policy") as (folder, metrics):
+    for store in (local, s3):
+        store.append_rows("annotations", table, "annotations")  # what the read contenders (and DuckDB) read
+        with store.put_model("bench", "ckpt-r", "policy") as (folder, _):
             shutil.copyfile(weights, folder / "model.safetensors")
+    keys = iter(range(10**6))
 
-    out["checkpoint_write_s"] = median_time(put_model)
-    ref = store.get("bench", "ckpt-0")
-    out["checkpoint_read_s"] = median_time(
-        lambda: (store.model_dir(ref) / "model.safetensors").read_bytes(), setup=fresh_cache
-    )
+    def put_model(store) -> Callable[[], object]:
+        def put() -> None:
+            with store.put_model("bench", f"ckpt-{next(keys)}", "policy") as (folder, _):
+                shutil.copyfile(weights, folder / "model.safetensors")
 
-    # the aggregate over exactly one 200k-row chunk
-    for k in range(1, len(names)):
-        store.fs.rm(store.row_chunks(f"annotations/w{k}"))
-    con = connect(store)
-    query = (
-        "SELECT annotator, count(*) AS n, sum(price_usd) AS cost, avg(preference) AS pref "
-        "FROM annotations GROUP BY annotator"
-    )
-    assert sum(r[1] for r in con.sql(query).fetchall()) == ROWS
-    out["duckdb_aggregate_s"] = median_time(lambda: con.sql(query).fetchall())
-    out["table_write_mb_s"] = out["parquet_mb"] / out["table_write_s"]
-    out["table_read_mb_s"] = out["parquet_mb"] / out["table_read_s"]
-    out["checkpoint_write_mb_s"] = CHECKPOINT_MB / out["checkpoint_write_s"]
-    out["checkpoint_read_mb_s"] = CHECKPOINT_MB / out["checkpoint_read_s"]
-    return out
+        return put
+
+    client.upload_file(str(parquet), "bench", "peer/r.parquet")
+    client.upload_file(str(weights), "bench", "peer/r.safetensors")
+    table_mb, ckpt_mb = (lambda: size["parquet"]), (lambda: checkpoint_mb)
+    fresh_s3_cache = lambda: shutil.rmtree(cache / "s3", ignore_errors=True)  # noqa: E731
+    return [
+        (
+            f"local table write ({table.num_rows:,} annotation rows)",
+            timed(append(local), table_mb),
+            timed(lambda: pq.write_table(table, tmp / "w.parquet"), table_mb),
+            "pyarrow write_table",
+        ),
+        (
+            "local table read",
+            timed(lambda: local.read_rows("annotations", "annotations"), table_mb),
+            timed(lambda: pq.read_table(parquet), table_mb),
+            "pyarrow read_table",
+        ),
+        (
+            f"local checkpoint write ({checkpoint_mb:g} MB)",
+            timed(put_model(local), ckpt_mb),
+            timed(lambda: shutil.copyfile(weights, tmp / "copy.safetensors"), ckpt_mb),
+            "file copy",
+        ),
+        (
+            "S3 table write (moto, loopback)",
+            timed(append(s3), table_mb),
+            timed(
+                lambda: (
+                    pq.write_table(table, tmp / "u.parquet"),
+                    client.upload_file(str(tmp / "u.parquet"), "bench", "peer/u.parquet"),
+                ),
+                table_mb,
+            ),
+            "pyarrow + boto3 upload_file",
+        ),
+        (
+            "S3 table read (moto, loopback)",
+            timed(lambda: s3.read_rows("annotations", "annotations"), table_mb),
+            timed(
+                lambda: (
+                    client.download_file("bench", "peer/r.parquet", str(tmp / "d.parquet")),
+                    pq.read_table(tmp / "d.parquet"),
+                ),
+                table_mb,
+            ),
+            "boto3 download_file + pyarrow",
+        ),
+        (
+            "S3 checkpoint write (moto, loopback)",
+            timed(put_model(s3), ckpt_mb),
+            timed(lambda: client.upload_file(str(weights), "bench", "peer/w"), ckpt_mb),
+            "boto3 upload_file",
+        ),
+        (
+            "S3 checkpoint read into an empty cache (moto, loopback)",
+            timed(
+                lambda: (s3.model_dir(s3.get("bench", "ckpt-r")) / "model.safetensors").stat(), ckpt_mb, fresh_s3_cache
+            ),
+            timed(lambda: client.download_file("bench", "peer/r.safetensors", str(tmp / "w")), ckpt_mb),
+            "boto3 download_file",
+        ),
+    ]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help="interleaved rounds per comparison")
+    parser.add_argument("--smoke", action="store_true", help="CI: 2,000 rows, a 1 MB checkpoint, one round")
+    parser.add_argument("--out", type=Path, default=OUT, help="results file")
+    args = parser.parse_args(argv)
+    rows, checkpoint_mb = (2_000, 1) if args.smoke else (ROWS, CHECKPOINT_MB)
+    rounds = 1 if args.smoke else args.rounds
     os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="farmflow-bench-prefect-"))
     os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1")
     import boto3
     from moto.server import ThreadedMotoServer
 
     from farmflow.storage import LocalStore, open_store
+    from farmflow.storage.sql import connect
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
@@ -131,79 +189,47 @@ def main() -> None:
     endpoint = f"http://{host}:{port}"
     client = boto3.client("s3", endpoint_url=endpoint)
     client.create_bucket(Bucket="bench")
-
+    results: dict = {
+        "machine": machine(),
+        "setup": {
+            "rows": rows,
+            "checkpoint_mb": checkpoint_mb,
+            "rounds": rounds,
+            "s3": "moto ThreadedMotoServer in this process on 127.0.0.1 (pure Python): not S3 or MinIO",
+        },
+        "entries": [],
+        "runs": {},
+    }
     tmp = Path(tempfile.mkdtemp(prefix="farmflow-bench-store-"))
     try:
-        table = annotations_table(ROWS)
+        table = annotations_table(rows)
         weights = tmp / "weights.safetensors"
-        weights.write_bytes(os.urandom(CHECKPOINT_MB * 10**6))
-
-        local = LocalStore(tmp / "local")
-        results: dict = {
-            "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform()},
-            "rows": ROWS,
-            "checkpoint_mb": CHECKPOINT_MB,
-            "repeats": REPEATS,
-            "local": bench_store(local, table, weights, fresh_cache=None),
-        }
-        cache = tmp / "s3-cache"
+        weights.write_bytes(os.urandom(int(checkpoint_mb * 10**6)))
+        local, cache = LocalStore(tmp / "local"), tmp / "s3-cache"
         s3 = open_store(f"s3://bench/farm?endpoint_url={endpoint}&cache_dir={cache}")
-        results["s3_moto_loopback"] = bench_store(
-            s3, table, weights, fresh_cache=lambda: shutil.rmtree(cache / "s3", ignore_errors=True)
+        for what, ours, peer, peer_name in comparisons(local, s3, client, table, weights, tmp, cache, checkpoint_mb):
+            runs = interleave({"farmflow": ours, peer_name: peer}, rounds=rounds)
+            results["runs"][what] = runs
+            results["entries"].append(entry(what, "MB/s", runs))
+            e = results["entries"][-1]
+            print(f"{what}: farmflow / {peer_name} {e['ratio']:.2f}x", flush=True)
+        con = connect(local)
+        query = (
+            "SELECT annotator, count(*) AS n, sum(price_usd) AS cost, avg(preference) AS pref "
+            "FROM annotations GROUP BY annotator"
         )
-
-        # peers: plain pyarrow and file copies locally, plain boto3 against the same server
-        parquet = tmp / "peer.parquet"
-        peer: dict = {"pyarrow_write_s": median_time(lambda: pq.write_table(table, parquet))}
-        peer["pyarrow_read_s"] = median_time(lambda: pq.read_table(parquet))
-        peer["copy_checkpoint_s"] = median_time(lambda: shutil.copyfile(weights, tmp / "copy.safetensors"))
-        peer["boto3_upload_parquet_s"] = median_time(
-            lambda: client.upload_file(str(parquet), "bench", "peer/t.parquet")
-        )
-        peer["boto3_download_parquet_s"] = median_time(
-            lambda: client.download_file("bench", "peer/t.parquet", str(tmp / "t.parquet"))
-        )
-        peer["boto3_upload_checkpoint_s"] = median_time(lambda: client.upload_file(str(weights), "bench", "peer/w"))
-        peer["boto3_download_checkpoint_s"] = median_time(
-            lambda: client.download_file("bench", "peer/w", str(tmp / "w"))
-        )
-        results["peers"] = peer
-
-        lo, s3r = results["local"], results["s3_moto_loopback"]
-        results["ratios"] = {
-            "local_table_write_vs_pyarrow": lo["table_write_s"] / peer["pyarrow_write_s"],
-            "local_table_read_vs_pyarrow": lo["table_read_s"] / peer["pyarrow_read_s"],
-            "local_checkpoint_write_vs_copy": lo["checkpoint_write_s"] / peer["copy_checkpoint_s"],
-            "s3_table_write_vs_boto3_upload": s3r["table_write_s"]
-            / (peer["pyarrow_write_s"] + peer["boto3_upload_parquet_s"]),
-            "s3_table_read_vs_boto3_download": s3r["table_read_s"]
-            / (peer["boto3_download_parquet_s"] + peer["pyarrow_read_s"]),
-            "s3_checkpoint_write_vs_boto3_upload": s3r["checkpoint_write_s"] / peer["boto3_upload_checkpoint_s"],
-            "s3_checkpoint_read_vs_boto3_download": s3r["checkpoint_read_s"] / peer["boto3_download_checkpoint_s"],
-            "s3_vs_local_duckdb_aggregate": s3r["duckdb_aggregate_s"] / lo["duckdb_aggregate_s"],
-        }
-        results["notes"] = (
-            "ratios are seconds (farmflow / peer): 1.0 = as fast as the peer, 2.0 = twice as slow; peers for tables "
-            "include the Parquet encode/decode with pyarrow. S3 = moto in-process on 127.0.0.1."
-        )
+        rows_seen = sum(r[1] for r in con.sql(query).fetchall())
+        start = time.perf_counter()
+        con.sql(query).fetchall()
+        results["duckdb_aggregate"] = {"rows": rows_seen, "seconds": time.perf_counter() - start}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         server.stop()
-
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps(results, indent=2) + "\n")
-    for where in ("local", "s3_moto_loopback"):
-        r = results[where]
-        print(
-            f"{where:17s} table ({r['parquet_mb']:.1f} MB Parquet, {ROWS} rows): "
-            f"write {r['table_write_mb_s']:.1f} MB/s, "
-            f"read {r['table_read_mb_s']:.1f} MB/s | checkpoint {CHECKPOINT_MB} MB: "
-            f"write {r['checkpoint_write_mb_s']:.1f} MB/s, "
-            f"read {r['checkpoint_read_mb_s']:.1f} MB/s | DuckDB aggregate {r['duckdb_aggregate_s'] * 1000:.0f} ms"
-        )
-    for name, ratio in results["ratios"].items():
-        print(f"  {name}: {ratio:.2f}x")
-    print(f"wrote {OUT}")
+    results["machine"]["load_average_at_end"] = list(os.getloadavg())
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return results
 
 
 if __name__ == "__main__":

@@ -107,9 +107,10 @@ DIFFERENCES = [
     "farmflow encodes each batch inside its loop, so that cost is in farmflow's time.",
     "TRL computes per-step metrics: SFT and DPO entropy and top-1 accuracy from its fused LM head, "
     "reward min/mean/max/accuracy/margin; farmflow records the loss (and DPO's implicit-reward accuracy).",
-    "SFT and DPO log-probs: TRL's fused LM head (chunked log-softmax; on CPU the torch fallback over every position), "
-    "farmflow full logits then cross-entropy (SFT) or log_softmax + gather (DPO). Same values: the first step's loss "
-    "is equal on both sides (for DPO trivially log 2, since policy = reference at step 1).",
+    "SFT and DPO log-probs: TRL's fused LM head (chunked log-softmax; on CPU the torch fallback over every position); "
+    "farmflow projects only the positions that predict a response token onto the vocabulary (logits_to_keep mask) "
+    "and takes cross-entropy (SFT) or logit - logsumexp (DPO) there. Same values: the first step's loss is equal on "
+    "both sides up to float rounding (for DPO trivially log 2, since policy = reference at step 1).",
     "Learning rate: Hugging Face's linear warmup starts at 0 (farmflow's at lr/warmup_steps), "
     "so losses after step 1 differ slightly.",
     "DPO: TRL's DPOTrainer with _prepare_dataset overridden to take pre-tokenized prompt/chosen/rejected ids.",
@@ -416,10 +417,13 @@ def run_trl(kind: str, folder: Path, inputs: dict) -> dict:
 
 # --------------------------------------------------------------------------- driver
 def worker(side: str, kind: str, folder: Path, threads: int) -> None:
+    import resource
+
     torch.set_num_threads(threads)
     inputs = json.loads((folder / "data.json").read_text())
     out = (run_farmflow if side == "farmflow" else run_trl)(kind, folder, inputs)
-    print("RESULT " + json.dumps(out | {"threads_after": torch.get_num_threads()}), flush=True)
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    print("RESULT " + json.dumps(out | {"threads_after": torch.get_num_threads(), "peak_rss_mb": peak_mb}), flush=True)
 
 
 def measure(python: Path, side: str, kind: str, folder: Path, threads: int, warmup: int) -> dict:
@@ -483,7 +487,10 @@ def main(argv: list[str] | None = None) -> dict:
         help="steps per run, warm-up included",
     )
     parser.add_argument(
-        "--only", choices=list(TRAINERS), action="append", help="run these trainers only (printed, not written)"
+        "--only",
+        choices=list(TRAINERS),
+        action="append",
+        help="run these trainers only (replacing theirs in the results file, keeping the others')",
     )
     parser.add_argument(
         "--smoke", action="store_true", help="CI: the tiny model, 3 steps, one round, farmflow's side only"
@@ -547,6 +554,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "tokens_per_step": statistics.mean(ff[0]["tokens"]),
                 "padded_tokens_per_step": statistics.mean(ff[0]["padded"]),
                 "first_step_loss": {side: rs[0]["loss_first"] for side, rs in runs.items()},
+                "peak_rss_mb_median": {side: statistics.median(values(rs, "peak_rss_mb")) for side, rs in runs.items()},
                 "runs": {
                     side: [{k: v for k, v in r.items() if k not in ("tokens", "padded")} for r in rs]
                     for side, rs in runs.items()
@@ -556,12 +564,14 @@ def main(argv: list[str] | None = None) -> dict:
                 rates = {side: values(rs, "tokens_per_s") for side, rs in runs.items()}
                 ff_cpu = statistics.median(values(ff, "tokens_per_cpu_s"))
                 trl_cpu = statistics.median(values(runs["trl"], "tokens_per_cpu_s"))
+                rss = results["trainers"][kind]["peak_rss_mb_median"]
                 e = entry(
                     f"{kind} training, {args.model}",
                     "trained tokens/s",
                     rates,
                     goal=GOALS[kind],
-                    note=f"per CPU second: {ff_cpu / trl_cpu:.2f}x",
+                    note=f"per CPU second: {ff_cpu / trl_cpu:.2f}x; peak RSS {rss['farmflow']:,.0f} vs "
+                    f"{rss['trl']:,.0f} MB (whole process)",
                 )
                 results["entries"].append(e)
                 results["machine"]["trl_version"] = runs["trl"][0].get("trl_version")
@@ -570,9 +580,15 @@ def main(argv: list[str] | None = None) -> dict:
                     flush=True,
                 )
     results["machine"]["load_average_at_end"] = list(os.getloadavg())
-    if args.only:  # a partial run is printed, not written over the full results
-        print(json.dumps(results["entries"], indent=2))
-        return results
+    if args.only and args.out.exists():  # a partial run replaces its trainers in the results file, keeps the others
+        old = json.loads(args.out.read_text())
+        if old.get("setup", {}).get("model") == results["setup"]["model"]:
+            prefixes = tuple(f"{kind} training" for kind in kinds)
+            results["trainers"] = old.get("trainers", {}) | results["trainers"]
+            results["entries"] = [e for e in old.get("entries", []) if not e["what"].startswith(prefixes)] + results[
+                "entries"
+            ]
+            results["machine"]["runs_of_other_trainers"] = old.get("machine")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"written to {args.out}")

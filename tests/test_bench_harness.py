@@ -75,3 +75,38 @@ def test_training_smoke_runs_farmflow_side(tmp_path):
         run = r["trainers"][kind]["runs"]["farmflow"][0]
         assert run["steps"] == 3 and run["timed_steps"] == 2 and run["tokens_per_s"] > 0
     assert r["entries"] == []  # one side only: nothing to compare
+
+
+def test_store_smoke_interleaves_every_comparison_with_its_peer(tmp_path):
+    from bench import store
+
+    r = store.main(["--smoke", "--out", str(tmp_path / "store.json")])
+    assert json.loads((tmp_path / "store.json").read_text())["entries"] == r["entries"]
+    assert len(r["entries"]) == 7 and r["setup"]["rows"] == 2_000
+    for e in r["entries"]:
+        assert e["unit"] == "MB/s" and e["contenders"][0] == "farmflow" and e["medians"]["farmflow"]["rounds"] == 1
+        assert e["ratio"] > 0
+    assert r["duckdb_aggregate"]["rows"] >= 2_000
+
+
+def test_annotators_smoke_counts_only_distinct_pairs_sent(tmp_path):
+    from bench import annotators
+
+    pairs = annotators.make_pairs(200, distinct=True)
+    assert len({(p["instruction"], p["input"], p["output_1"], p["output_2"]) for p in pairs}) == 200
+    r = annotators.main(["--smoke", "--out", str(tmp_path / "annotators.json")])
+    for batch, n in (("1", 20), ("5", 100)):
+        (run,) = r["batch_sizes"][batch]["runs"]["farmflow"]
+        assert r["batch_sizes"][batch]["pairs"] == n and run["judged"] == n
+        assert run["requests"] == n // int(batch) and run["pairs_per_s"] == pytest.approx(n / run["seconds"])
+    assert r["entries"] == []  # no peer in the smoke run
+
+
+def test_cli_smoke_times_the_cli_against_its_imports(tmp_path):
+    from bench import cli
+
+    r = cli.main(["--smoke", "--out", str(tmp_path / "cli.json")])
+    assert set(r["wall_s"]) == {"temporary", "imports"} and r["rounds"] == 1
+    (e,) = r["entries"]
+    assert e["contenders"] == ["temporary", "imports"] and e["unit"] == "runs/min"
+    assert e["medians"]["imports"]["median"] == pytest.approx(60 / r["wall_s"]["imports"]["median"])

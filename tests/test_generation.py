@@ -7,6 +7,7 @@ sampler, hf as the default everywhere, and stage keys that ignore the backend.
 
 import importlib.util
 import inspect
+import os
 import sys
 from types import SimpleNamespace
 
@@ -142,9 +143,11 @@ class _RecordingEngine:
     with token ids derived from its seed, the way a seeded vLLM request is reproducible."""
 
     requests: list = []
+    built: list = []
 
     def __init__(self, model, dtype, seed, max_model_len):
         self.model = model
+        type(self).built.append(model)
 
     def generate(self, prompts, params, use_tqdm=False):
         type(self).requests += list(zip([p["prompt_token_ids"] for p in prompts], params))
@@ -175,6 +178,39 @@ def test_vllm_requests_one_seeded_sample_each_so_candidates_nest(micro, tok, mon
         c[:2] for c in four
     ]  # best-of-2's candidates are best-of-4's first two
     assert len({c for cs in four for c in cs}) > 3
+
+
+def test_one_vllm_engine_serves_calls_on_the_same_checkpoint(micro, tmp_path, monkeypatch):
+    """The engine is built once per checkpoint folder and reused across calls and seeds; another folder, or the same
+    folder rewritten, builds a new one; best-of-n's scoring releases it."""
+    import shutil
+
+    from farmflow.generation import ENGINES, vllm_sample
+
+    _, uri, _, base = micro
+    folder = open_store(uri).model_dir(base)
+    copy = shutil.copytree(folder, tmp_path / "copy")
+    monkeypatch.setitem(
+        sys.modules, "vllm", SimpleNamespace(LLM=_RecordingEngine, SamplingParams=lambda **kw: SimpleNamespace(**kw))
+    )
+    monkeypatch.setattr(_RecordingEngine, "requests", [])
+    monkeypatch.setattr(_RecordingEngine, "built", [])
+    ENGINES.release()
+    args = {"n": 2, "temperature": 1.0, "top_p": 0.9, "max_new_tokens": 4}
+    first = vllm_sample(folder, ["Hi"], seed=1, **args)
+    assert vllm_sample(folder, ["Hi"], seed=1, **args) == first
+    vllm_sample(folder, ["What is 2 + 3?"], seed=2, **args)
+    assert _RecordingEngine.built == [str(folder)]  # three calls, one engine
+    vllm_sample(copy, ["Hi"], seed=1, **args)
+    vllm_sample(folder, ["Hi"], seed=1, **args)
+    assert _RecordingEngine.built == [str(folder), str(copy), str(folder)]  # one slot: switching rebuilds
+    weights = next(copy.glob("*.safetensors"))
+    vllm_sample(copy, ["Hi"], seed=1, **args)
+    os.utime(weights, ns=(weights.stat().st_mtime_ns + 10**9,) * 2)  # rewritten in place: a new modification time
+    vllm_sample(copy, ["Hi"], seed=1, **args)
+    assert _RecordingEngine.built[3:] == [str(copy), str(copy)]
+    ENGINES.release()
+    assert ENGINES.engine is None and ENGINES.key is None
 
 
 def _completion(index, token_ids, finish="stop"):

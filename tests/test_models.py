@@ -448,44 +448,70 @@ def test_encode_examples_keeps_response_tokens_when_the_prompt_is_too_long(tok):
     assert (labels[0] != -100).sum().item() >= 1  # something to learn from, never an all-ignored row
 
 
-def test_response_window_by_hand():
-    from farmflow.models import response_window
+def test_next_token_rows_by_hand():
+    from farmflow.models import next_token_rows
 
-    P = 0
-    ids = torch.tensor([[1, 5, 6, 7, 2, P], [1, 8, 9, 2, P, P]])
-    mask = (ids != P).long()
     labels = torch.tensor([[IGNORE, IGNORE, IGNORE, 7, 2, IGNORE], [IGNORE, IGNORE, 9, 2, IGNORE, IGNORE]])
-    l_ids, l_mask, l_labels, pos, keep = response_window(ids, mask, labels)
-    assert l_ids.tolist() == [[P, 1, 5, 6, 7, 2], [P, P, 1, 8, 9, 2]]
-    assert l_mask.tolist() == [[0, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1]]
-    assert l_labels.tolist() == [[IGNORE, IGNORE, IGNORE, IGNORE, 7, 2], [IGNORE, IGNORE, IGNORE, IGNORE, 9, 2]]
-    assert pos.tolist() == [[0, 0, 1, 2, 3, 4], [0, 0, 0, 1, 2, 3]]
-    assert keep == 3  # labels from column 4 on; the logits of column 3 predict them
+    rows, targets = next_token_rows(labels)
+    # position t predicts label t + 1: row 0's columns 2, 3 predict 7, 2; row 1's columns 1, 2 predict 9, 2
+    assert rows.tolist() == [[False, False, True, True, False, False], [False, True, True, False, False, False]]
+    assert targets.tolist() == [7, 2, 9, 2]
+    assert rows.dtype == torch.bool
+
+
+def _loss_and_grads(model, loss_fn):
+    model.zero_grad(set_to_none=True)
+    loss = loss_fn()
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_response_rows_loss_equals_the_full_logits_loss_and_its_gradients(policy, tok):
+    """SFT on the response rows only (`logits_to_keep` mask, shifted labels): the same loss and the same gradient
+    as `sft_loss` over the full logits, up to float rounding."""
+    from farmflow.methods.sft import lm_loss, response_rows_loss, sft_loss
+
+    responses = ["four", "a much longer answer than the others", "ok", "7", "4", "x y"]
+    ids, mask, labels = encode_examples(tok, SAMPLE_PROMPTS, responses, 64)
+    assert (labels != IGNORE).sum() < mask.sum() // 2  # most positions are prompt or padding
+    policy.train()
+    try:
+        full, g_full = _loss_and_grads(
+            policy, lambda: sft_loss(policy(input_ids=ids, attention_mask=mask).logits, labels)
+        )
+        rows, g_rows = _loss_and_grads(policy, lambda: response_rows_loss(policy, ids, mask, labels))
+        same, _ = _loss_and_grads(policy, lambda: lm_loss(policy, ids, mask, labels, response_rows=False))
+    finally:
+        policy.zero_grad(set_to_none=True)
+        policy.eval()
+    assert rows.item() == pytest.approx(full.item(), rel=1e-6)
+    assert torch.equal(same, full)  # the full-logits path of the loop is sft_loss exactly (no KV cache changes nothing)
+    for name, g in g_full.items():
+        assert torch.allclose(g_rows[name], g, rtol=1e-4, atol=1e-6), name
+    assert any(g.abs().max() > 1e-3 for g in g_full.values())  # gradients worth comparing
+
+
+def test_sft_loop_on_response_rows_trains_like_the_full_logits_loop(tok, monkeypatch):
+    """The SFT loop switches to response rows from `RESPONSE_ROWS_MIN_VOCAB` on: two steps end at the same weights."""
+    from farmflow.config import SFTConfig
+    from farmflow.methods import sft
+
+    cfg = SFTConfig(epochs=1, batch_size=4, lr=1e-2, warmup_ratio=0.0, seed=0)
+    full, rows = build_policy(CFG, tok), build_policy(CFG, tok)
+    m_full = sft.train_sft(full, tok, PROMPTS[:8], RESPONSES[:8], cfg, 96)
+    monkeypatch.setattr(sft, "RESPONSE_ROWS_MIN_VOCAB", CFG.vocab_size)
+    m_rows = sft.train_sft(rows, tok, PROMPTS[:8], RESPONSES[:8], cfg, 96)
+    assert m_rows["train_loss_first"] == pytest.approx(m_full["train_loss_first"], rel=1e-6)
+    assert m_rows["train_loss_last"] == pytest.approx(m_full["train_loss_last"], rel=1e-5)
+    for (name, p), q in zip(full.named_parameters(), rows.parameters()):
+        assert torch.allclose(p, q, atol=1e-5), name
+    assert not torch.equal(full.get_output_embeddings().weight, build_policy(CFG, tok).get_output_embeddings().weight)
 
 
 @torch.no_grad()
-def test_sft_loss_on_the_response_window_equals_the_full_loss(policy, tok):
-    """What the SFT loop computes (left-aligned, logits for the last `keep` columns) is the full-logits loss."""
-    from farmflow.methods.sft import sft_loss
-    from farmflow.models import response_window
-
-    ids, mask, labels = encode_examples(
-        tok, SAMPLE_PROMPTS, ["four", "a much longer answer than the others", "ok", "7", "4", "x y"], 64
-    )
-    full = sft_loss(policy(input_ids=ids, attention_mask=mask).logits, labels)
-    l_ids, l_mask, l_labels, pos, keep = response_window(ids, mask, labels)
-    assert keep < ids.shape[1] // 2 + 2  # most prompt positions need no logits
-    window = sft_loss(
-        policy(input_ids=l_ids, attention_mask=l_mask, position_ids=pos, logits_to_keep=keep).logits,
-        l_labels[:, -keep:],
-    )
-    assert window.item() == pytest.approx(full.item(), rel=1e-5)
-
-
-@torch.no_grad()
-def test_dpo_and_ppo_log_probs_on_the_response_window_equal_full_logits(policy, tok):
-    """DPO's sequence log-probs and PPO's response logits skip the prompt columns' vocabulary projection: same
-    numbers."""
+def test_dpo_and_ppo_log_probs_on_response_positions_equal_full_logits(policy, tok):
+    """DPO's sequence log-probs (sum and per-token mean) and PPO's response logits skip the prompt columns'
+    vocabulary projection: same numbers."""
     import torch.nn.functional as F
 
     from farmflow.methods.dpo import sequence_logps
@@ -497,6 +523,8 @@ def test_dpo_and_ppo_log_probs_on_the_response_window_equal_full_logits(policy, 
     targets = labels[:, 1:]
     full = (logps.gather(2, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1) * (targets != IGNORE)).sum(-1)
     assert torch.allclose(sequence_logps(policy, tok, SAMPLE_PROMPTS, responses, 64), full, atol=1e-4)
+    mean = sequence_logps(policy, tok, SAMPLE_PROMPTS, responses, 64, average=True)
+    assert torch.allclose(mean, full / (targets != IGNORE).sum(-1), atol=1e-5)
 
     prompt = torch.tensor([[0, 0, 1, 5, 6], [1, 7, 8, 9, 10]])
     tokens = torch.tensor([[11, 12, 2], [13, 2, 0]])
@@ -522,3 +550,96 @@ def test_an_over_long_prompt_keeps_its_bos_when_cut_to_fit():
     assert len(full) > 6
     assert prompt_ids(tok, [PROMPTS[0]], 6) == [[tok.bos_token_id] + full[-5:]]
     assert prompt_ids(tok, [PROMPTS[0]], 1000) == [[tok.bos_token_id] + full]  # fits: unchanged
+
+
+# ----------------------------------------------------------------------------- batch order
+
+
+def _quadratic_batch_order(n: int, batch_size: int, steps: int, seed: int) -> list[list[int]]:
+    """The reference: drop each batch from the front of the remaining order (quadratic in the indices drawn)."""
+    rng = random.Random(seed)
+    order: list[int] = []
+    batches = []
+    for _ in range(steps):
+        while len(order) < min(batch_size, n):
+            epoch = list(range(n))
+            rng.shuffle(epoch)
+            order += epoch
+        batches.append(order[:batch_size])
+        order = order[batch_size:]
+    return batches
+
+
+def test_batch_order_is_pinned_and_equals_the_reference():
+    assert batch_order(5, 2, 6, 0) == [[2, 1], [0, 4], [3, 0], [2, 1], [3, 4], [1, 0]]  # batches straddle epochs
+    assert batch_order(3, 8, 2, 1) == [[1, 2, 0], [2, 0, 1]]  # a batch larger than the data: one epoch each
+    assert batch_order(7, 3, 2, 42) == [[1, 3, 4], [2, 6, 0]]
+    for n, size, steps, seed in [(1, 1, 3, 0), (10, 3, 17, 5), (10, 10, 4, 2), (4, 6, 5, 3), (100, 7, 60, 9)]:
+        assert batch_order(n, size, steps, seed) == _quadratic_batch_order(n, size, steps, seed)
+    big = batch_order(50_000, 128, 2_000, 0)  # 256,000 indices drawn in linear time
+    assert all(len(b) == 128 for b in big)
+    first_epoch = [i for b in big[:390] for i in b] + big[390][:80]  # 390 * 128 + 80 = 50,000
+    assert sorted(first_epoch) == list(range(50_000))
+
+
+# ----------------------------------------------------------------------------- packing
+
+
+def test_pack_rows_by_hand():
+    from farmflow.models import pack_rows
+
+    P = 0
+    ids = torch.tensor([[1, 5, 6, 2, P], [1, 7, 2, P, P], [1, 8, 9, 4, 2]])
+    mask = (ids != P).long()
+    labels = torch.tensor([[IGNORE, IGNORE, 6, 2, IGNORE], [IGNORE, 7, 2, IGNORE, IGNORE], [IGNORE, IGNORE, 9, 4, 2]])
+    p_ids, pos, p_labels = pack_rows(ids, mask, labels, max_len=8, pad_id=P)
+    # rows of up to 8 tokens: 4 + 3 fit together, the 5-token example starts a row of its own
+    assert p_ids.tolist() == [[1, 5, 6, 2, 1, 7, 2], [1, 8, 9, 4, 2, P, P]]
+    assert pos.tolist() == [[0, 1, 2, 3, 0, 1, 2], [0, 1, 2, 3, 4, 0, 1]]
+    assert p_labels.tolist() == [
+        [IGNORE, IGNORE, 6, 2, IGNORE, 7, 2],
+        [IGNORE, IGNORE, 9, 4, 2, IGNORE, IGNORE],
+    ]
+
+
+def test_packed_loss_equals_the_padded_loss_and_its_gradients(policy, tok):
+    """Packed examples (position ids restarting, no attention mask) see only themselves: the same loss and gradient
+    as the padded batch, on both loss paths."""
+    from farmflow.methods.sft import lm_loss
+    from farmflow.models import pack_rows
+
+    responses = ["four", "a much longer answer than the others", "ok", "7", "4", "x y"]
+    ids, mask, labels = encode_examples(tok, SAMPLE_PROMPTS, responses, 64)
+    p_ids, pos, p_labels = pack_rows(ids, mask, labels, CFG.max_seq_len, tok.pad_token_id)
+    assert p_ids.numel() < ids.numel() and p_ids.shape[0] < ids.shape[0]  # fewer rows, less padding
+    assert (p_labels != IGNORE).sum() == (labels != IGNORE).sum()
+    policy.train()
+    try:
+        for rows in (False, True):
+            padded, g_padded = _loss_and_grads(policy, lambda: lm_loss(policy, ids, mask, labels, rows))
+            packed, g_packed = _loss_and_grads(policy, lambda: lm_loss(policy, p_ids, None, p_labels, rows, pos))
+            assert packed.item() == pytest.approx(padded.item(), rel=1e-5)
+            for name, g in g_padded.items():
+                assert torch.allclose(g_packed[name], g, rtol=1e-3, atol=1e-5), name
+            # attention crossing examples would change the loss: the same rows with one shared position range do
+            leaky, _ = _loss_and_grads(
+                policy, lambda: lm_loss(policy, p_ids, None, p_labels, rows, torch.arange(p_ids.shape[1])[None])
+            )
+            assert abs(leaky.item() - padded.item()) > 1e-3
+    finally:
+        policy.zero_grad(set_to_none=True)
+        policy.eval()
+
+
+def test_sft_loop_with_packing_trains_like_the_padded_loop(tok):
+    from farmflow.config import SFTConfig
+    from farmflow.methods import sft
+
+    cfg = SFTConfig(epochs=1, batch_size=4, lr=1e-2, warmup_ratio=0.0, seed=0)
+    padded, packed = build_policy(CFG, tok), build_policy(CFG, tok)
+    m_padded = sft.train_sft(padded, tok, PROMPTS[:8], RESPONSES[:8], cfg, 96)
+    m_packed = sft.train_sft(packed, tok, PROMPTS[:8], RESPONSES[:8], cfg.model_copy(update={"packing": True}), 96)
+    assert m_packed["train_loss_first"] == pytest.approx(m_padded["train_loss_first"], rel=1e-5)
+    assert m_packed["train_tokens"] == m_padded["train_tokens"]
+    for (name, p), q in zip(padded.named_parameters(), packed.parameters()):
+        assert torch.allclose(p, q, atol=1e-5), name

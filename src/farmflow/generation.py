@@ -19,6 +19,11 @@ decoded with farmflow's `decode_response`. The samples themselves differ from th
 backend's for the same seed (other random streams and kernels). The backend is
 operational: it is not part of any stage key, so an artifact sampled by one backend is
 reused when the other is selected.
+
+A vLLM engine takes tens of seconds to start (weights, CUDA graphs, KV-cache allocation), so
+the process keeps the last one (`ENGINES`, one slot) and reuses it while calls ask for the same
+checkpoint folder (same weight files), dtype and context; asking for another releases it first.
+Best-of-n releases it before loading the reward model, whose GPU memory the engine would hold.
 """
 
 from __future__ import annotations
@@ -66,6 +71,41 @@ def texts_from_vllm(request_outputs: Sequence[Any], n: int, decode: Callable[[Se
     return texts
 
 
+class EngineCache:
+    """One engine at a time, kept between calls: `get(key, build)` returns the engine built for `key`, building it
+    (after releasing the one held) when the key differs."""
+
+    def __init__(self) -> None:
+        self.key: tuple | None = None
+        self.engine: Any = None
+
+    def get(self, key: tuple, build: Callable[[], Any]) -> Any:
+        if self.engine is None or key != self.key:
+            self.release()
+            self.engine, self.key = build(), key
+        return self.engine
+
+    def release(self) -> None:
+        """Drop the engine held (its GPU memory goes back when vLLM's engine process ends)."""
+        if self.engine is not None:
+            self.engine = self.key = None
+            gc.collect()
+
+
+ENGINES = EngineCache()
+"""This process's vLLM engine (`vllm_sample`)."""
+
+
+def engine_key(engine_class: Any, model_dir: str | Path, dtype: str, max_model_len: int) -> tuple:
+    """What makes an engine reusable: its class, the checkpoint folder with its weight files' sizes and modification
+    times (a folder rewritten in place is a new engine), the dtype and the context length."""
+    folder = Path(model_dir).resolve()
+    weights = tuple(
+        sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in folder.iterdir() if f.suffix != ".json")
+    )
+    return (engine_class, str(folder), weights, dtype, max_model_len)
+
+
 def vllm_sample(
     model_dir: str | Path,
     prompts: Sequence[str],
@@ -81,8 +121,8 @@ def vllm_sample(
     """n sampled responses per prompt from the checkpoint folder, through vLLM (``result[prompt][sample]``).
 
     Sample j of prompt i is its own request, seeded with ``sample_seed(seed, i, j)``: a
-    reproducible stream per sample, the same whatever n is. The engine is released before
-    returning (the GPU memory of its KV cache goes back when its engine process ends).
+    reproducible stream per sample, the same whatever n is (so the engine's own seed plays no
+    part and one engine serves every seed). The engine stays in `ENGINES` for the next call.
     """
     vllm = require_vllm(field)
     from transformers import AutoConfig
@@ -96,19 +136,18 @@ def vllm_sample(
             f"max_new_tokens ({max_new_tokens}) must be smaller than the model's context ({context} tokens)"
         )
     ids = prompt_ids(tokenizer, prompts, context - max_new_tokens)  # the hf sampler's encoding
-    llm = vllm.LLM(model=str(model_dir), dtype=dtype, seed=seed, max_model_len=context)
-    try:
-        requests = [(i, j) for i in range(len(prompts)) for j in range(n)]
-        params = [
-            vllm.SamplingParams(
-                n=1, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, seed=sample_seed(seed, i, j)
-            )
-            for i, j in requests
-        ]
-        outputs = llm.generate([{"prompt_token_ids": ids[i]} for i, _ in requests], params, use_tqdm=False)
-    finally:
-        del llm
-        gc.collect()
+    llm = ENGINES.get(
+        engine_key(vllm.LLM, model_dir, dtype, context),
+        lambda: vllm.LLM(model=str(model_dir), dtype=dtype, seed=0, max_model_len=context),
+    )
+    requests = [(i, j) for i in range(len(prompts)) for j in range(n)]
+    params = [
+        vllm.SamplingParams(
+            n=1, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, seed=sample_seed(seed, i, j)
+        )
+        for i, j in requests
+    ]
+    outputs = llm.generate([{"prompt_token_ids": ids[i]} for i, _ in requests], params, use_tqdm=False)
     return texts_from_vllm(outputs, n, lambda t: decode_response(tokenizer, t))
 
 
@@ -187,6 +226,7 @@ def scored_candidates_vllm(
         seed=seed,
         field=field,
     )
+    ENGINES.release()  # the reward model needs the GPU memory the engine holds
     reward_model, reward_tokenizer = load_reward(reward_dir)
     flat_prompts = [p for p, c in zip(prompts, candidates) for _ in c]
     rewards = score(

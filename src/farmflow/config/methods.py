@@ -34,6 +34,14 @@ class SFTConfig(Section):
         "optimizer step of batch_size, so results equal the unaccumulated run up to float rounding (memory only; None: "
         "the whole batch at once). Not part of the stage key.",
     )
+    packing: bool = Field(
+        False,
+        json_schema_extra={"stage_key": False},
+        description="Pack each micro-batch's examples end to end into rows of up to the model's max_seq_len tokens "
+        "(position ids restart at every example, attention stays inside it) instead of padding each to the longest: "
+        "fewer padding tokens, the same loss up to float rounding. Needs an attention kernel that reads packed "
+        "position ids (sdpa and eager build a block-diagonal mask from them). Not part of the stage key.",
+    )
 
 
 class SampleConfig(Section):

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from farmflow.config import DPOConfig
-from farmflow.models import IGNORE, batch_order, encode_examples, optimizer_and_schedule, response_window
+from farmflow.models import batch_order, encode_examples, next_token_rows, optimizer_and_schedule
 from farmflow.models.checkpoint import Checkpointer
 from farmflow.models.runtime import Runtime, device_of
 from farmflow.progress import progress
@@ -52,19 +52,19 @@ def sequence_logps(
     model, tokenizer, prompts: Sequence[str], responses: Sequence[str], max_len: int, average: bool = False
 ) -> torch.Tensor:
     """Sum (or with `average`, mean) of log π(response token | prefix) over the response tokens (and </s>) of each
-    example."""
-    *batch, keep = response_window(
-        *encode_examples(tokenizer, prompts, responses, max_len)
-    )  # logits for responses only
-    ids, mask, labels, positions = (t.to(device_of(model)) for t in batch)
-    logits = (
-        model(input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=keep).logits[:, :-1].float()
-    )
-    targets = labels[:, -keep + 1 :]
-    token_logps = torch.gather(logits.log_softmax(-1), 2, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    counted = targets != IGNORE
-    total = (token_logps * counted).sum(-1)
-    return total / counted.sum(-1).clamp(min=1) if average else total
+    example.
+
+    Only the positions that predict a response token are projected onto the vocabulary (`next_token_rows` as
+    ``logits_to_keep``), and each token's log-prob is its logit minus the row's logsumexp (no full log-softmax
+    tensor is kept for the backward). No KV cache is built.
+    """
+    ids, mask, labels = (t.to(device_of(model)) for t in encode_examples(tokenizer, prompts, responses, max_len))
+    rows, targets = next_token_rows(labels)
+    logits = model(input_ids=ids, attention_mask=mask, logits_to_keep=rows, use_cache=False).logits.float()
+    token_logps = logits.gather(1, targets[:, None]).squeeze(1) - logits.logsumexp(-1)
+    # back to (example, position), row-major as the logits are, then summed per example (deterministic on a GPU)
+    total = token_logps.new_zeros(rows.shape).masked_scatter(rows, token_logps).sum(-1)
+    return total / rows.sum(1).clamp(min=1) if average else total
 
 
 @torch.no_grad()

@@ -36,10 +36,10 @@ def bradley_terry_loss(reward_1: torch.Tensor, reward_2: torch.Tensor, preferenc
 
 
 def _rewards(model, tokenizer, prompts, out_1, out_2, max_len) -> tuple[torch.Tensor, torch.Tensor]:
-    """Score both outputs of each pair in one forward pass (all three given as token ids)."""
+    """Score both outputs of each pair in one forward pass (all three given as token ids); no KV cache is built."""
     ids, mask, _ = pack_examples(tokenizer, list(prompts) * 2, list(out_1) + list(out_2), max_len)
     device = next(model.parameters()).device
-    r = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits[:, 0].float()
+    r = model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False).logits[:, 0].float()
     return r[: len(prompts)], r[len(prompts) :]
 
 

@@ -12,7 +12,9 @@ The loop runs through `farmflow.models.runtime.Runtime`: on a GPU when there is 
 several processes under ``accelerate launch`` (each takes a share of every batch), in
 micro-batches of `micro_batch_size` whose gradients accumulate, and through LoRA adapters
 when the model asks for them. The loss of a micro-batch is weighted by its share of the
-batch's response tokens, so the update is the full batch's.
+batch's response tokens, so the update is the full batch's. With ``packing`` the examples of a
+micro-batch are laid end to end in rows of up to `max_len` tokens (`farmflow.models.pack_rows`)
+instead of padded; the loss is the same up to float rounding.
 """
 
 from __future__ import annotations
@@ -24,7 +26,15 @@ import torch
 import torch.nn.functional as F
 
 from farmflow.config import SFTConfig
-from farmflow.models import IGNORE, batch_order, optimizer_and_schedule, pack_examples, tokenize_examples
+from farmflow.models import (
+    IGNORE,
+    batch_order,
+    next_token_rows,
+    optimizer_and_schedule,
+    pack_examples,
+    pack_rows,
+    tokenize_examples,
+)
 from farmflow.models.checkpoint import Checkpointer
 from farmflow.models.runtime import Runtime
 from farmflow.progress import progress
@@ -32,11 +42,63 @@ from farmflow.progress import progress
 VERSION = "1"
 
 
+RESPONSE_ROWS_MIN_VOCAB = 4096
+"""From this vocabulary size on, `lm_loss` projects only the response positions onto the vocabulary
+(`response_rows_loss`); below it, the full logits (`sft_loss`). The two are equal up to float rounding. A
+vocabulary of 49,152 (SmolLM2) makes the full projection and its log-softmax the largest cost of a step, most
+of it on prompt and padding positions; the synthetic farm's 1,024 makes it a small one, and its documented results
+(docs/evaluation.md) come from the full-logits rounding, to which its 0.6M-parameter reward model is sensitive
+(see "Known limits of the synthetic reward model")."""
+
+
 def sft_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy of predicting labels[t+1] from logits[t], ignoring -100 labels."""
     shift_logits = logits[:, :-1].reshape(-1, logits.shape[-1])
     shift_labels = labels[:, 1:].reshape(-1)
     return F.cross_entropy(shift_logits.float(), shift_labels, ignore_index=IGNORE)
+
+
+def response_rows_loss(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    labels: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+):
+    """`sft_loss` with the vocabulary projection and cross-entropy over the response positions only.
+
+    The model returns logits for the positions that predict a counted label (`next_token_rows` as
+    ``logits_to_keep``), one row each, and the labels are shifted instead of the logits sliced. No KV cache is
+    built (``use_cache=False``): a training forward never reads one.
+    """
+    rows, targets = next_token_rows(labels)
+    logits = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        logits_to_keep=rows,
+        use_cache=False,
+    ).logits
+    return F.cross_entropy(logits.float(), targets)
+
+
+def lm_loss(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    labels: torch.Tensor,
+    response_rows: bool,
+    position_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The SFT loss of `model` on a batch: `response_rows_loss` with `response_rows` (a large vocabulary, see
+    `RESPONSE_ROWS_MIN_VOCAB`), else `sft_loss` of the full logits. A packed batch (`pack_rows`) comes with its
+    position ids and no attention mask."""
+    if response_rows:
+        return response_rows_loss(model, input_ids, attention_mask, labels, position_ids)
+    logits = model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+    ).logits
+    return sft_loss(logits, labels)
 
 
 def train_sft(
@@ -56,6 +118,8 @@ def train_sft(
     """
     total = max(1, round(cfg.epochs * math.ceil(len(prompts) / cfg.batch_size)))
     batches = batch_order(len(prompts), cfg.batch_size, total, cfg.seed)
+    response_rows = model.config.vocab_size >= RESPONSE_ROWS_MIN_VOCAB
+    pad_id = tokenizer.pad_token_id
     rt = Runtime(model, len(batches[0]), cfg.micro_batch_size, name)
     trained = rt.adapt(model)
     opt, sched = optimizer_and_schedule(trained, cfg.lr, cfg.weight_decay, total, cfg.warmup_ratio)
@@ -75,8 +139,14 @@ def train_sft(
             for rows in rt.micro_batches():
                 width = int(mask[rows].sum(1).max())  # right-padded: drop the columns only padding fills
                 b_ids, b_mask, b_labels = (t[rows, :width].to(rt.device) for t in (ids, mask, labels))
+                b_pos = None
+                if cfg.packing:
+                    b_ids, b_pos, b_labels = (
+                        t.to(rt.device) for t in pack_rows(ids[rows], mask[rows], labels[rows], max_len, pad_id)
+                    )
+                    b_mask = None
                 with rt.accumulate(trained):
-                    loss = sft_loss(trained(input_ids=b_ids, attention_mask=b_mask).logits, b_labels)
+                    loss = lm_loss(trained, b_ids, b_mask, b_labels, response_rows, b_pos)
                     share = (labels[rows, 1:] != IGNORE).sum() / targets
                     rt.backward(loss, share)
                     rt.step(trained, opt, sched, 1.0)

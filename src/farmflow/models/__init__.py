@@ -39,9 +39,10 @@ from farmflow.models.encoding import (
     IGNORE,
     encode_examples,
     left_pad,
+    next_token_rows,
     pack_examples,
+    pack_rows,
     prompt_ids,
-    response_window,
     tokenize_examples,
 )
 from farmflow.models.runtime import FULL_STATE, default_device, is_main_process
@@ -239,18 +240,23 @@ def batch_order(n: int, batch_size: int, steps: int, seed: int) -> list[list[int
     """Index batches for `steps` optimizer steps: reshuffled epochs, a batch never short.
 
     A pure function of its arguments, so a resumed loop replays exactly the batches an
-    uninterrupted one would have seen from any step on.
+    uninterrupted one would have seen from any step on. Linear in the indices drawn: a
+    cursor walks the concatenated epochs (a batch that runs past an epoch's end takes the
+    rest from the next one); each epoch is shuffled by the same `random.Random(seed)` stream.
     """
     rng = random.Random(seed)
     order: list[int] = []
-    batches = []
+    at, batches = 0, []
     for _ in range(steps):
-        while len(order) < min(batch_size, n):  # refill with a fresh shuffled epoch
-            epoch = list(range(n))
-            rng.shuffle(epoch)
-            order += epoch
-        batches.append(order[:batch_size])
-        order = order[batch_size:]
+        if len(order) - at < min(batch_size, n):  # refill with fresh shuffled epochs
+            order = order[at:]
+            at = 0
+            while len(order) < min(batch_size, n):
+                epoch = list(range(n))
+                rng.shuffle(epoch)
+                order += epoch
+        batches.append(order[at : at + batch_size])
+        at += batch_size
     return batches
 
 
@@ -291,10 +297,11 @@ __all__ = [
     "load_pretrained",
     "load_reward",
     "load_tokenizer",
+    "next_token_rows",
     "optimizer_and_schedule",
     "pack_examples",
+    "pack_rows",
     "prompt_ids",
-    "response_window",
     "reward_from_policy",
     "sample",
     "sample_ids",

@@ -66,33 +66,55 @@ def pack_examples(
     return input_ids, mask, label_t
 
 
-def response_window(
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    labels: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """A right-padded batch (`encode_examples`) moved to the left padding, plus how many last positions need logits.
+def next_token_rows(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The positions whose next label counts, and those labels: (rows, targets).
 
-    Every row then ends in the last column, so all response tokens sit in the last `keep`
-    columns, where `keep` = width − (earliest label column) + 1. Returns (input_ids,
-    attention_mask, labels, position_ids, keep); pass ``logits_to_keep=keep`` to the model and
-    compare its logits with ``labels[:, -keep:]``. On short answers to long prompts (the
-    synthetic farm: ~30% of positions) this skips most of the vocabulary projection; the
-    result is the same up to float rounding. DPO's log-probs use it. SFT does not: it would cut
-    an SFT step by ~15%, but its float rounding re-draws the synthetic farm's pairs, and the
-    0.6M-parameter reward model trained on them is weak enough for that to decide whether
-    best-of-n beats SFT; see docs/evaluation.md, "Known limits of the synthetic reward model".
+    Position t predicts label t+1, so `rows` (a (batch, width) bool mask) is ``labels[:, 1:] != -100`` shifted one
+    column left (the last column predicts nothing), and `targets` holds the counted labels in the same (row-major)
+    order. Given as ``logits_to_keep=rows``, a Hugging Face causal LM projects only those positions onto the
+    vocabulary and returns (rows.sum(), vocab) logits, so the loss never touches prompt or padding positions and
+    nothing slices the logits (whose backward would fill a full-size zero gradient).
     """
-    width = input_ids.shape[1]
-    shift = width - attention_mask.sum(1)
-    index = (
-        torch.arange(width, device=input_ids.device)[None, :] - shift[:, None]
-    ) % width  # roll row i right by shift[i]
-    ids, mask, labels = (t.gather(1, index) for t in (input_ids, attention_mask, labels))
-    positions = (mask.cumsum(1) - 1).clamp(min=0)
-    has_label = labels != IGNORE
-    first = int(torch.where(has_label.any(1), has_label.float().argmax(1), width - 1).min())
-    return ids, mask, labels, positions, width - first + 1
+    following = labels[:, 1:]
+    counted = following != IGNORE
+    rows = torch.cat([counted, torch.zeros_like(counted[:, :1])], 1)
+    return rows, following[counted]
+
+
+def pack_rows(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor, max_len: int, pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A right-padded batch (`encode_examples`) packed end to end: (input_ids, position_ids, labels).
+
+    Examples go in order into the current row while it has room for them (`max_len` tokens), else start a new one;
+    rows are right-padded to the longest. Position ids restart at 0 with every example (and with the padding, a
+    segment of its own), which is how a Hugging Face model given no attention mask tells packed sequences apart
+    and keeps attention inside each. No loss crosses an example boundary: an example's first label is that of
+    its <s> (-100), so the last token of the one before predicts nothing.
+    """
+    lengths = attention_mask.sum(1).tolist()
+    rows: list[list[int]] = [[]]
+    used = 0
+    for i, n in enumerate(lengths):
+        if rows[-1] and used + n > max_len:
+            rows.append([])
+            used = 0
+        rows[-1].append(i)
+        used += n
+    width = max(sum(lengths[i] for i in row) for row in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    positions = torch.zeros((len(rows), width), dtype=torch.long)
+    packed_labels = torch.full((len(rows), width), IGNORE, dtype=torch.long)
+    for r, row in enumerate(rows):
+        at = 0
+        for i in row:
+            n = lengths[i]
+            ids[r, at : at + n] = input_ids[i, :n]
+            packed_labels[r, at : at + n] = labels[i, :n]
+            positions[r, at : at + n] = torch.arange(n)
+            at += n
+        positions[r, at:] = torch.arange(width - at)
+    return ids, positions, packed_labels
 
 
 def prompt_ids(tokenizer: PreTrainedTokenizerFast, prompts: Sequence[str], max_prompt_len: int) -> list[list[int]]:
