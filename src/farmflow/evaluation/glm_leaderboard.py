@@ -15,7 +15,8 @@ is fitted alone (`glm_lc`); the baseline's LC is 50 by construction, as AlpacaEv
 `by_position`: AlpacaEval looks a row's difficulty up by the row's position in the model's
 annotations file rather than by its instruction, so a model with missing rows gets the
 difficulties of the wrong instructions after the first gap. Its published LC values carry
-this; set it to reproduce them, leave it off to look difficulty up by instruction.
+this; set it to reproduce them, leave it off to look difficulty up by instruction. The gamed
+rows (judged or stand-in) always take the difficulty of their own instruction.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from farmflow.evaluation.glm_difficulty import joint_difficulty
-from farmflow.evaluation.glm_lc import CS, gamed_rows, glm_lc
+from farmflow.evaluation.glm_lc import CS, gamed_rows, gamed_standin, glm_lc
 from farmflow.evaluation.stats import win_rate_stats
 
 REQUIRED = ("generator", "preference", "len_1", "len_2")
@@ -116,8 +117,8 @@ def leaderboard(
         difficulty, C = joint_difficulty(runs, Cs=difficulty_Cs)
     order = sorted(difficulty, key=lambda k: (str(type(k)), k))
 
-    def diff_of(rs: list[dict]) -> np.ndarray:
-        if by_position:
+    def diff_of(rs: list[dict], positional: bool = False) -> np.ndarray:
+        if positional:
             return np.array([difficulty[order[i]] if i < len(order) else 0.0 for i in range(len(rs))])
         return np.array([difficulty.get(r.get("index", r.get("instruction")), 0.0) for r in rs])
 
@@ -144,8 +145,9 @@ def leaderboard(
         if g == base:
             row |= {"lc_win_rate": 50.0, "lc_standard_error": 0.0}
         else:
-            prefs = [r["preference"] for r in rs]
-            lc = glm_lc(prefs, [r["len_1"] for r in rs], [r["len_2"] for r in rs], diff_of(rs), gamed)
+            prefs, ref = [r["preference"] for r in rs], [r["len_1"] for r in rs]
+            fixed = gamed if gamed is not None else gamed_standin(ref, diff_of(rs))  # gamed rows: by instruction
+            lc = glm_lc(prefs, ref, [r["len_2"] for r in rs], diff_of(rs, by_position), fixed)
             row |= {k: lc[k] for k in ("lc_win_rate", "lc_standard_error", "lc_length_coef", "lc_difficulty_coef")}
         out.append(row)
     out.sort(key=lambda r: -r["lc_win_rate"])
