@@ -4,7 +4,7 @@
 |---|---|
 | `runs` | demo, run, deploy, overopt, reward-report |
 | `history` | leaderboard, history |
-| `evaluate` | eval winrate, eval annotators, eval rankings |
+| `evaluate` | eval winrate, eval leaderboard, eval annotators, eval rankings |
 | `config` | config presets, config show, config diff |
 | `store` | sql, artifacts ls, artifacts show, artifacts verify |
 | `annotators` | judge-server, annotate, annotations reparse |

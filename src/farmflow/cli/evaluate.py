@@ -1,4 +1,4 @@
-"""`farmflow eval winrate | annotators | rankings`: evaluation statistics with AlpacaEval's definitions."""
+"""`farmflow eval winrate | leaderboard | annotators | rankings`: statistics with AlpacaEval's definitions."""
 
 from __future__ import annotations
 
@@ -37,14 +37,24 @@ def winrate(
         help="Other annotation files (other models, same references and judge) "
         "to estimate instruction difficulty from; repeatable.",
     ),
+    lc_method: str = typer.Option(
+        "alpaca_eval",
+        "--lc-method",
+        help="alpaca_eval: AlpacaEval 2's GLM; ridge: an L2-penalized fit with a leave-one-run-out difficulty table "
+        "(docs/evaluation.md).",
+    ),
 ) -> None:
     """Win rate, standard error, counts, discrete win rate, average length and length-controlled win rate, as JSON.
 
     The LC win rate (docs/evaluation.md) needs 'instruction', 'output_1' and 'output_2'; its
-    instruction difficulty comes from the --difficulty files (never from PATH's own labels;
-    none: the length term alone).
+    instruction difficulty comes from the --difficulty files (alpaca_eval: fitted over them and
+    PATH; ridge: over them alone; none: no difficulty term).
     """
     from farmflow.evaluation import alpaca_eval_winrate, lc_of_rows, run_of_rows
+    from farmflow.evaluation.lc import METHODS
+
+    if lc_method not in METHODS:
+        raise UsageError(f"--lc-method: unknown method {lc_method!r}; use {' or '.join(METHODS)}")
 
     rows = annotation_rows(path)
     peers = {p: annotation_rows(p) for p in difficulty}
@@ -52,7 +62,8 @@ def winrate(
         if not all("output_1" in r for r in peer):
             raise UsageError(f"{p}: --difficulty files need 'output_1' (the reference output) in every row")
     stats = alpaca_eval_winrate(rows, where=str(path))
-    lc = lc_of_rows(rows, [run_of_rows(peer) for peer in peers.values()]) if all("output_1" in r for r in rows) else {}
+    runs = [run_of_rows(peer) for peer in peers.values()]
+    lc = lc_of_rows(rows, runs, method=lc_method) if all("output_1" in r for r in rows) else {}
     if stats["n_invalid"]:
         typer.echo(
             f"warning: {int(stats['n_invalid'])} rows with a missing or malformed preference were left out", err=True
@@ -64,6 +75,67 @@ def winrate(
     if lc:
         out["lc_difficulty_runs"] = int(lc["lc_difficulty_runs"])
     print_json(out)
+
+
+@eval_app.command("leaderboard")
+def leaderboard(
+    path: Path = typer.Argument(
+        ...,
+        help="Judgments: a Parquet file, or a folder of them, with generator, index (or instruction), preference, "
+        "len_1 (baseline output length), len_2 (model output length).",
+    ),
+    published: Optional[Path] = typer.Option(
+        None, "--published", help="An AlpacaEval leaderboard CSV: adds its LC and ours − published per model."
+    ),
+    baseline: Optional[str] = typer.Option(
+        None, "--baseline", help="The baseline generator (default: the one judged against itself)."
+    ),
+    by_position: bool = typer.Option(
+        False,
+        "--by-position",
+        help="Look each row's difficulty up by its position among the model's rows, as AlpacaEval does (its "
+        "published LC of a model with missing rows carries this); default: by instruction.",
+    ),
+    fmt: str = format_option(),
+) -> None:
+    """Win rate, SE, AlpacaEval 2 LC win rate and LC SE of every model in a judgments table (docs/evaluation.md).
+
+    One instruction-difficulty table is fitted over all runs, then each model alone (AlpacaEval 2's GLM).
+    """
+    from farmflow.evaluation import glm_leaderboard as gl
+
+    check_format(fmt)
+    try:
+        rows, dups = gl.read_judgments(path)
+        pub = gl.read_published(published) if published else None
+        board, info = gl.leaderboard(rows, baseline=baseline, by_position=by_position)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    if dups:
+        typer.echo(f"note: {dups} exact duplicate rows left out", err=True)
+    summary = gl.compare(board, pub) if pub else {}
+    cols = ["model", "n_total", "win_rate", "standard_error", "lc_win_rate", "lc_standard_error", "avg_length"]
+    cols += ["published_lc", "lc_delta"] if pub else []
+    caption = f"baseline {info['baseline']}; gamed-baseline rows: {info['gamed_rows']}; "
+    caption += f"difficulty C {info['difficulty_C']:.3g}"
+    if summary.get("n"):
+        caption += (
+            f"; vs published ({summary['n']} models): median |Δ| {summary['median_abs_delta']:.2f}, "
+            f"{100 * summary['within_1']:.0f}% within 1 point, max |Δ| {summary['max_abs_delta']:.2f}, "
+            f"Spearman {summary['spearman']:.4f}"
+        )
+    one = lambda x: "—" if x is None or x != x else f"{x:.2f}"  # noqa: E731
+    emit(
+        cols,
+        [[r.get(c) for c in cols] for r in board],
+        fmt,
+        title=f"AlpacaEval 2 leaderboard of {path.name}",
+        caption=caption,
+        cells={c: one for c in cols[2:] if c not in ("n_total", "avg_length")},
+        right=cols[1:],
+    )
+    if fmt != "table":
+        typer.echo(caption, err=True)
 
 
 @eval_app.command("annotators")

@@ -30,9 +30,8 @@ from farmflow.evaluation.stats import alpaca_eval_winrate, parse_preference, win
 from farmflow.progress import progress
 from farmflow.storage.schemas import SCHEMAS
 
-VERSION = (
-    "5"  # 3: LC win rate in the metrics; 4: gold_standard_error; 5: LC without the run's own labels in its difficulty
-)
+# 3: LC win rate in the metrics; 4: gold_standard_error; 5: LC without the run's own labels; 6: AlpacaEval 2's GLM
+VERSION = "6"
 
 
 def evaluate_outputs(

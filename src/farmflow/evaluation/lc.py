@@ -1,6 +1,14 @@
-"""Length-controlled win rate (the idea of AlpacaEval 2, our own implementation).
+"""Length-controlled win rate: AlpacaEval 2's procedure (the default) or a ridge variant.
 
-An automatic judge prefers longer outputs. To ask "what would the win rate be if the
+`method="alpaca_eval"` (default) is AlpacaEval 2's GLM (`glm_lc`, `glm_difficulty`; its numbers
+reproduce the published leaderboard, docs/evaluation.md). `method="ridge"` is the estimator
+below: the same counterfactual with an L2-penalized (MAP) fit, a standardized difficulty and
+leave-one-run-out difficulty tables, meant for a few runs where a table fitted on the run itself
+would hand its own outcomes back. The difficulty tables of the two methods are on different
+scales (alpaca_eval: raw per-instruction effects, higher = easier; ridge: standardized, higher =
+harder); use one method throughout.
+
+Ridge: an automatic judge prefers longer outputs. To ask "what would the win rate be if the
 evaluated outputs had the reference's length?", fit a logistic model of the judge's
 preference y in [0, 1] (preference − 1: 1 = the evaluated output wins) on instruction x:
 
@@ -46,6 +54,8 @@ from typing import Sequence
 import numpy as np
 
 from farmflow.evaluation.stats import parse_preference
+
+METHODS = ("alpaca_eval", "ridge")
 
 PENALTY = 0.2  # L2 on the length and difficulty coefficients of a run (prior sd ≈ 2.2 logits)
 DIFFICULTY_PENALTY = 1.0  # L2 on the per-instruction effects (prior sd 1 logit)
@@ -119,23 +129,56 @@ def length_feature(delta_len: Sequence[float]) -> np.ndarray:
 def _clean(
     instructions: Sequence[str], preferences: Sequence[object], delta_len: Sequence[float]
 ) -> tuple[list[str], np.ndarray, np.ndarray]:
-    rows = [(x, parse_preference(p), d) for x, p, d in zip(instructions, preferences, delta_len, strict=True)]
-    rows = [(x, p - 1.0, float(d)) for x, p, d in rows if p is not None]
-    return [r[0] for r in rows], np.array([r[1] for r in rows]), np.array([r[2] for r in rows])
+    xs, y, d, _ = _clean_kept(instructions, preferences, delta_len)
+    return xs, y, d
+
+
+def _clean_kept(
+    instructions: Sequence[str], preferences: Sequence[object], delta_len: Sequence[float]
+) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
+    """Rows with a usable preference: instructions, labels in [0, 1], length differences, kept mask."""
+    parsed = [parse_preference(p) for p in preferences]
+    kept = np.array([p is not None for p in parsed], dtype=bool)
+    rows = [(x, p - 1.0, float(d)) for x, p, d in zip(instructions, parsed, delta_len, strict=True) if p is not None]
+    return [r[0] for r in rows], np.array([r[1] for r in rows]), np.array([r[2] for r in rows]), kept
+
+
+def _check(method: str) -> None:
+    if method not in METHODS:
+        raise ValueError(f"unknown LC method {method!r}; use one of {', '.join(METHODS)}")
+
+
+def _glm_runs(runs: Sequence[dict]) -> list[dict]:
+    """Runs in `glm_difficulty`'s form (lengths from delta_len and, where given, len_reference)."""
+    out = []
+    for r in runs:
+        xs, y, d, kept = _clean_kept(r["instructions"], r["preferences"], r["delta_len"])
+        given = r.get("len_reference")
+        ref = np.asarray(np.zeros(len(kept)) if given is None else given, dtype=float)[kept]
+        out.append({"keys": xs, "preferences": y + 1.0, "len_1": ref, "len_2": ref + d})
+    return out
 
 
 def instruction_difficulty(
     runs: Sequence[dict],
     penalty: float = PENALTY,
     difficulty_penalty: float = DIFFICULTY_PENALTY,
+    method: str = "alpaca_eval",
 ) -> dict[str, float]:
-    """Standardized difficulty of each instruction from several annotated runs.
+    """Difficulty of each instruction from several annotated runs.
 
     Each run: {"instructions": [...], "preferences": [...], "delta_len": [...]} (one model
-    judged against the reference outputs; preferences as in AlpacaEval, 1 to 2). Higher
-    difficulty = the evaluated models lose more often on that instruction than their own
-    quality and length explain. Mean 0 and sd 1 over the instructions seen.
+    judged against the reference outputs; preferences as in AlpacaEval, 1 to 2), optionally
+    "len_reference" (the reference outputs' lengths). alpaca_eval: `glm_difficulty.joint_difficulty`
+    (centred per-instruction effects, higher = easier). ridge: higher difficulty = the evaluated
+    models lose more often on that instruction than their own quality and length explain; mean 0
+    and sd 1 over the instructions seen (penalty and difficulty_penalty apply to it alone).
     """
+    _check(method)
+    if method == "alpaca_eval":
+        from farmflow.evaluation.glm_difficulty import joint_difficulty
+
+        return joint_difficulty(_glm_runs(runs))[0] if runs else {}
     keys: dict[str, int] = {}
     Xs, ys, gs = [], [], []
     cleaned = [_clean(r["instructions"], r["preferences"], r["delta_len"]) for r in runs]
@@ -162,15 +205,21 @@ def length_controlled_winrate(
     delta_len: Sequence[float],
     difficulty: dict[str, float] | None = None,
     penalty: float = PENALTY,
+    method: str = "alpaca_eval",
+    len_reference: Sequence[float] | None = None,
 ) -> dict[str, float]:
     """LC win rate and its standard error for one run (module doc).
 
-    `difficulty`: instruction → standardized difficulty (`instruction_difficulty`) from other
-    runs; None: no difficulty term (never from this run's own labels, module doc). Rows with an unusable preference are
-    left out (as in `win_rate_stats`). Returns lc_win_rate, lc_standard_error and the fitted coefficients
-    lc_intercept (θ), lc_length_coef (φ), lc_difficulty_coef (ψ) and lc_length_sd.
+    `difficulty`: instruction → difficulty (`instruction_difficulty` of the same method); None: no
+    difficulty term. Rows with an unusable preference are left out (as in `win_rate_stats`); a run
+    whose labels are all equal (all wins, losses or ties) has nothing to adjust: LC = its win rate.
+    `len_reference` (alpaca_eval): the reference outputs' lengths, which the gamed-baseline
+    stand-in needs (without them it has no length term). Returns lc_win_rate, lc_standard_error and
+    the fitted coefficients lc_intercept (θ; alpaca_eval: the model term), lc_length_coef (φ),
+    lc_difficulty_coef (ψ) and lc_length_sd.
     """
-    xs, y, d = _clean(instructions, preferences, delta_len)
+    _check(method)
+    xs, y, d, kept = _clean_kept(instructions, preferences, delta_len)
     n = len(y)
     if n == 0:
         raise ValueError("no valid preferences to compute a length-controlled win rate from")
@@ -184,6 +233,16 @@ def length_controlled_winrate(
             "lc_length_coef": 0.0,
             "lc_difficulty_coef": 0.0,
         }
+    if method == "alpaca_eval":
+        from farmflow.evaluation.glm_lc import glm_lc
+
+        ref = np.asarray(len_reference, dtype=float)[kept] if len_reference is not None else np.zeros(n)
+        fit = glm_lc(y + 1.0, ref, ref + d, gam)
+        return (
+            out
+            | {k: fit[k] for k in ("lc_win_rate", "lc_standard_error", "lc_length_coef", "lc_difficulty_coef")}
+            | {"lc_intercept": fit["lc_model_coef"]}
+        )
     X = np.column_stack([np.ones(n), length_feature(d), gam])
     pen = np.array([INTERCEPT_PENALTY, penalty, penalty])
     w, _ = fit_logistic(X, y, pen)
@@ -212,6 +271,7 @@ def run_of_rows(rows: Sequence[dict]) -> dict:
         "instructions": [instruction_key(r) for r in rows],
         "preferences": [r.get("preference") for r in rows],
         "delta_len": [len(r.get("output_2") or "") - len(r.get("output_1") or "") for r in rows],
+        "len_reference": [len(r.get("output_1") or "") for r in rows],
     }
 
 
@@ -221,15 +281,20 @@ def instruction_key(row: dict) -> str:
 
 
 def lc_of_rows(
-    rows: Sequence[dict], difficulty_runs: Sequence[dict] = (), penalty: float = PENALTY
+    rows: Sequence[dict], difficulty_runs: Sequence[dict] = (), penalty: float = PENALTY, method: str = "alpaca_eval"
 ) -> dict[str, float]:
-    """LC win rate of one run's rows; difficulty from the other runs in `difficulty_runs` (leave-one-run-out).
+    """LC win rate of one run's rows, with a difficulty table when other runs are given.
 
     `difficulty_runs` are runs (`run_of_rows`) judged by the same annotator against the same
-    references; this run is left out of them if it is there. None left: no difficulty term.
+    references. alpaca_eval: one table fitted over them and this run (as `farmflow eval
+    leaderboard` fits one over every run); ridge: over the others alone (leave-one-run-out).
+    No other run: no difficulty term.
     """
     run = run_of_rows(rows)
     others = [r for r in difficulty_runs if r is not run and r != run]
-    difficulty = instruction_difficulty(others, penalty) if others else None
-    out = length_controlled_winrate(run["instructions"], run["preferences"], run["delta_len"], difficulty, penalty)
+    pooled = others + [run] if method == "alpaca_eval" else others
+    difficulty = instruction_difficulty(pooled, penalty, method=method) if others else None
+    out = length_controlled_winrate(
+        run["instructions"], run["preferences"], run["delta_len"], difficulty, penalty, method, run["len_reference"]
+    )
     return out | {"lc_difficulty_runs": float(len(others))}

@@ -123,6 +123,7 @@ def leaderboard_rows(entries: Sequence[dict], peer_runs: dict[str, list[dict]] |
             run["preferences"],
             run["delta_len"],
             instruction_difficulty(others) if others else None,
+            len_reference=run["len_reference"],
         )
         out.append(
             {
