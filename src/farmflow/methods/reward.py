@@ -24,6 +24,7 @@ from farmflow.config import RewardConfig
 from farmflow.models import batch_order, optimizer_and_schedule, pack_examples, tokenize_examples
 from farmflow.models.runtime import Runtime
 from farmflow.progress import progress
+from farmflow.training_metrics import Pairs, recorder
 
 VERSION = "1"
 
@@ -60,6 +61,7 @@ def train_reward(
     model, opt = rt.prepare(model, opt)
     model.train()
     losses = []
+    rec, pairs = recorder("reward"), Pairs()
     p_ids, o_ids = tokenize_examples(tokenizer, prompts, list(out_1) + list(out_2))  # once, not every step
     o1_ids, o2_ids = o_ids[: len(prompts)], o_ids[len(prompts) :]
     with progress("reward", total, unit="step") as bar:
@@ -77,10 +79,20 @@ def train_reward(
                         max_len,
                     )
                     loss = bradley_terry_loss(r1, r2, torch.tensor([preferences[i] for i in part], device=r1.device))
+                    pairs.add_preferred(r1, r2, torch.tensor([preferences[i] for i in part]))
                     rt.backward(loss, len(part) / len(idx))
                     rt.step(model, opt, sched, 1.0)
                 step_loss += loss.item() * len(part) / len(idx)
             losses.append(rt.sum(step_loss))
+            tokens = sum(2 * len(p_ids[i]) + len(o1_ids[i]) + len(o2_ids[i]) for i in idx)
+            rec.log(
+                len(losses),
+                epoch=len(losses) * cfg.epochs / total,
+                loss=losses[-1],
+                tokens=tokens,
+                **rt.stats,
+                **pairs.figures(rt.sum),
+            )
             bar.update(1)
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
     rt.finish(model)

@@ -42,6 +42,7 @@ from farmflow.storage import ArtifactRef
 from farmflow.storage.schemas import SCHEMAS
 from farmflow.tasks.registry import STAGES
 from farmflow.tasks.stage import Model, StageRun, Table, stage_task
+from farmflow.training_metrics import recorder
 
 
 @stage_task(STAGES["data"])
@@ -153,6 +154,7 @@ def train_reward_task(run: StageRun, config: RewardConfig, preferences: Artifact
         r1 = score(model, tokenizer, prompts_of(held), col(held, "output_1")).tolist()
         r2 = score(model, tokenizer, prompts_of(held), col(held, "output_2")).tolist()
         metrics.update(heldout_accuracies(held, r1, r2))
+        recorder("reward").log(int(metrics["steps"]), split="val", **heldout_accuracies(held, r1, r2))
     return Model(model, tokenizer, metrics, format="reward")
 
 
