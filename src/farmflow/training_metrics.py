@@ -23,7 +23,8 @@ every step once. A loop run outside a stage gets a recorder that only keeps its 
 Trackers (``execution.report_to``): accelerate's tracker classes (the ones
 ``Accelerator(log_with=...)`` builds), started with the stage and its key as the run name
 (``<stage>-<key[:12]>``) and fed every row (`open_trackers`); TensorBoard event files under
-``<tracker_dir>/tensorboard/``, an MLflow file store under ``<tracker_dir>/mlflow/``, wandb
+``<tracker_dir>/tensorboard/``, a local MLflow store in ``<tracker_dir>/mlflow/`` (``mlflow.db``,
+SQLite: MLflow's plain-folder store is in maintenance mode; MLFLOW_TRACKING_URI overrides it), wandb
 under ``<tracker_dir>/wandb/`` (``WANDB_MODE=offline`` for no account). Only the main process
 writes (accelerate's trackers check it themselves).
 """
@@ -216,8 +217,9 @@ def open_trackers(report_to: str, run_name: str, tracker_dir: str | os.PathLike,
     elif report_to == "mlflow":
         import mlflow
 
-        mlflow.set_tracking_uri(os.environ.get("MLFLOW_TRACKING_URI") or root.as_uri())
-        tracker = MLflowTracker(os.environ.get("MLFLOW_EXPERIMENT_NAME", "farmflow"), run_name=run_name)
+        mlflow.set_tracking_uri(os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{root / 'mlflow.db'}")
+        experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME", "farmflow")
+        tracker = MLflowTracker(experiment, logging_dir=str(root / "artifacts"), run_name=run_name)
     else:
         tracker = WandBTracker(run_name, project=os.environ.get("WANDB_PROJECT", "farmflow"), dir=str(root))
     tracker.start()

@@ -204,7 +204,8 @@ class ExecutionConfig(Section):
     tracker_dir: str = Field(
         ".farmflow/trackers",
         description="Where trackers write (relative: from the working directory): <tracker_dir>/tensorboard/<run>/ "
-        "(event files), <tracker_dir>/mlflow/ (an MLflow file store; MLFLOW_TRACKING_URI overrides it), "
+        "(event files), <tracker_dir>/mlflow/mlflow.db (a local MLflow store, SQLite; MLFLOW_TRACKING_URI overrides "
+        "it), "
         "<tracker_dir>/wandb/.",
     )
 
