@@ -18,6 +18,7 @@ from typing import Any, Sequence
 import pyarrow as pa
 
 from farmflow import training_metrics
+from farmflow.progress import in_prefect_run
 
 logger = logging.getLogger("farmflow")
 
@@ -130,12 +131,6 @@ def markdown(stage: str, key: str, png: bytes, rows: list[dict[str, Any]]) -> st
         for r in rows
     ]
     return "\n".join(lines) + "\n"
-
-
-def in_prefect_run() -> bool:
-    from prefect.context import FlowRunContext, TaskRunContext
-
-    return FlowRunContext.get() is not None or TaskRunContext.get() is not None
 
 
 def publish(store_uri: str, ref: Any) -> bool:
