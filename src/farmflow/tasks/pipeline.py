@@ -151,8 +151,9 @@ def train_reward_task(run: StageRun, config: RewardConfig, preferences: Artifact
         model.config.max_position_embeddings,
     )
     if held:
-        r1 = score(model, tokenizer, prompts_of(held), col(held, "output_1")).tolist()
-        r2 = score(model, tokenizer, prompts_of(held), col(held, "output_2")).tolist()
+        with progress("train_reward: val", 2 * len(held), unit="output") as bar:
+            r1 = score(model, tokenizer, prompts_of(held), col(held, "output_1"), progress=bar.update).tolist()
+            r2 = score(model, tokenizer, prompts_of(held), col(held, "output_2"), progress=bar.update).tolist()
         metrics.update(heldout_accuracies(held, r1, r2))
         recorder("reward").log(int(metrics["steps"]), split="val", **heldout_accuracies(held, r1, r2))
     return Model(model, tokenizer, metrics, format="reward")
