@@ -71,6 +71,22 @@ def test_mlflow_store_holds_the_run(farm, tmp_path):
     assert history == {r["step"]: pytest.approx(r["loss"], rel=1e-6) for r in table}
 
 
+def test_a_stage_that_trains_nothing_starts_no_tracker_run(tmp_path):
+    with training_metrics.recording(
+        "data", "k" * 64, ExecutionConfig(report_to="tensorboard", tracker_dir=str(tmp_path))
+    ):
+        pass
+    assert not (tmp_path / "tensorboard").exists()
+    with training_metrics.recording(
+        "sft", "k" * 64, ExecutionConfig(report_to="tensorboard", tracker_dir=str(tmp_path))
+    ):
+        training_metrics.recorder("sft").log(1, loss=2.0)
+    assert event_scalars(tmp_path / "tensorboard" / "sft-kkkkkkkkkkkk") == {
+        "loss": {1: 2.0},
+        "wall_s": pytest.approx({1: 0.0}, abs=1),
+    }
+
+
 def test_a_tracker_without_its_package_is_one_clear_error(monkeypatch):
     import accelerate.utils
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import threading
 import time
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -66,6 +67,7 @@ REPORT_TO = ("none", "tensorboard", "mlflow", "wandb")
 REPORT_ENV, TRACKER_DIR_ENV = "FARMFLOW_REPORT_TO", "FARMFLOW_TRACKER_DIR"
 """Environment variables that carry execution.report_to and tracker_dir into a launched child process."""
 
+_START_LOCK = threading.Lock()
 _CURRENT: ContextVar["Recorder | None"] = ContextVar("farmflow_recorder", default=None)
 
 
@@ -79,12 +81,13 @@ def _number(value: Any) -> float | None:
 class Recorder:
     """The rows of one training stage (`log`), its trackers, and what a checkpoint keeps (`state`/`resume`)."""
 
-    def __init__(self, stage: str, key: str = "", trackers: Sequence[Any] = ()) -> None:
+    def __init__(self, stage: str, key: str = "", trackers: Sequence[Any] = (), open: Any = None) -> None:
         self.stage, self.key, self.trackers = stage, key, list(trackers)
+        self.open = open  # called at the first row: the trackers (a stage that trains nothing starts none)
         self.rows: list[dict[str, Any]] = []
         self.started = self.last = time.perf_counter()
         self.offset_s = 0.0  # wall time of the steps before a resume
-        self.tokens = 0
+        self.tokens: int | None = None  # None: the loop counts no tokens
 
     def log(
         self,
@@ -102,7 +105,7 @@ class Recorder:
         now = time.perf_counter()
         row: dict[str, Any] = {"step": int(step), "epoch": _number(epoch), "split": split}
         if tokens is not None and split == "train":
-            self.tokens += int(tokens)
+            self.tokens = (self.tokens or 0) + int(tokens)
         row["tokens"] = self.tokens if split == "train" else None
         row["wall_s"] = self.offset_s + now - self.started
         row |= {"loss": _number(loss), "lr": _number(lr), "grad_norm": _number(grad_norm)}
@@ -111,6 +114,8 @@ class Recorder:
         if split == "train":
             self.last = now
         self.rows.append(row)
+        if self.open is not None:
+            self.trackers, self.open = self.open(), None
         values = {
             (k if split == "train" else f"{split}/{k}"): v
             for k, v in row.items()
@@ -129,7 +134,7 @@ class Recorder:
         if not state:
             return
         self.rows = [r for r in state.get("rows", []) if r["step"] <= step]
-        self.tokens = int(state.get("tokens", 0))
+        self.tokens = state.get("tokens")
         self.offset_s = max((r["wall_s"] for r in self.rows), default=0.0)
         self.started = self.last = time.perf_counter()
 
@@ -160,10 +165,11 @@ def recording(stage: str, key: str, execution: Any = None, config: Any = None) -
     """Open a stage's recorder (and its trackers, from `execution` or the environment) for the block."""
     report_to = getattr(execution, "report_to", None) or os.environ.get(REPORT_ENV, "none")
     tracker_dir = getattr(execution, "tracker_dir", None) or os.environ.get(TRACKER_DIR_ENV) or ".farmflow/trackers"
-    rec = Recorder(stage, key)
+    if report_to not in REPORT_TO:
+        raise ValueError(f"execution.report_to must be one of {', '.join(REPORT_TO)}, got {report_to!r}")
+    rec = Recorder(stage, key, open=lambda: open_trackers(report_to, f"{stage}-{key[:12]}", tracker_dir, config))
     token = _CURRENT.set(rec)
     try:
-        rec.trackers = open_trackers(report_to, f"{stage}-{key[:12]}", tracker_dir, config)
         yield rec
     finally:
         _CURRENT.reset(token)
@@ -222,7 +228,8 @@ def open_trackers(report_to: str, run_name: str, tracker_dir: str | os.PathLike,
         tracker = MLflowTracker(experiment, logging_dir=str(root / "artifacts"), run_name=run_name)
     else:
         tracker = WandBTracker(run_name, project=os.environ.get("WANDB_PROJECT", "farmflow"), dir=str(root))
-    tracker.start()
+    with _START_LOCK:  # start() imports the backend: a first import racing in two threads fails in one of them
+        tracker.start()
     hparams = _flat(config)
     if hparams:
         tracker.store_init_configuration(hparams)
