@@ -92,6 +92,28 @@ def test_inside_a_task_run_the_lines_go_to_the_runs_prefect_logs(clock, caplog):
     ]
 
 
+def test_with_a_terminal_bar_a_run_still_gets_its_progress_lines(clock, caplog, monkeypatch, prefect_harness):
+    """The bar is for the terminal; the Prefect UI shows the run's logs, so the periodic lines go there too."""
+    caplog.set_level(logging.INFO, logger="prefect.task_runs")
+    monkeypatch.setenv("FARMFLOW_PROGRESS", "1")  # a bar, as on a terminal
+
+    @task
+    def loop():
+        with progress("sft", 4, unit="step") as bar:
+            for _ in range(4):
+                clock.now += 20.0
+                bar.update()
+            return bar.bar is not None
+
+    @flow
+    def one_stage():
+        return loop()
+
+    assert one_stage()
+    ours = [r.getMessage() for r in caplog.records if r.getMessage().startswith("sft:")]
+    assert ours == ["sft: 2/4 steps (50%), 0.1 steps/s, 0:40 left", "sft: 4 steps in 80.0s (0.1 steps/s)"]
+
+
 def test_annotation_reports_every_pair_cached_asked_or_oracle(monkeypatch, tmp_path):
     monkeypatch.setenv("OPENAI_API_KEY", KEY)
     rows = make_rows(30)

@@ -1,6 +1,7 @@
 """Progress of long stages: a tqdm bar on a terminal, lines in the logs everywhere else.
 
-Where nobody watches a terminal (a Prefect worker, CI, `make demo > log`) a stage logs a line
+A terminal shows a tqdm bar (rate, time left). Where nobody watches one (a Prefect worker, CI,
+`make demo > log`), and inside a Prefect flow or task run even with a bar, a stage logs a line
 every `FARMFLOW_PROGRESS_EVERY_S` seconds (default 30; 0 turns them off) with the count, the
 speed, the time left and the latest values the loop reports (loss, reward, ...), and one line
 at the end with the count and the speed. Inside a flow or task run the lines go to the run's
@@ -32,6 +33,13 @@ def log(msg: str, *args: Any) -> None:
         logger.info(msg, *args)
 
 
+def in_prefect_run() -> bool:
+    """Inside a Prefect flow or task run (whose logs the UI shows)."""
+    from prefect.context import FlowRunContext, TaskRunContext
+
+    return FlowRunContext.get() is not None or TaskRunContext.get() is not None
+
+
 def _clock(seconds: float) -> str:
     m, s = divmod(int(round(seconds)), 60)
     return f"{m // 60}:{m % 60:02d}:{s:02d}" if m >= 60 else f"{m}:{s:02d}"
@@ -47,12 +55,14 @@ class Progress:
         )
         self.every_s, self.postfix = every_s, ""
         self.start = self.last = time.perf_counter()
+        self.to_run_logs = show and in_prefect_run()  # a bar on the terminal, and lines for the run's Prefect logs
 
     def update(self, n: int = 1) -> None:
         self.n += n
         if self.bar is not None:
             self.bar.update(n)
-            return
+            if not self.to_run_logs:
+                return
         now = time.perf_counter()
         if self.every_s > 0 and now - self.last >= self.every_s and self.n < self.total:
             self.last = now

@@ -12,6 +12,8 @@
 | `server` | server |
 | `label` | label serve, label export, label import |
 | `study` | study validate |
+| `plot` | plot curves |
+| `samples` | samples |
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import sys
 
 import typer
 
-from farmflow.cli import annotators, config, evaluate, history, label, models, runs, server, store, study
+from farmflow.cli import annotators, config, evaluate, history, label, models, plot, runs, samples, server, store, study
 from farmflow.cli.errors import FarmflowGroup
 from farmflow.cli.logs import LOG_DIR_ENV, State
 from farmflow.cli.output import print_json  # noqa: F401 - part of the package's interface
@@ -48,7 +50,7 @@ def options(
     State.debug = debug
 
 
-for group in (runs, history, evaluate, config, store, annotators, models, server, label, study):
+for group in (runs, history, evaluate, config, store, annotators, models, server, label, study, plot, samples):
     group.register(app)
 
 

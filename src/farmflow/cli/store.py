@@ -32,7 +32,7 @@ def sql(
     query: Optional[str] = typer.Argument(
         None,
         help="SQL over the views artifacts, instructions, pairs, preferences, outputs, evaluations, leaderboard, "
-        "overoptimization, reward_report, annotations, runs, leaderboard_history.",
+        "overoptimization, reward_report, annotations, runs, leaderboard_history, training_metrics.",
     ),
     store: Optional[str] = typer.Option(None, help=STORE_HELP),
     fmt: str = format_option(FORMAT_HELP.removesuffix(".") + "; parquet (needs --output)."),

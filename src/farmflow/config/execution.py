@@ -200,6 +200,20 @@ class ExecutionConfig(Section):
         description="launcher 'accelerate': processes (GPUs) per training stage, passed as --num_processes (None: from "
         "the config file). Each stage's batch_size must divide evenly between them.",
     )
+    report_to: Literal["none", "tensorboard", "mlflow", "wandb"] = Field(
+        "none",
+        description="Tracker that every training stage also reports its per-step metrics to (accelerate's tracking "
+        "API; the store keeps them either way, see docs/training-metrics.md). Each stage is a run named "
+        "'<stage>-<key[:12]>'. tensorboard needs tensorboardX or tensorboard, mlflow needs mlflow-skinny or mlflow "
+        "(`pip install 'farmflow[trackers]'`), wandb needs wandb (WANDB_MODE=offline: no account).",
+    )
+    tracker_dir: str = Field(
+        ".farmflow/trackers",
+        description="Where trackers write (relative: from the working directory): <tracker_dir>/tensorboard/<run>/ "
+        "(event files), <tracker_dir>/mlflow/mlflow.db (a local MLflow store, SQLite; MLFLOW_TRACKING_URI overrides "
+        "it), "
+        "<tracker_dir>/wandb/.",
+    )
 
     @model_validator(mode="after")
     def _heartbeats_fit(self) -> "ExecutionConfig":

@@ -32,6 +32,7 @@ from farmflow.models import batch_order, encode_examples, next_token_rows, optim
 from farmflow.models.checkpoint import Checkpointer
 from farmflow.models.runtime import Runtime, device_of
 from farmflow.progress import progress
+from farmflow.training_metrics import Pairs, recorder
 
 VERSION = "1"
 
@@ -143,6 +144,7 @@ def train_dpo(
     state = {"modules": {"model": rt.unwrap(trained)}, "optimizers": {"opt": opt}, "schedulers": {"sched": sched}}
     start, extra = ckpt.restore(**state)
     losses, accs = list(extra.get("losses", [])), list(extra.get("accuracies", []))
+    rec, implicit = recorder("dpo"), Pairs()
     trained.train()
     with progress("dpo", total, unit="step", initial=start) as bar:
         for step in range(start, total):
@@ -161,6 +163,7 @@ def train_dpo(
                     ref_c = torch.tensor([ref_c_all[i] for i in part], device=logps.device)
                     ref_r = torch.tensor([ref_r_all[i] for i in part], device=logps.device)
                     loss = dpo_loss(pi_c, pi_r, ref_c, ref_r, cfg.beta)
+                    implicit.add(cfg.beta * (pi_c - ref_c), cfg.beta * (pi_r - ref_r))
                     share = len(part) / len(batches[step])
                     rt.backward(loss, share)
                     rt.step(trained, opt, sched, 1.0)
@@ -168,6 +171,9 @@ def train_dpo(
                 step_acc += ((pi_c - ref_c) > (pi_r - ref_r)).float().mean().item() * share
             losses.append(rt.sum(step_loss))
             accs.append(rt.sum(step_acc))
+            rec.log(
+                step + 1, epoch=(step + 1) * cfg.epochs / total, loss=losses[-1], **rt.stats, **implicit.figures(rt.sum)
+            )
             bar.update(1)
             bar.set_postfix(loss=f"{losses[-1]:.3f}", acc=f"{accs[-1]:.2f}")
             ckpt.save(step + 1, **state, extra={"losses": losses, "accuracies": accs})

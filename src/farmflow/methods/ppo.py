@@ -53,6 +53,7 @@ from farmflow.models import batch_order
 from farmflow.models.checkpoint import Checkpointer
 from farmflow.models.runtime import Runtime, device_of, num_processes, to_device
 from farmflow.progress import progress
+from farmflow.training_metrics import recorder
 
 VERSION = "1"
 
@@ -258,6 +259,7 @@ def train_ppo(
     }
     start, extra = ckpt.restore(**state)
     history: list[dict[str, float]] = list(extra.get("history", []))
+    rec = recorder("ppo")
     with progress("ppo", steps, unit="step", initial=start) as bar:
         for step in range(start, steps):
             share = len(prompt_batches[step]) // rt.processes  # this process's contiguous share of the rollout batch
@@ -277,6 +279,13 @@ def train_ppo(
             stats["lr"] = sched.get_last_lr()[0]
             sched.step()
             history.append({"step": float(step + 1), **stats})
+            rec.log(
+                step + 1,
+                epoch=(step + 1) * cfg.epochs / steps,
+                tokens=rt.sum(batch["attention_mask"].sum()),
+                grad_norm=rt.stats.get("grad_norm"),
+                **stats,
+            )
             bar.update(1)
             bar.set_postfix(reward=f"{stats['reward']:.3f}", kl=f"{stats['kl']:.2f}")
             if on_step is not None:

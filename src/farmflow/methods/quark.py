@@ -46,6 +46,7 @@ from farmflow.models import batch_order
 from farmflow.models.checkpoint import Checkpointer
 from farmflow.models.runtime import Runtime, device_of, num_processes, to_device
 from farmflow.progress import progress
+from farmflow.training_metrics import recorder, reward_quantiles
 
 VERSION = "1"
 
@@ -120,6 +121,7 @@ def train_quark(
     state = {"modules": {"policy": rt.unwrap(trained)}, "optimizers": {"opt": opt}, "schedulers": {"sched": sched}}
     start, extra = ckpt.restore(**state)
     history: list[dict[str, float]] = list(extra.get("history", []))
+    rec = recorder("quark")
     max_prompt = max(1, policy.config.max_position_embeddings - cfg.max_new_tokens)
     with progress("quark", steps, unit="step", initial=start) as bar:
         for step in range(start, steps):
@@ -158,6 +160,14 @@ def train_quark(
             stats["lr"] = sched.get_last_lr()[0]
             sched.step()
             history.append({"step": float(step + 1), **stats})
+            rec.log(
+                step + 1,
+                epoch=(step + 1) * cfg.epochs / steps,
+                tokens=int(pool["attention_mask"].sum()),
+                grad_norm=rt.stats.get("grad_norm"),
+                **stats,
+                **reward_quantiles(scores.tolist(), cfg.num_quantiles),
+            )
             bar.update(1)
             bar.set_postfix(reward=f"{stats['reward']:.3f}", kl=f"{stats['kl']:.2f}")
             ckpt.save(step + 1, **state, extra={"history": history})

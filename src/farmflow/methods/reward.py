@@ -25,6 +25,7 @@ from farmflow.models import batch_order, optimizer_and_schedule, pack_examples, 
 from farmflow.models.checkpoint import Checkpointer
 from farmflow.models.runtime import Runtime
 from farmflow.progress import progress
+from farmflow.training_metrics import Pairs, recorder
 
 VERSION = "1"
 
@@ -67,6 +68,7 @@ def train_reward(
     start, extra = ckpt.restore(**state)
     model.train()
     losses = list(extra.get("losses", []))
+    rec, pairs = recorder("reward"), Pairs()
     p_ids, o_ids = tokenize_examples(tokenizer, prompts, list(out_1) + list(out_2))  # once, not every step
     o1_ids, o2_ids = o_ids[: len(prompts)], o_ids[len(prompts) :]
     with progress("reward", total, unit="step", initial=start) as bar:
@@ -85,10 +87,20 @@ def train_reward(
                         max_len,
                     )
                     loss = bradley_terry_loss(r1, r2, torch.tensor([preferences[i] for i in part], device=r1.device))
+                    pairs.add_preferred(r1, r2, torch.tensor([preferences[i] for i in part]))
                     rt.backward(loss, len(part) / len(idx))
                     rt.step(model, opt, sched, 1.0)
                 step_loss += loss.item() * len(part) / len(idx)
             losses.append(rt.sum(step_loss))
+            tokens = sum(2 * len(p_ids[i]) + len(o1_ids[i]) + len(o2_ids[i]) for i in idx)
+            rec.log(
+                len(losses),
+                epoch=len(losses) * cfg.epochs / total,
+                loss=losses[-1],
+                tokens=tokens,
+                **rt.stats,
+                **pairs.figures(rt.sum),
+            )
             bar.update(1)
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
             ckpt.save(step + 1, **state, extra={"losses": losses})

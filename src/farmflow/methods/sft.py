@@ -38,6 +38,7 @@ from farmflow.models import (
 from farmflow.models.checkpoint import Checkpointer
 from farmflow.models.runtime import Runtime
 from farmflow.progress import progress
+from farmflow.training_metrics import recorder
 
 VERSION = "1"
 
@@ -128,6 +129,7 @@ def train_sft(
     state = {"modules": {"model": rt.unwrap(trained)}, "optimizers": {"opt": opt}, "schedulers": {"sched": sched}}
     start, extra = ckpt.restore(**state)
     losses, tokens = list(extra.get("losses", [])), int(extra.get("tokens", 0))
+    rec = recorder(name)
     p_ids, r_ids = tokenize_examples(tokenizer, prompts, responses)  # once, not every step
     trained.train()
     with progress(name, total, unit="step", initial=start) as bar:
@@ -153,6 +155,9 @@ def train_sft(
                 step_loss += loss.item() * float(share)
             losses.append(rt.sum(step_loss))
             tokens += int(mask.sum())
+            rec.log(
+                step + 1, epoch=(step + 1) * cfg.epochs / total, loss=losses[-1], tokens=int(mask.sum()), **rt.stats
+            )
             bar.update(1)
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
             ckpt.save(step + 1, **state, extra={"losses": losses, "tokens": tokens})

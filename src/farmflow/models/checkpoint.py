@@ -30,7 +30,7 @@ from typing import Any, Protocol
 import torch
 from safetensors.torch import load_file, load_model, save_file, save_model
 
-from farmflow import shutdown
+from farmflow import shutdown, training_metrics
 from farmflow.models.runtime import is_main_process
 
 STATE_FILE = "state.json"
@@ -141,7 +141,10 @@ class Checkpointer:
         latest = self.store.latest_checkpoint(self.stage, self.key)
         if latest is None:
             return 0, {}
-        return load_state(latest[1], **objects)
+        step, extra = load_state(latest[1], **objects)
+        if training_metrics.current() is not None:  # the stage's metrics rows up to the checkpoint
+            training_metrics.current().resume(step, extra.get(training_metrics.FILE))
+        return step, extra
 
     def save(self, step: int, *, force: bool = False, **objects: Any) -> bool:
         """Checkpoint at `step` (the number of completed steps) when it is due; only the main process writes.
@@ -151,6 +154,9 @@ class Checkpointer:
         stopping = shutdown.requested() is not None
         saved = False
         if self.enabled and (force or stopping or self.due(step)) and is_main_process():
+            rec = training_metrics.current()
+            if rec is not None:  # the metrics rows so far travel with the checkpoint
+                objects["extra"] = {**(objects.get("extra") or {}), training_metrics.FILE: rec.state()}
             with shutdown.saving(), tempfile.TemporaryDirectory(prefix="farmflow-ckpt-") as tmp:
                 save_state(tmp, step=step, **objects)
                 self.store.save_checkpoint(self.stage, self.key, step, Path(tmp))

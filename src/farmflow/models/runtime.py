@@ -157,6 +157,7 @@ class Runtime:
         self.lora = None
         self.original: torch.nn.Module | None = None  # the Hugging Face model the stage saves
         self.prepared: torch.nn.Module | None = None
+        self.stats: dict[str, Any] = {}  # the last optimizer step's learning rate and gradient norm (before clipping)
 
     # --------------------------------------------------------------------- setup
     @property
@@ -256,9 +257,10 @@ class Runtime:
         a step."""
         if not self.accelerator.sync_gradients:
             return
-        self.accelerator.clip_grad_norm_(
+        norm = self.accelerator.clip_grad_norm_(
             model.parameters() if isinstance(model, torch.nn.Module) else model, max_grad_norm
         )
+        self.stats = {"lr": opt.param_groups[0]["lr"], "grad_norm": norm}  # for the metrics row (a tensor: no sync)
         opt.step()
         if sched is not None:
             sched.step()

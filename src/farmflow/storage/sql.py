@@ -11,6 +11,8 @@ from, so any row can be traced back to its artifact):
 * ``annotations``: the row-level annotation cache, every chunk of ``_rows/annotations/``.
 * ``runs``: one row per method and flow run that ended in a leaderboard, every chunk of
   ``_rows/runs/`` (what `farmflow leaderboard` and `farmflow history` read).
+* ``training_metrics``: every training stage's per-step rows (step, epoch, split, tokens, wall_s,
+  loss, lr, grad_norm, tokens_per_s and each method's own figures; see docs/training-metrics.md).
 * ``leaderboard_history``: the nightly trend in the columns it always had: the runs recorded
   with ``history`` plus the chunks stores kept in ``_rows/leaderboard_history/`` before the
   ``runs`` table existed (no longer written), so old queries keep their meaning.
@@ -39,6 +41,7 @@ import pyarrow as pa
 from farmflow.progress import log
 from farmflow.storage.schemas import SCHEMAS
 from farmflow.storage.store import Store
+from farmflow.training_metrics import FILE, FIXED, ROWS_METRIC
 
 Warn = Callable[[str], None]
 
@@ -164,6 +167,19 @@ def _leaderboard_history_sql(store: Store, bad: set[str]) -> str:
     return recorded if legacy is None else f"{recorded}\nUNION ALL BY NAME\n{legacy}"
 
 
+def _training_metrics_sql(records: list[dict]) -> str:
+    """Every training stage's per-step metrics (`farmflow.training_metrics`), method figures united by name."""
+    parts = [
+        f"SELECT {_lit(r['ref']['stage'])} AS stage, {_lit(r['ref']['key'])} AS key, * FROM "
+        f"read_parquet({_lit(r['ref']['uri'] + '/model/' + FILE)})"
+        for r in records
+        if (r["ref"].get("metrics") or {}).get(ROWS_METRIC)
+    ]
+    if not parts:
+        return _empty([("stage", "VARCHAR"), ("key", "VARCHAR")] + [(n, _duck_type(t)) for n, t in FIXED])
+    return "\nUNION ALL BY NAME\n".join(parts)
+
+
 def _intact(store: Store, records: list[dict], warn: Warn) -> tuple[list[dict], set[str]]:
     """(the records whose table files have their committed sizes, the row-log chunks that do not); one warning line
     per file left out."""
@@ -192,6 +208,7 @@ def view_sql(store: Store, warn: Warn = log) -> dict[str, str]:
     views |= {name: _table_sql(store, tables, format) for name, format in TABLE_VIEWS.items()}
     views |= {name: _row_view_sql(store, namespace, bad) for name, namespace in ROW_VIEWS.items()}
     views["leaderboard_history"] = _leaderboard_history_sql(store, bad)
+    views["training_metrics"] = _training_metrics_sql(tables)
     return views
 
 

@@ -33,6 +33,7 @@ from farmflow.evaluation.overopt import curve_markdown, curve_rows, plot_curves
 from farmflow.evaluation.reward_report import report_markdown, report_rows
 from farmflow.methods.dpo import reference_logps
 from farmflow.models import load_policy, load_reward, score
+from farmflow.progress import progress
 from farmflow.storage import ArtifactRef, canonical_json, open_store, stage_key
 from farmflow.storage.schemas import SCHEMAS
 from farmflow.tasks.registry import STAGES
@@ -54,7 +55,9 @@ def proxy_reward_task(
         scores = [r["score"] for r in rows]  # best-of-n already scored them with this reward model
     else:
         model, tokenizer = load_reward(run.store.model_dir(reward))
-        scores = score(model, tokenizer, prompts_of(rows), [r["output"] for r in rows], batch_size=batch_size).tolist()
+        with progress("proxy_reward", len(rows), unit="output") as bar:
+            outs, prompts = [r["output"] for r in rows], prompts_of(rows)
+            scores = score(model, tokenizer, prompts, outs, batch_size=batch_size, progress=bar.update).tolist()
     table = pa.Table.from_pylist([r | {"score": float(s)} for r, s in zip(rows, scores)], schema=SCHEMAS["outputs"])
     return Table(table, "outputs", {"mean_reward": sum(scores) / max(1, len(scores)), "n": float(len(scores))})
 
@@ -125,12 +128,13 @@ def reward_report_task(
         raise ValueError(f"reward_report: preferences {preferences.key} have no val pairs to measure on")
     prompts, out_1, out_2 = prompts_of(rows), [r["output_1"] for r in rows], [r["output_2"] for r in rows]
     model, tokenizer = load_reward(run.store.model_dir(reward))
-    scorers = {
-        "reward_model": (
-            score(model, tokenizer, prompts, out_1, batch_size=batch_size).tolist(),
-            score(model, tokenizer, prompts, out_2, batch_size=batch_size).tolist(),
-        )
-    }
+    with progress("reward_report: score", 2 * len(rows), unit="output") as bar:
+        scorers = {
+            "reward_model": (
+                score(model, tokenizer, prompts, out_1, batch_size=batch_size, progress=bar.update).tolist(),
+                score(model, tokenizer, prompts, out_2, batch_size=batch_size, progress=bar.update).tolist(),
+            )
+        }
     scorers["longer_output"] = ([len(o) for o in out_1], [len(o) for o in out_2])
     policy, tokenizer = load_policy(run.store.model_dir(sft))
     scorers["policy_loglik"] = reference_logps(

@@ -36,6 +36,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic_core import to_jsonable_python
 
+from farmflow import training_metrics
 from farmflow.progress import log
 from farmflow.storage import ArtifactRef, canonical_json
 from farmflow.storage.refs import utc_now
@@ -130,6 +131,7 @@ def run_in_child(
         env = os.environ | {
             PARENT_ENV: str(os.getpid())
         }  # the child (each process under accelerate) exits when this one is gone
+        env |= training_metrics.tracker_env(execution)  # its training metrics go to the same trackers
         with open(log_path, "wb") as f, open(log_path, "rb") as child_log:
             proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
             relay = _Relay(child_log)

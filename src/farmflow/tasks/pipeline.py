@@ -42,6 +42,7 @@ from farmflow.storage import ArtifactRef
 from farmflow.storage.schemas import SCHEMAS
 from farmflow.tasks.registry import STAGES
 from farmflow.tasks.stage import Model, StageRun, Table, stage_task
+from farmflow.training_metrics import recorder
 
 
 @stage_task(STAGES["data"])
@@ -157,9 +158,11 @@ def train_reward_task(
         run.checkpointer(checkpoints),
     )
     if held:
-        r1 = score(model, tokenizer, prompts_of(held), col(held, "output_1")).tolist()
-        r2 = score(model, tokenizer, prompts_of(held), col(held, "output_2")).tolist()
+        with progress("train_reward: val", 2 * len(held), unit="output") as bar:
+            r1 = score(model, tokenizer, prompts_of(held), col(held, "output_1"), progress=bar.update).tolist()
+            r2 = score(model, tokenizer, prompts_of(held), col(held, "output_2"), progress=bar.update).tolist()
         metrics.update(heldout_accuracies(held, r1, r2))
+        recorder("reward").log(int(metrics["steps"]), split="val", **heldout_accuracies(held, r1, r2))
     return Model(model, tokenizer, metrics, format="reward")
 
 

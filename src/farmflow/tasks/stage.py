@@ -38,6 +38,7 @@ import pyarrow as pa
 from prefect import task
 
 import farmflow.tasks.launch as launch
+from farmflow import curves, training_metrics
 from farmflow.models.checkpoint import Checkpointer
 from farmflow.progress import log
 from farmflow.storage import ArtifactRef, open_store
@@ -173,8 +174,9 @@ def run_stage(
             return hit
         run = StageRun(store, store_uri, stage.name, key)
         started = time.perf_counter()
-        out = fn(run, config, **params)
-        ref = commit(run, out, config, inputs, time.perf_counter() - started)
+        with training_metrics.recording(stage.name, key, LAUNCH.get(), config):  # the loop's per-step rows (if any)
+            out = fn(run, config, **params)
+            ref = commit(run, out, config, inputs, time.perf_counter() - started)
     if run.ckpt is not None:
         run.ckpt.clear()
     if stage.summary and ref is not None:  # None: a launched child's other processes, which do not write
@@ -209,6 +211,7 @@ def commit(
 
     with run.store.put_model(run.stage, run.key, out.format, config=config, inputs=inputs or None) as (folder, m):
         save(out.model, out.tokenizer, folder)
+        training_metrics.write(training_metrics.current(), folder, m)
         for name, text in out.extra_files.items():
             (folder / name).write_text(text)
         m.update(metrics)
@@ -244,10 +247,14 @@ def stage_task(stage: Stage, **options: Any):
                     stage, uri, config, {k: v for k, v in params.items() if isinstance(v, ArtifactRef)}
                 )
                 if hit is not None:
-                    return hit
-                with claimed(stage, store, key, config) as hit:
-                    return hit or launch.run_in_child(stage.name, store, key, uri, config, params, execution)
-            return run_stage(stage, fn, uri, config, params)
+                    ref = hit
+                else:
+                    with claimed(stage, store, key, config) as hit:
+                        ref = hit or launch.run_in_child(stage.name, store, key, uri, config, params, execution)
+            else:
+                ref = run_stage(stage, fn, uri, config, params)
+            curves.publish(uri, ref)  # in a flow run: the training curves and their summary as Prefect artifacts
+            return ref
 
         run.__signature__ = task_signature
         run.__annotations__ = {
