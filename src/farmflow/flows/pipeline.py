@@ -92,6 +92,11 @@ class Upstream:
     def preferences(self) -> ArtifactRef:
         def make() -> ArtifactRef:
             pairs = self.run(sample_pairs_task, self.cfg.pairs, data=self.data, policy=self.sft)
+            if self.cfg.annotation.kind == "human":  # the paper's human arm: a person's labels of these pairs
+                from farmflow.tasks.preferences import human_config, human_preferences_task
+
+                config = human_config(self.run.store, self.cfg.annotation.labeler)
+                return self.run(human_preferences_task, config, pairs=pairs)
             return self.run(annotate_task, self.cfg.annotation, pairs=pairs)
 
         return self._get("preferences", make)

@@ -136,6 +136,26 @@ def labels(store, labeler: str) -> list[dict]:
     return sorted((r for r in current(store, labeler).values() if r["status"] == "ok"), key=lambda r: r["created"])
 
 
+def all_labels(store) -> list[dict]:
+    """Every person's labels in force (annotators ``human:*``, latest row of each key ``ok``), oldest first."""
+    table = store.read_rows(NAMESPACE, NAMESPACE)
+    if not table.num_rows:
+        return []
+    table = table.filter(pc.starts_with(table.column("annotator"), PREFIX))
+    latest = {row["key"]: row for row in table.to_pylist()}
+    return sorted((r for r in latest.values() if r["status"] == "ok"), key=lambda r: r["created"])
+
+
+def simulated_labels(store) -> list[dict]:
+    """The row cache's ok labels of every simulated (not ``human:``) annotator."""
+    table = store.read_rows(NAMESPACE, NAMESPACE)
+    if not table.num_rows:
+        return []
+    table = table.filter(pc.invert(pc.starts_with(table.column("annotator"), PREFIX)))
+    latest = {row["key"]: row for row in table.to_pylist()}
+    return [r for r in latest.values() if r["status"] == "ok" and r["preference"] is not None]
+
+
 # ---------------------------------------------------------------- pairs
 def read_named(path: str | Path) -> tuple[list, list[str] | None]:
     """(rows, their names in error messages) of a .json or .parquet file (None: "row i"), or of a .jsonl or .csv
