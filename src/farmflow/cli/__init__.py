@@ -11,6 +11,7 @@
 | `models` | models get, models import, models ls |
 | `server` | server |
 | `label` | label serve, label export, label import |
+| `feedback` | study feedback |
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import sys
 
 import typer
 
-from farmflow.cli import annotators, config, evaluate, history, label, models, runs, server, store
+from farmflow.cli import annotators, config, evaluate, feedback, history, label, models, runs, server, store
 from farmflow.cli.errors import FarmflowGroup
 from farmflow.cli.logs import LOG_DIR_ENV, State
 from farmflow.cli.output import print_json  # noqa: F401 - part of the package's interface
@@ -47,7 +48,7 @@ def options(
     State.debug = debug
 
 
-for group in (runs, history, evaluate, config, store, annotators, models, server, label):
+for group in (runs, history, evaluate, config, store, annotators, models, server, label, feedback):
     group.register(app)
 
 

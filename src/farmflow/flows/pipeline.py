@@ -59,9 +59,10 @@ BASELINES = ("untrained", "sft")
 class Upstream:
     """The shared stages every method builds on; each is run (or fetched from the cache) on first use."""
 
-    def __init__(self, run: StageRunner, cfg: FarmConfig):
+    def __init__(self, run: StageRunner, cfg: FarmConfig, given: dict[str, ArtifactRef] | None = None):
+        """`given`: stages already at hand (e.g. ``{"preferences": a subset}``), used instead of running them."""
         self.run, self.cfg = run, cfg
-        self._refs: dict[str, ArtifactRef] = {}
+        self._refs: dict[str, ArtifactRef] = dict(given or {})
         self._locks: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()
 
