@@ -111,32 +111,37 @@ def feedback_markdown(points: list[dict], title: str) -> str:
 
 
 def plot_feedback(points: list[dict], path: str, title: str) -> None:
-    """Win rate ± SE against the number of PREF pairs (log2 axis), one line per method; SFT as a dashed level."""
+    """Win rate ± SE (left) and mean gold reward (right, synthetic farm) against the number of PREF pairs (log2
+    axis), one line per method; the zero-pairs point (SFT) as a dashed level."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
-    for method in dict.fromkeys(p["method"] for p in points if p["pairs"]):
-        mine = sorted((p for p in points if p["method"] == method), key=lambda p: p["pairs"])
-        ax.errorbar(
-            [p["pairs"] for p in mine],
-            [p["win_rate"] for p in mine],
-            yerr=[0 if p["standard_error"] != p["standard_error"] else p["standard_error"] for p in mine],
-            marker="o",
-            capsize=3,
-            label=method,
-        )
-    for p in points:
-        if not p["pairs"]:
-            ax.axhline(p["win_rate"], color="grey", ls="--", lw=1, label=f"{p['method']} (no pairs)")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("preference pairs trained on (PREF split)")
-    ax.set_ylabel("win rate vs reference (%), ± 1 SE")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    gold = any(p["mean_gold"] == p["mean_gold"] for p in points)
+    fig, axes = plt.subplots(1, 2 if gold else 1, figsize=(9 if gold else 5.5, 3.8), dpi=90, squeeze=False)
+    panels = [("win_rate", "win rate vs reference (%), ± 1 SE")] + ([("mean_gold", "mean gold reward")] if gold else [])
+    for ax, (field, label) in zip(axes[0], panels):
+        for method in dict.fromkeys(p["method"] for p in points if p["pairs"]):
+            mine = sorted((p for p in points if p["method"] == method), key=lambda p: p["pairs"])
+            err = [0 if p["standard_error"] != p["standard_error"] else p["standard_error"] for p in mine]
+            ax.errorbar(
+                [p["pairs"] for p in mine],
+                [p[field] for p in mine],
+                yerr=err if field == "win_rate" else None,
+                marker="o",
+                capsize=3,
+                label=method,
+            )
+        for p in points:
+            if not p["pairs"]:
+                ax.axhline(p[field], color="grey", ls="--", lw=1, label=f"{p['method']} (no pairs)")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("preference pairs trained on (PREF split)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
