@@ -178,6 +178,7 @@ def test_human_arm_people_as_reference_and_judge_and_cost(farm, tmp_path):
     same = sum(v["alice"] == v["bob"] for v in compared)
     assert people["human vs human"]["n"] == 2 * len(compared)
     assert people["human vs human"]["agreement"] == pytest.approx(same / len(compared))
+    assert report["rankings"]["methods"] == 3 and report["rankings"]["leaderboard"] == board.key
 
     # 5. the leaderboard judged by alice: her labels of each method's pairs, by hand
     result = cli.invoke(app, ["leaderboard", "--store", uri, "--judge", "human:alice", "--json"])

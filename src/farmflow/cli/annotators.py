@@ -304,12 +304,27 @@ def human_reference(
         report = human_agreement(people + others)
     except ValueError as err:
         raise UsageError(str(err)) from None
-    if not report["annotators"]:
-        say("no simulated annotator labeled the pairs people labeled (try --oracle or label FILES)")
+    boards = [r for r in st.list() if r.stage == "leaderboard"]
+    if boards:  # the newest leaderboard's methods ranked by people and by the simulated judge, when people judged it
+        from farmflow.cli.quality import ranking_line
+        from farmflow.evaluation.cost import by_evaluation
+        from farmflow.evaluation.human import human_preferences, ranking_agreement
+
+        rows = st.read_table(boards[-1]).to_pylist()
+        evaluations = by_evaluation(st, rows)
+        ranks = ranking_agreement(
+            {r["method"]: evaluations.get(r["evaluation_key"], []) for r in rows}, human_preferences(people)
+        )
+        if ranks["methods"]:
+            report["rankings"] = ranks | {"leaderboard": boards[-1].key}
     if as_json:
         print_json(report)
-    else:
-        say(agreement_markdown(report))
+        return
+    if not report["annotators"]:
+        say("no simulated annotator labeled the pairs people labeled (try --oracle or label FILES)")
+    say(agreement_markdown(report))
+    if "rankings" in report:
+        say(ranking_line(report["rankings"]) + f" (leaderboard {report['rankings']['leaderboard'][:12]})")
 
 
 def register(app: typer.Typer) -> None:

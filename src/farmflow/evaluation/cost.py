@@ -225,6 +225,21 @@ def plot_cost(rows: Sequence[dict], path: str, curve: Sequence[dict] = (), title
     plt.close(fig)
 
 
+def cost_report(rows: Sequence[dict], records: Iterable[dict], title: str) -> tuple[list[dict], str, bytes]:
+    """(cost rows, their Markdown, the quality–cost plot as PNG bytes) of leaderboard rows, from the records."""
+    import tempfile
+    from pathlib import Path
+
+    records = list(records)
+    costed = cost_rows(rows, records)
+    bon = next((r for r in costed if r["method"].startswith("best_of_")), None)
+    curve = best_of_n_curve(records, bon["evaluation_key"]) if bon else []
+    with tempfile.TemporaryDirectory() as tmp:
+        plot_cost(costed, f"{tmp}/cost.png", curve, title)
+        png = Path(f"{tmp}/cost.png").read_bytes()
+    return costed, cost_markdown(costed, title), png
+
+
 def by_evaluation(store, rows: Sequence[dict]) -> dict[str, list[dict]]:
     """Evaluation key → its ``evaluation`` rows, for the rows of a leaderboard (missing artifacts left out)."""
     out: dict[str, list[dict]] = defaultdict(list)
@@ -242,6 +257,7 @@ __all__ = [
     "best_of_n_curve",
     "by_evaluation",
     "cost_markdown",
+    "cost_report",
     "cost_rows",
     "index",
     "method_cost",
