@@ -196,7 +196,7 @@ def test_human_arm_people_as_reference_and_judge_and_cost(farm, tmp_path):
         assert judged[method]["win_rate"] == pytest.approx(100 * sum(wins) / len(wins))
         assert judged[method]["simulated_win_rate"] == pytest.approx(ev.metrics["win_rate"])
     result = cli.invoke(app, ["leaderboard", "--store", uri, "--judge", "human:alice"])
-    assert "Spearman" in result.stdout
+    assert "ranking under people vs the simulated judge: 3 method" in result.stdout
 
     # 6. cost beside quality: each row's seconds are the sums of its stages' recorded seconds
     plot = tmp_path / "cost.png"

@@ -22,7 +22,7 @@ from prefect.artifacts import create_markdown_artifact
 
 from farmflow.config import FarmConfig
 from farmflow.flows.form import PresetName, prefect_run_name, run_config
-from farmflow.flows.pipeline import Upstream, method_label, method_outputs
+from farmflow.flows.pipeline import REWARD_METHODS, Upstream, method_label, method_outputs
 from farmflow.flows.runner import StageRunner
 from farmflow.storage import ArtifactRef, stage_key
 from farmflow.storage.schemas import SCHEMAS
@@ -74,7 +74,7 @@ def study_points(
                 data=full.data,
             )
             extra = {}
-            if "reward" in up.refs():
+            if m in REWARD_METHODS:
                 extra["reward_accuracy"] = up.refs()["reward"].metrics.get("heldout_accuracy", math.nan)
             points.append(point(name, fraction, pairs, ev) | extra)
     return points, run
