@@ -149,7 +149,7 @@ def plot_feedback(points: list[dict], path: str, title: str) -> None:
 
 def commit_study(run: StageRunner, points: list[dict], title: str) -> ArtifactRef:
     """The ``feedback`` artifact: the points (Parquet), feedback.md and feedback.png; keyed by its evaluations."""
-    key = stage_key("feedback", "1", {"title": title, "points": [p["evaluation_key"] for p in points]})
+    key = stage_key("feedback", "2", {"title": title, "points": [p["evaluation_key"] for p in points]})
     ref = run.store.get("feedback", key)
     if ref is None:
         with tempfile.TemporaryDirectory() as tmp:
