@@ -269,7 +269,13 @@ def local_judge(store: Optional[str] = None, port: int = LOCAL_JUDGE_PORT) -> It
 
 
 def human_reference(
-    files: list[Path], oracle: bool, preset: str, store: Optional[str], draws: int, as_json: bool
+    files: list[Path],
+    oracle: bool,
+    preset: str,
+    store: Optional[str],
+    draws: int,
+    as_json: bool,
+    plot: Optional[Path] = None,
 ) -> None:
     """`farmflow eval annotators --reference human`: every simulated annotator against the people's labels in the
     store, and the people against each other (`farmflow.evaluation.human`).
@@ -317,6 +323,8 @@ def human_reference(
         )
         if ranks["methods"]:
             report["rankings"] = ranks | {"leaderboard": boards[-1].key}
+    if plot and report["annotators"]:
+        analysis.plot_agreement(report["annotators"], str(plot), "Simulated annotators vs people: agreement vs cost")
     if as_json:
         print_json(report)
         return

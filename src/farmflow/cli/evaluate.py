@@ -140,7 +140,7 @@ def annotators(
     if reference == "human":
         from farmflow.cli.annotators import human_reference
 
-        return human_reference(files or [], oracle, preset, store, draws, as_json)
+        return human_reference(files or [], oracle, preset, store, draws, as_json, plot)
     if bool(files) == oracle:
         raise UsageError("give label FILES or --oracle (not both)")
     if oracle:
