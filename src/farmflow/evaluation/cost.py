@@ -129,13 +129,15 @@ def cost_rows(rows: Sequence[dict], records: Iterable[dict], cache_rows: Sequenc
 
 
 def best_of_n_curve(records: Iterable[dict], evaluation_key: str) -> list[dict]:
-    """Every best-of-n evaluation in the records judged like `evaluation_key` (same evaluate config, same data): n,
-    win rate ± SE and cost, by n (one point per n: the cheapest)."""
+    """Every best-of-n evaluation in the records judged like `evaluation_key` (same evaluate config, same data) whose
+    candidates were chosen by the same reward model: n, win rate ± SE and cost, by n (one point per n: the
+    cheapest)."""
     records = list(records)
     by_key = index(records)
     if evaluation_key not in by_key:
         return []
     board = by_key[evaluation_key]
+    scorer = by_key.get(board["inputs"].get("outputs", ""), {}).get("inputs", {}).get("reward")
     points: dict[int, dict] = {}
     for r in records:
         if r["ref"]["stage"] != "evaluate" or r.get("config") != board.get("config"):
@@ -145,6 +147,8 @@ def best_of_n_curve(records: Iterable[dict], evaluation_key: str) -> list[dict]:
         outputs = by_key.get(r["inputs"].get("outputs", ""))
         n = outputs and best_of_n_size(outputs)
         if not n or (outputs.get("config") or {}).get("split", "eval") != "eval":
+            continue
+        if outputs["inputs"].get("reward") != scorer:  # the same reward model as the board's best-of-n
             continue
         m = r["ref"]["metrics"]
         point = {"n": n, "win_rate": m["win_rate"], "standard_error": m.get("standard_error", math.nan)}
