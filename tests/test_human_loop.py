@@ -125,6 +125,18 @@ def test_human_arm_people_as_reference_and_judge_and_cost(farm, tmp_path):
     reference = reference_logps_task.fn(uri, {}, preferences=prefs, sft=refs["sft"])
     dpo = dpo_task.fn(uri, cfg.dpo, preferences=prefs, sft=refs["sft"], reference=reference)
     assert dpo.metrics["pairs"] == sum(r["split"] == "pref" for r in rows)
+    # the feedback-size study's shares of these preferences: nested, val pairs whole, cached per share
+    from farmflow.tasks.preferences import subsample_preferences_task
+
+    half = subsample_preferences_task.fn(uri, {"fraction": 0.5, "seed": 0}, preferences=prefs)
+    quarter = subsample_preferences_task.fn(uri, {"fraction": 0.25, "seed": 0}, preferences=prefs)
+    n_pref = sum(r["split"] == "pref" for r in rows)
+    assert half.metrics["pref_pairs"] == math.ceil(n_pref / 2) and quarter.metrics["pref_pairs"] == math.ceil(
+        n_pref / 4
+    )
+    ids = lambda ref: {r["id"] for r in store.read_table(ref).to_pylist()}  # noqa: E731
+    assert ids(quarter) < ids(half) and {r["id"] for r in rows if r["split"] == "val"} <= ids(quarter)
+    assert subsample_preferences_task.fn(uri, {"fraction": 0.5, "seed": 0}, preferences=prefs).key == half.key
     # unchanged labels: the same stage key; a label taken back: new preferences
     assert human_preferences_task.fn(uri, human_config(store, "alice"), pairs=refs["pairs"]).key == prefs.key
     with LabelServer(store, pairs, "alice") as url:
@@ -274,7 +286,7 @@ def test_agreement_with_people_by_hand():
     assert report["pairs"] == 4 and report["pairs_labeled_twice"] == 2
 
 
-def test_ranking_agreement_and_pareto_and_nested_subsets():
+def test_ranking_agreement_and_pareto_and_nested_subsets(tmp_path):
     from farmflow.evaluation.cost import pareto
     from farmflow.evaluation.human import ranking_agreement
     from farmflow.tasks.preferences import subsample
@@ -298,6 +310,18 @@ def test_ranking_agreement_and_pareto_and_nested_subsets():
     assert out["methods"] == 3 and out["spearman"] == pytest.approx(1.0)
     assert out["human"] == pytest.approx({"m1": 100 / 6, "m3": 50.0, "m5": 500 / 6})
     assert out["ci_low"] <= 1.0 and out["ci_high"] == pytest.approx(1.0)
+
+    from farmflow.flows.feedback import feedback_markdown, plot_feedback
+
+    points = [
+        {"method": m, "fraction": f, "pairs": int(16 * f), "win_rate": 10 * f, "standard_error": 1.0}
+        | {"mean_gold": f, "reward_accuracy": math.nan, "evaluation_key": f"{m}{f}"}
+        for m, fs in (("sft", (0,)), ("dpo", (0.25, 0.5, 1)))
+        for f in fs
+    ]
+    plot_feedback(points, str(tmp_path / "f.png"), "t")
+    assert (tmp_path / "f.png").read_bytes()[:4] == b"\x89PNG"
+    assert "| dpo | 0.5 | 8 | 5.0 | 1.0 | 0.500 | — |" in feedback_markdown(points, "t")
 
     assert pareto([1, 2, 3, 4], [10, 5, 20, math.nan]) == [True, False, True, False]
     assert pareto([1, 1], [5, 5]) == [True, True]

@@ -121,7 +121,8 @@ def cost_rows(rows: Sequence[dict], records: Iterable[dict], cache_rows: Sequenc
         spend = (0.0, 0.0)
         if evaluations is not None and cache_rows:
             spend = annotation_spend(evaluations.get(r["evaluation_key"], []), cache_rows)
-        known = r["evaluation_key"] in by_key
+        record = by_key.get(r["evaluation_key"])
+        known = record is not None and (record.get("inputs") or {}).get("outputs") in by_key
         cost = method_cost(by_key, r["evaluation_key"], spend) if known else dict.fromkeys(COST_COLUMNS, math.nan)
         out.append(dict(r) | cost)
     marks = pareto([r["wall_seconds"] for r in out], [float(r["win_rate"]) for r in out])
