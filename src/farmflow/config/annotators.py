@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_serializer, model_validator
 
 from farmflow.config.base import Section
 from farmflow.config.credentials import CredentialsInValue, refuse_credentials
@@ -342,6 +342,14 @@ class AnnotatorConfig(Section):
                 f"({', '.join(f'{k}={fixed[k]!r}' for k in clash)}); set preset to null to choose it"
             )
         return {**data, **{k: (list(v) if isinstance(v, list) else v) for k, v in fixed.items()}}
+
+    @model_serializer(mode="wrap")
+    def _labeler_only_when_set(self, handler: Any) -> Any:
+        # configs recorded before kind 'human' existed have no labeler: every other kind's dump stays the same
+        data = handler(self)
+        if self.labeler is None and isinstance(data, dict):
+            data.pop("labeler", None)
+        return data
 
     @model_validator(mode="after")
     def _check_api(self) -> "AnnotatorConfig":

@@ -129,6 +129,15 @@ def cost_rows(rows: Sequence[dict], records: Iterable[dict], cache_rows: Sequenc
     return [r | {"pareto": m} for r, m in zip(out, marks)]
 
 
+def settled(config):
+    """A recorded config without its null fields: a field added later with a null default reads the same."""
+    if isinstance(config, dict):
+        return {k: settled(v) for k, v in config.items() if v is not None}
+    if isinstance(config, list):
+        return [settled(v) for v in config]
+    return config
+
+
 def best_of_n_curve(records: Iterable[dict], evaluation_key: str) -> list[dict]:
     """Every best-of-n evaluation in the records judged like `evaluation_key` (same evaluate config, same data) whose
     candidates were chosen by the same reward model: n, win rate ± SE and cost, by n (one point per n: the
@@ -141,7 +150,7 @@ def best_of_n_curve(records: Iterable[dict], evaluation_key: str) -> list[dict]:
     scorer = by_key.get(board["inputs"].get("outputs", ""), {}).get("inputs", {}).get("reward")
     points: dict[int, dict] = {}
     for r in records:
-        if r["ref"]["stage"] != "evaluate" or r.get("config") != board.get("config"):
+        if r["ref"]["stage"] != "evaluate" or settled(r.get("config")) != settled(board.get("config")):
             continue
         if r["inputs"].get("data") != board["inputs"].get("data"):
             continue
@@ -224,7 +233,7 @@ def plot_cost(rows: Sequence[dict], path: str, curve: Sequence[dict] = (), title
     ax.set_title(title)
     ax.grid(alpha=0.3)
     if front or len(curve) >= 2:
-        ax.legend(loc="lower right", fontsize=7)
+        ax.legend(loc="best", fontsize=7)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
