@@ -344,7 +344,7 @@ class AnnotatorConfig(Section):
         return {**data, **{k: (list(v) if isinstance(v, list) else v) for k, v in fixed.items()}}
 
     @model_serializer(mode="wrap")
-    def _labeler_only_when_set(self, handler: Any) -> Any:
+    def _labeler_only_when_set(self, handler: Any) -> dict[str, Any]:
         # configs recorded before kind 'human' existed have no labeler: every other kind's dump stays the same
         data = handler(self)
         if self.labeler is None and isinstance(data, dict):
