@@ -331,3 +331,47 @@ def test_ranking_agreement_and_pareto_and_nested_subsets(tmp_path):
     assert [len(s) for s in shares.values()] == [2, 4, 8, 16]
     assert shares[0.125] < shares[0.25] < shares[0.5] < shares[1]
     assert all(any(r["id"] == "v" for r in subsample(rows, f, 0)) for f in shares)
+
+
+def test_api_dollars_and_requests_of_a_row_are_its_annotation_and_judging_spend(monkeypatch, tmp_path):
+    """Annotation and evaluation by API judges on the loopback judge server: a row's API requests are the ones the
+    server answered, its dollars the annotate stage's run total plus the evaluation's cache rows."""
+    import pyarrow as pa
+    from test_api_annotators import KEY, judge, make_rows, pool
+
+    from farmflow.annotators.server import JudgeConfig, JudgeServer
+    from farmflow.evaluation.cost import by_evaluation, cost_rows
+    from farmflow.labeling.labels import simulated_labels
+    from farmflow.storage.schemas import SCHEMAS
+    from farmflow.tasks.pipeline import annotate_task, evaluate_task
+
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    monkeypatch.delenv("OPENAI_BASE_URL", raising=False)
+    uri = str(tmp_path / "store")
+    store = open_store(uri)
+    rows = make_rows(12)
+
+    def table(kind: str, given: list[dict]) -> pa.Table:
+        return pa.Table.from_pylist([{k: r.get(k) for k in SCHEMAS[kind].names} for r in given], schema=SCHEMAS[kind])
+
+    references = [r | {"split": "eval", "family": "x", "output": r["output_1"]} for r in rows]
+    data = store.put_table("data", "d", table("instructions", references), "instructions")
+    pairs = store.put_table("sample_pairs", "p", table("pairs", rows), "pairs", inputs={"data": data})
+    server = JudgeServer(JudgeConfig(api_key=KEY))
+    with server as url:
+        annotated = annotate_task.fn(uri, pool(judge(model="gpt-4o", batch_size=4, base_url=url)), pairs)
+        # a policy trained on those preferences answers the evaluation set (its outputs: each pair's output_2)
+        answers = [r | {"output": r["output_2"], "generator": "m"} for r in rows]
+        outputs = store.put_table(
+            "generate", "o", table("outputs", answers), "outputs", inputs={"data": data, "policy": annotated}
+        )
+        judge_e = judge(name="e", model="gpt-4o", batch_size=3, base_url=url)
+        evaluation = evaluate_task.fn(uri, pool(judge_e), outputs, data)
+        requests = server.state.stats["requests"]
+    board = [{"method": "m", "win_rate": 50.0, "evaluation_key": evaluation.key}]
+    row = cost_rows(board, store.records(), simulated_labels(store), by_evaluation(store, board))[0]
+    eval_rows = [r for r in simulated_labels(store) if r["annotator"] == "e"]
+    assert annotated.metrics["requests"] == 3 and len(eval_rows) == 12 and requests == 3 + 4
+    assert row["api_requests"] == pytest.approx(requests)
+    assert row["api_usd"] == pytest.approx(annotated.metrics["cost_usd"] + sum(r["price_usd"] for r in eval_rows))
+    assert row["api_usd"] > annotated.metrics["cost_usd"] > 0
