@@ -169,6 +169,8 @@ PINNED_KEYS = {
     "sft": "sft-76ad2664987ec336242bcc5bf98b1479",
     "sample_pairs": "sample_pairs-c8291d9e85d2d028dc79a635e6272b30",
     "annotate": "annotate-518e10c9fe80742205872791251e73d4",
+    "human_preferences": "human_preferences-8485e20a618b94c3dbf97d01dd3e94ce",
+    "subsample_preferences": "subsample_preferences-cd909ce6c1cc6073ff41928c85a12958",
     "train_reward": "train_reward-a8a662e5161cdb1ba196d0da5c9c2cc1",
     "generate": "generate-ed626207fc38506011a601de05b9e4d0",
     "generate_json": "generate-ed626207fc38506011a601de05b9e4d0",
@@ -216,6 +218,8 @@ def _pinned_cases() -> dict:
         "sft": (cfg.sft, {"data": data, "base": _ref("base_model")}),
         "sample_pairs": (cfg.pairs, {"data": data, "policy": sft}),
         "annotate": (cfg.annotation, {"pairs": _ref("sample_pairs")}),
+        "human_preferences": ({"labeler": "alice", "labels": "d" * 16}, {"pairs": _ref("sample_pairs")}),
+        "subsample_preferences": ({"fraction": 0.25, "seed": 0}, {"preferences": pref}),
         "train_reward": (cfg.reward, {"preferences": pref, "sft": sft}),
         "generate": (gen, {"data": data, "policy": sft}),
         "generate_json": (

@@ -166,6 +166,11 @@ def annotate(
     `AnnotationIncomplete` unless `allow_incomplete`.
     `progress(n)` is told of every `n` pairs settled (judged, failed, cached, tied or noised).
     """
+    if cfg.kind == "human":  # people's labels are read from the store, never asked for here
+        raise ValueError(
+            f"annotator human:{cfg.labeler} labels only the preference stage (annotation=human:NAME); to judge "
+            f"evaluations with people's labels: farmflow leaderboard --judge human:{cfg.labeler}"
+        )
     if cfg.kind == "oracle":
         table = _annotate_oracle(rows, cfg)
         if progress:

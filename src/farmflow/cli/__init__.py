@@ -11,7 +11,7 @@
 | `models` | models get, models import, models ls |
 | `server` | server |
 | `label` | label serve, label export, label import |
-| `study` | study validate |
+| `study` | study validate, study feedback |
 | `plot` | plot curves |
 | `samples` | samples |
 """
@@ -22,7 +22,21 @@ import sys
 
 import typer
 
-from farmflow.cli import annotators, config, evaluate, history, label, models, plot, runs, samples, server, store, study
+from farmflow.cli import (
+    annotators,
+    config,
+    evaluate,
+    feedback,
+    history,
+    label,
+    models,
+    plot,
+    runs,
+    samples,
+    server,
+    store,
+    study,
+)
 from farmflow.cli.errors import FarmflowGroup
 from farmflow.cli.logs import LOG_DIR_ENV, State
 from farmflow.cli.output import print_json  # noqa: F401 - part of the package's interface
@@ -50,7 +64,7 @@ def options(
     State.debug = debug
 
 
-for group in (runs, history, evaluate, config, store, annotators, models, server, label, study, plot, samples):
+for group in (runs, history, evaluate, config, store, annotators, models, server, label, study, feedback, plot, samples):
     group.register(app)
 
 

@@ -275,6 +275,73 @@ def local_judge(store: Optional[str] = None, port: int = LOCAL_JUDGE_PORT) -> It
             proc.kill()
 
 
+def human_reference(
+    files: list[Path],
+    oracle: bool,
+    preset: str,
+    store: Optional[str],
+    draws: int,
+    as_json: bool,
+    plot: Optional[Path] = None,
+) -> None:
+    """`farmflow eval annotators --reference human`: every simulated annotator against the people's labels in the
+    store, and the people against each other (`farmflow.evaluation.human`).
+
+    The simulated labels: with --oracle, every oracle annotator of the preset's evaluation pool labels the pairs
+    people labeled (`draws` times each); with FILES, the files' labels; else the row cache's labels of those pairs."""
+    from farmflow.cli.output import print_json, say
+    from farmflow.cli.store import open_given
+    from farmflow.evaluation import analysis
+    from farmflow.evaluation.human import agreement_markdown, human_agreement
+    from farmflow.labeling.labels import all_labels, simulated_labels
+
+    st = open_given(store)
+    people = all_labels(st)
+    if not people:
+        raise UsageError(f"no human labels in {st.root}: label pairs with `farmflow label serve` or import a file")
+    if oracle:
+        from farmflow.annotators import task_from_text
+        from farmflow.config import load_config
+        from farmflow.data.synthetic import task_to_json
+
+        pairs = {analysis.pair_key(r)[0]: r for r in people}.values()
+        tasked = [r | {"task": task_to_json(t)} for r in pairs if (t := task_from_text(r["instruction"], r["input"]))]
+        if not tasked:
+            raise UsageError("--oracle: none of the labeled pairs is a synthetic-farm task; give label FILES instead")
+        others = analysis.oracle_labels(tasked, load_config(preset).evaluation.annotator, draws)
+    elif files:
+        others = [r for f in files for r in analysis.load_labels(str(f))]
+    else:
+        others = simulated_labels(st)
+    try:
+        report = human_agreement(people + others)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    boards = [r for r in st.list() if r.stage == "leaderboard"]
+    if boards:  # the newest leaderboard's methods ranked by people and by the simulated judge, when people judged it
+        from farmflow.cli.quality import ranking_line
+        from farmflow.evaluation.cost import by_evaluation
+        from farmflow.evaluation.human import human_preferences, ranking_agreement
+
+        rows = st.read_table(boards[-1]).to_pylist()
+        evaluations = by_evaluation(st, rows)
+        ranks = ranking_agreement(
+            {r["method"]: evaluations.get(r["evaluation_key"], []) for r in rows}, human_preferences(people)
+        )
+        if ranks["methods"]:
+            report["rankings"] = ranks | {"leaderboard": boards[-1].key}
+    if plot and report["annotators"]:
+        analysis.plot_agreement(report["annotators"], str(plot), "Simulated annotators vs people: agreement vs cost")
+    if as_json:
+        print_json(report)
+        return
+    if not report["annotators"]:
+        say("no simulated annotator labeled the pairs people labeled (try --oracle or label FILES)")
+    say(agreement_markdown(report))
+    if "rankings" in report:
+        say(ranking_line(report["rankings"]) + f" (leaderboard {report['rankings']['leaderboard'][:12]})")
+
+
 def register(app: typer.Typer) -> None:
     app.command("judge-server")(judge_server)
     app.command("annotate")(annotate_file)

@@ -160,7 +160,11 @@ def annotators(
     pairs: int = typer.Option(400, min=1, help="With --oracle: at most this many pairs."),
     draws: int = typer.Option(3, min=1, help="With --oracle: labels per annotator and pair (variance needs >= 2)."),
     reference: str = typer.Option(
-        "auto", help="Agreement reference: gold, others (majority of the other annotators) or auto (gold when known)."
+        "auto",
+        help="Agreement reference: gold, others (majority of the other annotators), auto (gold when known) or human "
+        "(the people's labels in --store, annotators human:NAME; with --oracle the oracle pool labels the pairs they "
+        "labeled, without FILES the row cache's labels of those pairs count; people are also compared with each "
+        "other).",
     ),
     plot: Optional[Path] = typer.Option(None, help="Write the agreement-vs-price plot (PNG) here."),
     as_json: bool = typer.Option(False, "--json", help="Print the table as JSON (with the reference used)."),
@@ -206,6 +210,10 @@ def annotators(
         else:
             say(report_markdown(report))
         return
+    if reference == "human":
+        from farmflow.cli.annotators import human_reference
+
+        return human_reference(files or [], oracle, preset, store, draws, as_json, plot)
     if bool(files) == oracle:
         raise UsageError("give label FILES or --oracle (not both)")
     if oracle:

@@ -29,6 +29,18 @@ def leaderboard(
         "table (aligned, for people, with the run and the judge), json (the rows as a list of "
         "objects), csv or md (a Markdown table)."
     ),
+    judge: Optional[str] = typer.Option(
+        None,
+        "--judge",
+        help="human (every person's labels in the store) or human:NAME: win rates over the evaluation pairs people "
+        "labeled, and the Spearman correlation with the simulated judge's ranking.",
+    ),
+    cost: bool = typer.Option(
+        False, "--cost", help="Each row's cost beside its quality: compute seconds, API spend, wall time, Pareto."
+    ),
+    cost_plot: Optional[Path] = typer.Option(
+        None, "--cost-plot", help="With --cost: write the win rate vs cost plot (PNG, Pareto frontier) here."
+    ),
 ) -> None:
     """Print one run's leaderboard from the store's runs table, and where its Parquet, Markdown and plot are."""
     from farmflow.evaluation.history import RUN_COLUMNS, pick_run
@@ -62,6 +74,21 @@ def leaderboard(
         rows, created = st.read_table(latest).to_pylist(), latest.created
         title = f"Leaderboard ({created})"
     uri = latest.uri if latest else None
+    if judge or cost:
+        from farmflow.cli.quality import cost_board, human_board, ranking_line
+
+        if judge:
+            rows, ranks = human_board(st, rows, judge)
+            title += f", judged by {judge}"
+        if cost:
+            cost_board(st, rows, title, fmt, cost_plot, as_json)
+        elif as_json:
+            print_json({"leaderboard": rows, "ranking": ranks})
+        else:
+            print_board(rows, title, fmt)
+        if judge and not as_json and fmt == "table":
+            say(ranking_line(ranks))
+        return
     if as_json:
         run_json = about and about | {"run_at": created}
         print_json({"shown": why, "run": run_json, "artifact": uri, "created": created, "leaderboard": rows})

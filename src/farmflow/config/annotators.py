@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_serializer, model_validator
 
 from farmflow.config.base import MAX_BATCH, MAX_IN_FLIGHT, MAX_ROWS, MAX_TOKENS, Section
 from farmflow.config.credentials import CredentialsInValue, refuse_credentials
@@ -185,11 +185,20 @@ class HFJudgeConfig(Section):
 
 
 class AnnotatorConfig(Section):
-    kind: Literal["oracle", "api", "hf"] = Field(
+    kind: Literal["oracle", "api", "hf", "human"] = Field(
         "oracle",
         description="'oracle': offline simulated annotators that judge with the gold reward plus biases and noise "
         "(pool); 'api': LLM judges on any OpenAI-compatible endpoint (api_pool); 'hf': one local causal LM judging in "
-        "this process from its next-token probabilities, both orders averaged (hf).",
+        "this process from its next-token probabilities, both orders averaged (hf); 'human': a person's labels of the "
+        "sampled pairs in the store (labeler; the preference stage only, the paper's human arm). Also accepted as a "
+        "bare value: annotation=human:NAME.",
+    )
+    labeler: str | None = Field(
+        None,
+        json_schema_extra={"stage_key": False},
+        description="kind 'human': whose labels (annotator human:NAME, given with `farmflow label serve` or "
+        "`farmflow label import`). Keyed through the labels themselves (the human_preferences stage's key holds "
+        "their digest), so new labels make new preferences.",
     )
     preset: str | None = Field(
         None,
@@ -320,7 +329,7 @@ class AnnotatorConfig(Section):
     @classmethod
     def _apply_preset(cls, data: Any) -> Any:
         if isinstance(data, str):
-            data = {"preset": data}
+            data = {"kind": "human", "labeler": data[6:]} if data.startswith("human:") else {"preset": data}
         if not isinstance(data, dict) or not data.get("preset"):
             return data
         name = data["preset"]
@@ -339,8 +348,18 @@ class AnnotatorConfig(Section):
             )
         return {**data, **{k: (list(v) if isinstance(v, list) else v) for k, v in fixed.items()}}
 
+    @model_serializer(mode="wrap")
+    def _labeler_only_when_set(self, handler: Any) -> dict[str, Any]:
+        # configs recorded before kind 'human' existed have no labeler: every other kind's dump stays the same
+        data = handler(self)
+        if self.labeler is None and isinstance(data, dict):
+            data.pop("labeler", None)
+        return data
+
     @model_validator(mode="after")
     def _check_api(self) -> "AnnotatorConfig":
+        if self.kind == "human" and not self.labeler:
+            raise ValueError("kind 'human' needs labeler (whose labels), e.g. annotation=human:alice")
         if self.kind == "api":
             if not self.api_pool:
                 raise ValueError("kind 'api' needs a non-empty api_pool (or a preset)")

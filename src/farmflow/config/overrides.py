@@ -70,8 +70,11 @@ def load_config(
             continue
         if (
             isinstance(node[path[-1]], dict) and "preset" in node[path[-1]] and isinstance(value, str)
-        ):  # annotation=NAME
-            _select_preset(node[path[-1]], value)
+        ):  # annotation=NAME; annotation=human:NAME (a person's labels: no preset)
+            if value.startswith("human:"):
+                node[path[-1]] |= {"preset": None, "kind": "human", "labeler": value.removeprefix("human:")}
+            else:
+                _select_preset(node[path[-1]], value)
             continue
         if (
             isinstance(node[path[-1]], dict) and node[path[-1]] and isinstance(value, dict)

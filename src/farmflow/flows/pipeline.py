@@ -53,9 +53,10 @@ BASELINES = ("untrained", "sft")
 class Upstream:
     """The shared stages every method builds on; each is run (or fetched from the cache) on first use."""
 
-    def __init__(self, run: StageRunner, cfg: FarmConfig):
+    def __init__(self, run: StageRunner, cfg: FarmConfig, given: dict[str, ArtifactRef] | None = None):
+        """`given`: stages already at hand (e.g. ``{"preferences": a subset}``), used instead of running them."""
         self.run, self.cfg = run, cfg
-        self._refs: dict[str, ArtifactRef] = {}
+        self._refs: dict[str, ArtifactRef] = dict(given or {})
         self._locks: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()
 
@@ -86,6 +87,11 @@ class Upstream:
     def preferences(self) -> ArtifactRef:
         def make() -> ArtifactRef:
             pairs = self.run(sample_pairs_task, self.cfg.pairs, data=self.data, policy=self.sft)
+            if self.cfg.annotation.kind == "human":  # the paper's human arm: a person's labels of these pairs
+                from farmflow.tasks.preferences import human_config, human_preferences_task
+
+                config = human_config(self.run.store, self.cfg.annotation.labeler)
+                return self.run(human_preferences_task, config, pairs=pairs)
             return self.run(annotate_task, self.cfg.annotation, pairs=pairs)
 
         return self._get("preferences", make)

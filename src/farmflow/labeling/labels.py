@@ -136,6 +136,26 @@ def labels(store, labeler: str) -> list[dict]:
     return sorted((r for r in current(store, labeler).values() if r["status"] == "ok"), key=lambda r: r["created"])
 
 
+def all_labels(store) -> list[dict]:
+    """Every person's labels in force (annotators ``human:*``, latest row of each key ``ok``), oldest first."""
+    table = store.read_rows(NAMESPACE, NAMESPACE)
+    if not table.num_rows:
+        return []
+    table = table.filter(pc.starts_with(table.column("annotator"), PREFIX))
+    latest = {row["key"]: row for row in table.to_pylist()}
+    return sorted((r for r in latest.values() if r["status"] == "ok"), key=lambda r: r["created"])
+
+
+def simulated_labels(store) -> list[dict]:
+    """The row cache's ok labels of every simulated (not ``human:``) annotator."""
+    table = store.read_rows(NAMESPACE, NAMESPACE)
+    if not table.num_rows:
+        return []
+    table = table.filter(pc.invert(pc.starts_with(table.column("annotator"), PREFIX)))
+    latest = {row["key"]: row for row in table.to_pylist()}
+    return [r for r in latest.values() if r["status"] == "ok" and r["preference"] is not None]
+
+
 # ---------------------------------------------------------------- pairs
 def read_named(path: str | Path) -> tuple[list, list[str] | None]:
     """(rows, their names in error messages) of a .json or .parquet file (None: "row i"), or of a .jsonl or .csv
@@ -185,6 +205,26 @@ def load_pairs(store, source: str) -> list[dict]:
         what = "no such file, and no artifact key matches" if not matches else f"{len(matches)} artifacts match"
         raise DataError(f"--pairs {source!r}: {what}" + (f" ({found}); give more of the key" if found else ""))
     ref = matches[0]
-    if ref.kind != "table" or ref.format not in ("pairs", "preferences"):
+    if ref.kind != "table" or ref.format not in ("pairs", "preferences", "evaluation", "leaderboard"):
         raise DataError(f"--pairs {source!r}: artifact {ref.stage}/{ref.key[:12]} holds {ref.format}, not pairs")
+    if ref.format == "leaderboard":
+        return leaderboard_pairs(store, ref)
     return check_pairs(store.read_table(ref).to_pylist(), None, f"artifact {ref.stage}/{ref.key[:12]}")
+
+
+def leaderboard_pairs(store, board) -> list[dict]:
+    """The evaluation pairs (reference output vs the method's) of every method on a leaderboard, instruction by
+    instruction; a pair two methods share (the same outputs) once. Ids are ``<method>:<instruction id>``."""
+    rows, seen = [], set()
+    for entry in store.read_table(board).to_pylist():
+        ref = store.get("evaluate", entry["evaluation_key"])
+        if ref is None:
+            missing = entry["evaluation_key"][:12]
+            raise DataError(f"leaderboard {board.key[:12]}: evaluation {missing} is not in the store")
+        for r in store.read_table(ref).to_pylist():
+            c1, c2, _ = canonical(r["output_1"], r["output_2"])
+            if (r["instruction"], r["input"], c1, c2) not in seen:
+                seen.add((r["instruction"], r["input"], c1, c2))
+                rows.append(r | {"id": f"{entry['method']}:{r['id']}", "order": r["id"]})
+    rows.sort(key=lambda r: r["order"])
+    return check_pairs(rows, None, f"leaderboard {board.key[:12]}")

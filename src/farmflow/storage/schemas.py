@@ -291,6 +291,20 @@ SCHEMAS: dict[str, pa.Schema] = {
             ("evaluation_key", _STR),
         ]
     ),
+    # the feedback-size study (flows.feedback): one row per (method, share of the PREF pairs); sft at 0 pairs;
+    # reward_accuracy: the reward model's held-out accuracy (NaN where none was trained).
+    "feedback": pa.schema(
+        [
+            ("method", _STR),
+            ("fraction", _F),
+            ("pairs", _I),
+            ("win_rate", _F),
+            ("standard_error", _F),
+            ("mean_gold", _F),
+            ("reward_accuracy", _F),
+            ("evaluation_key", _STR),
+        ]
+    ),
     # every candidate best-of-n drew (an extra table of its artifact, candidates.parquet):
     # candidate `sample` of output row `id`, and its reward; rows prompt-major.
     "candidates": pa.schema([("id", _STR), ("sample", _I), ("output", _STR), ("reward", _F)]),

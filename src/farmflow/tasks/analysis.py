@@ -28,6 +28,7 @@ from farmflow.annotators.oracle import pool_preference
 from farmflow.config import AnnotatorConfig
 from farmflow.data import prompts_of, split_rows
 from farmflow.evaluation import leaderboard_markdown, leaderboard_rows, plot_leaderboard, run_of_rows
+from farmflow.evaluation.cost import cost_report
 from farmflow.evaluation.leaderboard import annotator_label, reference_label
 from farmflow.evaluation.overopt import curve_markdown, curve_rows, plot_curves
 from farmflow.evaluation.reward_report import report_markdown, report_rows
@@ -216,6 +217,7 @@ def leaderboard_task(store_uri: str, evaluations: dict[str, ArtifactRef], title:
     rows = leaderboard_rows(entries, peer_runs)
     key = stage_key("leaderboard", "4", {"title": title, "peers": sorted(r["ref"]["key"] for r in peers)}, evaluations)
     markdown = leaderboard_markdown(rows, title)
+    _, cost_md, cost_png = cost_report(rows, committed, f"{title}: win rate vs cost")
     ref = store.get("leaderboard", key)
     if ref is None:
         with tempfile.TemporaryDirectory() as tmp:
@@ -228,11 +230,21 @@ def leaderboard_task(store_uri: str, evaluations: dict[str, ArtifactRef], title:
             "leaderboard",
             inputs=evaluations,
             metrics={"difficulty_peer_runs": float(len(peers))},
-            extra_files={"leaderboard.md": markdown.encode(), "leaderboard.png": png},
+            extra_files={
+                "leaderboard.md": markdown.encode(),
+                "leaderboard.png": png,
+                "cost.md": cost_md.encode(),
+                "cost.png": cost_png,
+            },
         )
     if TaskRunContext.get() is not None:  # not when called as task.fn(...) outside a flow
         create_markdown_artifact(
             markdown + f"\nParquet, Markdown and plot: `{ref.uri}`\n", key="leaderboard", description=title
+        )
+        create_markdown_artifact(  # each row's cost beside its quality (farmflow leaderboard --cost)
+            cost_md + f"\nPlot (win rate vs cost, Pareto frontier): `{ref.uri}/cost.png`\n",
+            key="leaderboard-cost",
+            description=f"{title}: quality and cost",
         )
         cols = (
             "method",

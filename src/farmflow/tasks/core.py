@@ -13,6 +13,7 @@ from prefect import Task
 import farmflow.tasks.analysis as analysis
 import farmflow.tasks.methods as methods
 import farmflow.tasks.pipeline as pipeline
+import farmflow.tasks.preferences as preferences
 import farmflow.tasks.rl as rl
 from farmflow.progress import log  # noqa: F401 (re-exported: the flows log through it)
 from farmflow.storage import ArtifactRef, LocalStore
@@ -31,6 +32,8 @@ TASKS: dict[str, Task] = {
         pipeline.sample_pairs_task,
         pipeline.annotate_task,
         pipeline.train_reward_task,
+        preferences.human_preferences_task,
+        preferences.subsample_preferences_task,
         pipeline.generate_task,
         pipeline.evaluate_task,
         methods.best_of_n_task,

@@ -160,6 +160,13 @@ STAGES: dict[str, Stage] = {
         ),
         Stage("annotate", "1", ("pairs",), summary=_annotate_summary),
         Stage(
+            "human_preferences",
+            "1",
+            ("pairs",),
+            summary="{labeled:.0f} of {pairs:.0f} pairs labeled ({labeled_pref:.0f} PREF)",
+        ),
+        Stage("subsample_preferences", "1", ("preferences",), summary="{pref_pairs:.0f} PREF pairs"),
+        Stage(
             "train_reward",
             reward.VERSION,
             ("preferences", "sft"),
