@@ -64,7 +64,8 @@ def options(
     State.debug = debug
 
 
-for group in (runs, history, evaluate, config, store, annotators, models, server, label, study, feedback, plot, samples):
+GROUPS = (runs, history, evaluate, config, store, annotators, models, server, label, study, feedback, plot, samples)
+for group in GROUPS:
     group.register(app)
 
 
