@@ -152,9 +152,13 @@ def publish(store_uri: str, ref: Any) -> bool:
     rows = summary(table)
     slug = ref.stage.replace("_", "-").lower()
     desc = f"{ref.stage} {ref.key[:12]}: per-step training metrics (farmflow plot curves {ref.stage} {ref.key[:12]})"
-    png = plot([(ref.stage, table)], dpi=64)  # small: the picture is stored in Prefect's database
-    create_markdown_artifact(markdown(ref.stage, ref.key, png, rows), f"{slug}-curves", desc)
-    create_table_artifact(
-        [{k: (_fmt(v) if k != "figure" else v) for k, v in r.items()} for r in rows], f"{slug}-summary", desc
-    )
+    try:
+        png = plot([(ref.stage, table)], dpi=64)  # small: the picture is stored in Prefect's database
+        create_markdown_artifact(markdown(ref.stage, ref.key, png, rows), f"{slug}-curves", desc)
+        create_table_artifact(
+            [{k: (_fmt(v) if k != "figure" else v) for k, v in r.items()} for r in rows], f"{slug}-summary", desc
+        )
+    except Exception as err:  # noqa: BLE001 - the stage is committed: a picture that cannot be published fails nothing
+        logger.warning("%s: could not publish its training curves (%s: %s)", ref.stage, type(err).__name__, err)
+        return False
     return True
