@@ -50,6 +50,7 @@ def plot(
     Returns the PNG's bytes. Validation rows (``split='val'``) are drawn as points.
     """
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     names = panels(tables, only)
     if not names:
@@ -71,10 +72,11 @@ def plot(
         ax.set_xlabel("step", fontsize=8)
         ax.tick_params(labelsize=7)
         ax.grid(alpha=0.3)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        if len(tables) > 1 and ax.lines:
+            ax.legend(fontsize=6)
     for ax in axes[len(names) :]:
         ax.set_visible(False)
-    if len(tables) > 1:
-        axes[0].legend(fontsize=7)
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     data = buf.getvalue()
@@ -150,8 +152,13 @@ def publish(store_uri: str, ref: Any) -> bool:
     rows = summary(table)
     slug = ref.stage.replace("_", "-").lower()
     desc = f"{ref.stage} {ref.key[:12]}: per-step training metrics (farmflow plot curves {ref.stage} {ref.key[:12]})"
-    create_markdown_artifact(markdown(ref.stage, ref.key, plot([(ref.stage, table)]), rows), f"{slug}-curves", desc)
-    create_table_artifact(
-        [{k: (_fmt(v) if k != "figure" else v) for k, v in r.items()} for r in rows], f"{slug}-summary", desc
-    )
+    try:
+        png = plot([(ref.stage, table)], dpi=64)  # small: the picture is stored in Prefect's database
+        create_markdown_artifact(markdown(ref.stage, ref.key, png, rows), f"{slug}-curves", desc)
+        create_table_artifact(
+            [{k: (_fmt(v) if k != "figure" else v) for k, v in r.items()} for r in rows], f"{slug}-summary", desc
+        )
+    except Exception as err:  # noqa: BLE001 - the stage is committed: a picture that cannot be published fails nothing
+        logger.warning("%s: could not publish its training curves (%s: %s)", ref.stage, type(err).__name__, err)
+        return False
     return True
