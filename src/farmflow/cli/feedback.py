@@ -31,10 +31,14 @@ def feedback(
     from farmflow.cli.errors import UsageError
     from farmflow.cli.runs import load, run_flow, start_temporary_api
     from farmflow.cli.server import prefect_env
+    from farmflow.config import METHODS
 
     prefect_env()
     cfg = load(preset, set_, store)
     methods = [x.strip().replace("-", "_") for m in method for x in m.split(",") if x.strip()] or None
+    unknown = [m for m in methods or [] if m not in METHODS]
+    if unknown:
+        raise UsageError(f"--method: unknown method(s) {unknown}; known: {', '.join(METHODS)}")
     if any(not 0 < f <= 1 for f in fraction):
         raise UsageError("--fraction: each share must be in (0, 1]")
     api_ready = start_temporary_api()

@@ -350,7 +350,7 @@ class AnnotatorConfig(Section):
 
     @model_serializer(mode="wrap")
     def _labeler_only_when_set(self, handler: Any) -> dict[str, Any]:
-        # configs recorded before kind 'human' existed have no labeler: every other kind's dump stays the same
+        # labeler only when set: the recorded config of every other kind (compared across runs) has no such field
         data = handler(self)
         if self.labeler is None and isinstance(data, dict):
             data.pop("labeler", None)

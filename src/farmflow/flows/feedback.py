@@ -20,6 +20,7 @@ import pyarrow as pa
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
+from farmflow.config import METHODS as METHOD_NAMES
 from farmflow.config import FarmConfig
 from farmflow.flows.form import PresetName, prefect_run_name, run_config
 from farmflow.flows.pipeline import REWARD_METHODS, Upstream, method_label, method_outputs
@@ -178,9 +179,9 @@ def feedback_flow(
     rate against the number of pairs (table + plot, also a Prefect markdown artifact)."""
     cfg = run_config(preset, advanced, overrides)
     chosen = tuple(methods or METHODS)
-    unknown = [m for m in chosen if m not in ("best_of_n", "dpo", "expert_iteration", "ppo", "quark", "feedme")]
+    unknown = [m for m in chosen if m not in METHOD_NAMES]
     if unknown:
-        raise ValueError(f"unknown method(s) {unknown} for the feedback study")
+        raise ValueError(f"unknown method(s) {unknown}; known: {', '.join(METHOD_NAMES)}")
     points, run = study_points(cfg, chosen, tuple(fractions or FRACTIONS))
     title = f"Win rate vs preference pairs ({cfg.name})"
     ref = commit_study(run, points, title)
