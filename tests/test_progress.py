@@ -92,6 +92,15 @@ def test_inside_a_task_run_the_lines_go_to_the_runs_prefect_logs(clock, caplog):
     ]
 
 
+def test_a_slow_loop_still_shows_its_rate(clock, caplog):
+    caplog.set_level(logging.INFO, logger="farmflow")
+    with progress("ppo", 3, unit="step") as bar:
+        for _ in range(3):
+            clock.now += 25.0  # 0.04 steps/s
+            bar.update()
+    assert lines(caplog) == ["ppo: 2/3 steps (67%), 0.04 steps/s, 0:25 left", "ppo: 3 steps in 75.0s (0.04 steps/s)"]
+
+
 def test_with_a_terminal_bar_a_run_still_gets_its_progress_lines(clock, caplog, monkeypatch, prefect_harness):
     """The bar is for the terminal; the Prefect UI shows the run's logs, so the periodic lines go there too."""
     caplog.set_level(logging.INFO, logger="prefect.task_runs")

@@ -131,6 +131,27 @@ def test_plot_curves_writes_a_png_with_ppo_reward_and_kl(farm, tmp_path):
     assert res.exit_code != 0 and "no quark artifact" in res.output
 
 
+def test_plot_curves_of_a_run_draws_the_stages_upstream_of_its_evaluations(farm, tmp_path):
+    """A run's training stages: the inputs of its evaluations, followed upstream (ppo ← sft, reward ← sft)."""
+    from datetime import datetime, timezone
+
+    import pyarrow as pa
+
+    from farmflow.cli import app
+    from farmflow.storage.schemas import SCHEMAS
+
+    store = open_store(farm["uri"])
+    row = {"id": "x", "instruction": "i", "input": "", "output_1": "a", "output_2": "b", "generator": "ppo"}
+    table = pa.Table.from_pylist([row], schema=SCHEMAS["evaluation"])
+    ev = store.put_table("evaluate", "e" * 32, table, "evaluation", inputs={"outputs": farm["ppo"]})
+    run = {"run_id": "feedbeef", "flow_run_id": "f", "run_at": datetime.now(timezone.utc), "method": "ppo"}
+    store.append_rows("runs", pa.Table.from_pylist([run | {"evaluation_key": ev.key}], schema=SCHEMAS["runs"]), "runs")
+    out = tmp_path / "run.png"
+    res = CliRunner().invoke(app, ["plot", "curves", "--run", "feed", "-o", str(out), "--store", farm["uri"]])
+    assert res.exit_code == 0 and out.exists(), res.output
+    assert res.output.strip().endswith("(sft, train_reward, ppo)")  # not dpo: no evaluation of this run needs it
+
+
 def test_a_resumed_sft_has_every_step_once(tmp_path, one_torch_thread):
     """A run that resumes from the checkpoint before its last step ends with the uninterrupted run's rows."""
     from farmflow import tasks

@@ -40,6 +40,11 @@ def in_prefect_run() -> bool:
     return FlowRunContext.get() is not None or TaskRunContext.get() is not None
 
 
+def _rate(speed: float) -> str:
+    """A speed with one decimal, or two significant digits below 0.05 (a slow step still shows its rate)."""
+    return f"{speed:.1f}" if speed >= 0.05 or speed == 0 else f"{speed:.2g}"
+
+
 def _clock(seconds: float) -> str:
     m, s = divmod(int(round(seconds)), 60)
     return f"{m // 60}:{m % 60:02d}:{s:02d}" if m >= 60 else f"{m}:{s:02d}"
@@ -69,13 +74,13 @@ class Progress:
             speed = (self.n - self.initial) / max(now - self.start, 1e-9)
             left = f", {_clock((self.total - self.n) / speed)} left" if speed > 0 else ""
             log(
-                "%s: %d/%d %ss (%.0f%%), %.1f %ss/s%s%s",
+                "%s: %d/%d %ss (%.0f%%), %s %ss/s%s%s",
                 self.desc,
                 self.n,
                 self.total,
                 self.unit,
                 100 * self.n / max(self.total, 1),
-                speed,
+                _rate(speed),
                 self.unit,
                 left,
                 self.postfix,
@@ -114,4 +119,4 @@ def progress(desc: str, total: int, unit: str = "it", initial: int = 0) -> Itera
     finally:
         secs = bar.close()
         done = bar.n - initial
-        log("%s: %d %ss in %.1fs (%.1f %ss/s)", desc, done, unit, secs, done / max(secs, 1e-9), unit)
+        log("%s: %d %ss in %.1fs (%s %ss/s)", desc, done, unit, secs, _rate(done / max(secs, 1e-9)), unit)
