@@ -177,7 +177,7 @@ PINNED_KEYS = {
     "best_of_n": "best_of_n-089e62724ce4d3b86f96a9d071890ff1",
     "best_of_n_prefix": "best_of_n_prefix-6f61d74af9757d7d0aa2dfa7cbec91f7",
     "best_of_n_rescore": "best_of_n_rescore-15fd10d6c8660a859ab1c810eeb34ad4",
-    "evaluate": "evaluate-b5e6791e78b5b900377f3b1d4110c36c",
+    "evaluate": "evaluate-e612e33421a02fbe4efb81b8fe1d2e5f",
     "feedme": "feedme-254393a6e02b4540884ae8e5d0ce73b2",
     "reward_conditioning": "reward_conditioning-9d5456ed27b8b61ded9e773afbcd5b91",
     "reference_logps": "reference_logps-fd540a713d2fff8e60ef8e31c9cd75e1",
