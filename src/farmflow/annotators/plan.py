@@ -125,8 +125,7 @@ def settle(
         while waiting:
             keys = [k for p in waiting.values() for k in p]
             mine = claims.claim([k for k in keys if claims.may_claim(k)])
-            if said:
-                cache.recover(store)  # what a dead run answered and journaled on this machine
+            cache.recover(store)  # what a run that died (its leases just taken over) journaled on this machine
             fresh, _ = cache.read(store, set(hashes))
             done = {k: fresh[k] for k in keys if k in fresh}
             claims.release(mine & set(done))
