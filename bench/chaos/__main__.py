@@ -122,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
                 rows = [{"fault": name, "injected": "-", "lost": "-", "paid twice": "-",
                          "saw": f"the scenario itself failed: {type(err).__name__}: {err}"}]  # fmt: skip
             minutes = (time.monotonic() - t) / 60
+            if args.results.exists():  # another run of some scenarios may have written meanwhile
+                results = json.loads(args.results.read_text())
             results["scenarios"][name] = {"rows": rows, "minutes": minutes, "command": command}
             print(f"chaos: {name} done in {minutes:.1f} min", file=sys.stderr, flush=True)
             args.results.write_text(json.dumps(results, indent=1) + "\n")

@@ -45,8 +45,11 @@ class Outcome:
 
 
 def env_for(work: Path, **extra: str) -> dict[str, str]:
+    """The environment of a `farmflow` process: this checkout, its own Prefect home and logs (a temporary Prefect
+    server per run unless `extra` sets PREFECT_API_URL), no hub access, plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     env = {
-        **os.environ,
+        **env,
         "PYTHONPATH": str(REPO / "src"),
         "PREFECT_HOME": str(work / "prefect"),
         "FARMFLOW_LOG_DIR": str(work / "logs"),
@@ -55,7 +58,6 @@ def env_for(work: Path, **extra: str) -> dict[str, str]:
         "FARMFLOW_PROGRESS_EVERY_S": "0",
         **extra,
     }
-    env.pop("PREFECT_API_URL", None)
     return env
 
 

@@ -116,32 +116,60 @@ def kill_runs(work: Path, sig: int, count: int, seed: int = 0) -> list[Row]:
     return rows
 
 
-def corrupt_artifacts(work: Path) -> list[Row]:
-    """A finished micro run, then a committed artifact truncated to half (and one row-cache chunk), then the rerun."""
+def corrupt_artifacts(work: Path, n: int = 40) -> list[Row]:
+    """A committed artifact of a finished micro run truncated to half, then the rerun; and a chunk of the annotation
+    row cache truncated to half, then `farmflow annotate` of the same pairs again (judge on loopback)."""
+    from farmflow.annotators.server import JudgeConfig, JudgeServer
+
     store = work / "store-corrupt"
     args = [*MICRO, "--store", str(store)]
     first = farmflow(args, work, timeout_s=900)
     rows = []
-    for name, pattern in (("annotate artifact", "annotate/*/*.parquet"), ("row-cache chunk", "_rows/**/*.parquet")):
-        files = sorted(store.glob(pattern))
-        if not files:
-            rows.append({"fault": f"truncated {name}", "injected": 0, "lost": "-", "paid twice": "-",
-                         "saw": f"no such file after the first run (rc {first.rc})"})  # fmt: skip
-            continue
-        data = files[0].read_bytes()
-        files[0].write_bytes(data[: len(data) // 2])
+    files = sorted(store.glob("annotate/*/*.parquet"))
+    if files:
+        size = files[0].stat().st_size
+        files[0].write_bytes(files[0].read_bytes()[: size // 2])
         rerun = farmflow(args, work, timeout_s=900)
-        fixed = farmflow(args, work, timeout_s=900) if rerun.rc != 0 else rerun
+        sql = farmflow(["sql", "SELECT count(*) FROM preferences", "--store", str(store)], work, timeout_s=300)
+        still = files[0].exists() and files[0].stat().st_size < size
         rows.append(
             {
-                "fault": f"{name} truncated to half ({files[0].relative_to(store)})",
+                "fault": f"committed artifact truncated to half ({files[0].relative_to(store)})",
                 "injected": 1,
-                "lost": 0 if fixed.rc == 0 else "every rerun fails",
+                "lost": "the artifact stays corrupt, undetected" if still else 0,
                 "paid twice": len(rerun.ran()),
-                "saw": f"rerun: {_saw(rerun)}; computed again: {len(rerun.ran())} stages"
-                + ("" if fixed is rerun else f"; second rerun rc {fixed.rc}"),
+                "saw": f"rerun: {_saw(rerun)}, {len(rerun.ran())} stages computed again; "
+                f"`farmflow sql` on the store: {_saw(sql)}",
             }
         )
+    else:
+        rows.append({"fault": "committed artifact truncated", "injected": 0, "lost": "-", "paid twice": "-",
+                     "saw": f"no annotate artifact after the first run ({_saw(first)})"})  # fmt: skip
+    work.mkdir(parents=True, exist_ok=True)
+    pairs_file(work / "pairs.json", n, seed=5)
+    judge = JudgeServer(JudgeConfig())
+    with judge as url:
+        env = env_for(work, OPENAI_API_KEY="chaos")
+        ann = ["annotate", str(work / "pairs.json"), "--annotator", "p_sim_gpt4", "--base-url", url]
+        ann += ["--store", str(work / "store-rows"), "--output", str(work / "annotated.json")]
+        farmflow(ann, work, env, timeout_s=600)
+        paid = sum(judge.state.pairs.values())
+        chunks = sorted((work / "store-rows").glob("_rows/annotations/**/*.parquet"))
+        for chunk in chunks[:1]:
+            chunk.write_bytes(chunk.read_bytes()[: chunk.stat().st_size // 2])
+        again = farmflow(ann, work, env, timeout_s=600)
+        repaid = sum(judge.state.pairs.values()) - paid
+    out = work / "annotated.json"
+    done = json.loads(out.read_text()) if out.exists() and again.rc == 0 else []
+    rows.append(
+        {
+            "fault": f"annotation row-cache chunk truncated to half ({len(chunks)} chunks), same {n} pairs again",
+            "injected": 1 if chunks else 0,
+            "lost": n - sum(r.get("preference") is not None for r in done),
+            "paid twice": repaid,
+            "saw": _saw(again),
+        }
+    )
     return rows
 
 
