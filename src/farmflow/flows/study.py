@@ -140,7 +140,7 @@ def study_task(
         create_markdown_artifact(
             markdown + f"\nParquet, Markdown and plots: `{ref.uri}`\n", key="validation-study", description=title
         )
-        summary = store.read_table(ref, "study_summary.parquet").to_pylist()
+        summary = store.read_table(ref, "study_summary.parquet", "study_summary").to_pylist()
         create_table_artifact(
             [{k: (None if v != v else v) for k, v in r.items()} for r in summary],
             key="validation-study-findings",
@@ -229,7 +229,7 @@ def run_study(
         "replicates": replicates,
         "store": str(run.store.root),
         "rows": run.store.read_table(ref).to_pylist(),
-        "findings": run.store.read_table(ref, "study_summary.parquet").to_pylist(),
+        "findings": run.store.read_table(ref, "study_summary.parquet", "study_summary").to_pylist(),
         "markdown": run.store.read_file(ref, "study.md").decode(),
         "leaderboard": run.store.read_file(board, "leaderboard.md").decode(),
         "artifacts": {"study": ref.uri, "leaderboard": board.uri} | ({"overoptimization": curve.uri} if curve else {}),
