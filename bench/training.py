@@ -465,6 +465,17 @@ def measure(python: Path, side: str, kind: str, folder: Path, threads: int, warm
 GOALS = {"sft": 1.5, "reward": 1.2, "dpo": 1.5}  # farmflow / TRL tokens/s, the goals of the benchmark issue
 
 
+def cpu_entry(kind: str, model: str, runs: dict) -> dict:
+    """The comparison in tokens per CPU second of each side's process: on a machine shared with other work, the
+    share of a core each side gets can differ between its rounds, which moves wall-clock rates but much less this."""
+    return entry(
+        f"{kind} training, {model}, per CPU second",
+        "trained tokens per CPU second",
+        {side: values(rs, "tokens_per_cpu_s") for side, rs in runs.items()},
+        goal=GOALS[kind],
+    )
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worker", nargs=3, metavar=("SIDE", "TRAINER", "FOLDER"), help=argparse.SUPPRESS)
@@ -574,6 +585,7 @@ def main(argv: list[str] | None = None) -> dict:
                     f"{rss['trl']:,.0f} MB (whole process)",
                 )
                 results["entries"].append(e)
+                results["entries"].append(cpu_entry(kind, args.model, runs))
                 results["machine"]["trl_version"] = runs["trl"][0].get("trl_version")
                 print(
                     f"{kind}: farmflow / TRL {e['ratio']:.2f}x ({e['ratio_range'][0]:.2f}-{e['ratio_range'][1]:.2f})",
