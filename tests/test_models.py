@@ -643,3 +643,14 @@ def test_sft_loop_with_packing_trains_like_the_padded_loop(tok):
     assert m_packed["train_tokens"] == m_padded["train_tokens"]
     for (name, p), q in zip(padded.named_parameters(), packed.parameters()):
         assert torch.allclose(p, q, atol=1e-5), name
+
+
+def test_half_precision_on_a_cpu_that_emulates_it_is_flagged():
+    from farmflow.models import slow_half_precision
+
+    assert slow_half_precision("bfloat16", False, {"avx2", "fma"})
+    assert slow_half_precision("float16", False, {"avx2", "avx512_bf16"})
+    assert not slow_half_precision("bfloat16", False, {"avx2", "avx512_bf16"})
+    assert not slow_half_precision("bfloat16", False, {"amx_bf16"})
+    assert not slow_half_precision("bfloat16", True, set())  # a GPU runs it natively
+    assert not slow_half_precision("float32", False, set())

@@ -56,6 +56,7 @@ from farmflow.models.sampling import (
     sample_uniforms,
     score,
 )
+from farmflow.progress import log
 
 hf_logging.disable_progress_bar()  # per-checkpoint load/save bars are noise in stage logs
 
@@ -105,6 +106,21 @@ def build_policy(cfg: ModelConfig, tokenizer: PreTrainedTokenizerFast) -> LlamaF
     return LlamaForCausalLM(config)
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (Linux /proc/cpuinfo; empty elsewhere)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return {f for line in text.splitlines() if line.startswith("flags") for f in line.split(":", 1)[1].split()}
+
+
+def slow_half_precision(dtype: str, on_gpu: bool, flags: set[str]) -> bool:
+    """Whether `dtype` weights would run on a CPU that emulates them (much slower than float32)."""
+    native = {"bfloat16": {"avx512_bf16", "amx_bf16"}, "float16": {"avx512_fp16", "amx_fp16"}}.get(dtype)
+    return native is not None and not on_gpu and not (native & flags)
+
+
 def load_pretrained(cfg: ModelConfig) -> tuple[torch.nn.Module, PreTrainedTokenizerFast]:
     """Any causal LM by local folder, model-cache name (`farmflow models get`) or hub id, ready for our encode/sample
     functions. A hub id that cannot be downloaded raises ModelUnavailable (one line naming the commands that cache it).
@@ -118,6 +134,12 @@ def load_pretrained(cfg: ModelConfig) -> tuple[torch.nn.Module, PreTrainedTokeni
 
     source = resolve_model(cfg.pretrained)
     local = Path(source).is_dir()
+    if slow_half_precision(cfg.dtype, torch.cuda.is_available(), cpu_flags()):
+        log(
+            "model.dtype %s on a CPU without native bfloat16/float16 (no avx512_bf16, amx, avx512_fp16): training and "
+            "sampling run several times slower than float32; set model.dtype=float32",
+            cfg.dtype,
+        )
     revision = None if local else cfg.revision
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, padding_side="right", revision=revision)
