@@ -79,8 +79,8 @@ def test_process_launcher_commits_the_inline_artifact(tmp_path, cfg, caplog, mon
 def test_a_crashing_child_is_one_clear_error(tmp_path, cfg):
     uri = str(tmp_path / "store")
     data, base = _upstream(uri, cfg)
-    for f in open_store(uri).model_dir(base).glob("*.safetensors"):
-        f.unlink()  # the child cannot load the base model
+    config = open_store(uri).model_dir(base) / "config.json"
+    config.write_bytes(b"x" * len(config.read_bytes()))  # same size, not JSON: the child cannot load the base model
     with launching(ExecutionConfig(launcher="process")), pytest.raises(StageLaunchError) as err:
         tasks.sft_task.fn(uri, cfg.sft, data=data, base=base)
     message = str(err.value)

@@ -128,7 +128,7 @@ def test_the_server_offers_the_common_fields_first_and_the_presets_config_as_adv
     compare = _deployment(api_url, "compare/farmflow")
     props = compare.parameter_openapi_schema["properties"]
     order = [k for k, _ in sorted(props.items(), key=lambda kv: kv[1]["position"])]
-    assert order == [*COMMON, "history", "overrides", "advanced"]
+    assert order == [*COMMON, "history", "replicates", "overrides", "advanced"]
     assert props["preset"]["anyOf"][0]["enum"][:2] == ["synthetic-tiny", PRESET] and compare.enforce_parameter_schema
     expected = preset(PRESET).model_dump(mode="json")
     del expected["store"]["uri"]  # the worker's default store (or a --set store.uri override)
@@ -139,6 +139,7 @@ def test_the_server_offers_the_common_fields_first_and_the_presets_config_as_adv
         "eval_size": None,
         "pref_size": None,
         "history": False,
+        "replicates": None,
         "overrides": ["execution.unresponsive_after_s=null"],
         "advanced": expected,
     }

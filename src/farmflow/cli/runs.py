@@ -228,6 +228,7 @@ def run(
     if replicates is not None and flow != "compare":
         raise UsageError("--replicates only applies to the compare flow")
     cfg = load(preset, list(set_) + ([f"evaluation.replicates={replicates}"] if replicates else []), store)
+    check_api()  # before the store check, which creates the store: a run that cannot reach its API leaves nothing
     check_model(cfg)
     compare(cfg, as_json, flow=flow, methods=chosen, api_ready=start_temporary_api())
 

@@ -63,6 +63,10 @@ def _liblinear(X, y: np.ndarray, weight: np.ndarray, C: float) -> np.ndarray:
     from sklearn.linear_model import LogisticRegression
 
     model = LogisticRegression(C=C, l1_ratio=1.0, solver="liblinear", fit_intercept=False, random_state=SEED)
+    for label in (0.0, 1.0):  # a class with no weight at all (every label 0 or every label 1): liblinear drops it
+        absent = y == label  # and prints a warning to stdout per fit; a negligible weight keeps it present
+        if absent.any() and not weight[absent].any():
+            weight = np.where(absent, 1e-9, weight)
     model.fit(X, y, sample_weight=weight)
     return model.coef_[0]
 
