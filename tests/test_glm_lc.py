@@ -204,3 +204,15 @@ def test_cli_winrate_defaults_to_alpaca_eval_lc(tmp_path):
     assert ridge.exit_code == 0 and json.loads(ridge.stdout[ridge.stdout.index("{") :])["lc_length_coef"] > 0
     wrong = runner.invoke(app, ["eval", "winrate", str(files[0]), "--lc-method", "nope"])
     assert wrong.exit_code == 2 and "unknown method 'nope'" in wrong.output
+
+
+def test_a_fit_with_one_class_only_is_quiet_and_finite(capfd):
+    """Hard labels that are all 0 (a model that never wins) leave class 1 without weight; liblinear would drop it and
+    print a warning to stdout on every fit (into the CLI's output)."""
+    from farmflow.evaluation.glm_lc import fit_soft_logistic
+
+    X = np.random.default_rng(0).normal(size=(40, 3))
+    for p in (np.zeros(40), np.ones(40)):
+        coef, _ = fit_soft_logistic(X, p)
+        assert np.isfinite(coef).all()
+    assert "specified in weight is not found" not in capfd.readouterr().out
