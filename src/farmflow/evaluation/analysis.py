@@ -172,7 +172,7 @@ def annotator_table(rows: Sequence[dict], reference: str = "auto") -> list[dict]
                 "agreement": _mean(agreement),
                 "bias": _mean(bias),
                 "variance": _mean(variance),
-                **_preference_rates([(lab["preference"], lab) for lab in mine]),
+                **preference_rates([(lab["preference"], lab) for lab in mine]),
                 "price_per_1000": 1000 * _mean(_known([lab["price_usd"] for lab in mine])),
                 "seconds_per_1000": 1000 * _mean(_known([lab["latency_s"] for lab in mine])),
             }
@@ -187,7 +187,7 @@ def annotator_table(rows: Sequence[dict], reference: str = "auto") -> list[dict]
                 "agreement": math.nan,
                 "bias": math.nan,
                 "variance": 0.0,
-                **_preference_rates(gold),
+                **preference_rates(gold),
                 "price_per_1000": math.nan,
                 "seconds_per_1000": math.nan,
             }
@@ -195,7 +195,8 @@ def annotator_table(rows: Sequence[dict], reference: str = "auto") -> list[dict]
     return table
 
 
-def _preference_rates(labelled: Sequence[tuple[float, dict]]) -> dict[str, float]:
+def preference_rates(labelled: Sequence[tuple[float, dict]]) -> dict[str, float]:
+    """Among decisive (preference, label) pairs: the share for the longer output and for the list-formatted one."""
     longer, lists = [], []
     for p, lab in labelled:
         if p == 1.5:

@@ -26,6 +26,7 @@ from typing import Sequence
 
 from farmflow.evaluation.agreement import wilson
 from farmflow.evaluation.analysis import agree, mode, normalize, pair_key, ranking_correlation
+from farmflow.evaluation.analysis import preference_rates as label_rates
 from farmflow.evaluation.stats import win_rate_stats
 
 HUMAN = "human:"
@@ -48,18 +49,7 @@ def _interval(scores: Sequence[float]) -> dict:
 
 def preference_rates(labels: Sequence[dict]) -> dict[str, float]:
     """Among decisive normalized labels: the share for the longer output and for the list-formatted one."""
-    longer, lists = [], []
-    for lab in labels:
-        p = lab["preference"]
-        if p == 1.5:
-            continue
-        chose_b = p > 1.5
-        (la, lb), (sa, sb) = lab["len"], lab["list"]
-        if la != lb:
-            longer.append(float(chose_b == (lb > la)))
-        if sa != sb:
-            lists.append(float(chose_b == sb))
-    return {"length_pref": _mean(longer), "list_pref": _mean(lists)}
+    return label_rates([(lab["preference"], lab) for lab in labels])
 
 
 def human_agreement(rows: Sequence[dict]) -> dict:
