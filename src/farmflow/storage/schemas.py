@@ -10,6 +10,24 @@ import pyarrow as pa
 
 _STR, _F, _I, _B = pa.string(), pa.float64(), pa.int64(), pa.bool_()
 
+# the columns of a leaderboard row (evaluation.leaderboard_rows), shared by every table that holds leaderboard rows
+_LEADERBOARD = [
+    ("method", _STR),
+    ("family", _STR),
+    ("win_rate", _F),
+    ("standard_error", _F),
+    ("discrete_win_rate", _F),
+    ("lc_win_rate", _F),
+    ("lc_standard_error", _F),
+    ("mean_gold", _F),
+    ("gold_standard_error", _F),
+    ("avg_length", _I),
+    ("n", _I),
+    ("annotator", _STR),
+    ("reference", _STR),
+    ("evaluation_key", _STR),
+]
+
 SCHEMAS: dict[str, pa.Schema] = {
     # data stage: every instruction of every split; `output` is the demonstration (sft),
     # the reference output (eval) or empty; `task` holds the synthetic task as JSON
@@ -126,40 +144,14 @@ SCHEMAS: dict[str, pa.Schema] = {
     # one row per evaluated method (evaluation.leaderboard_rows); mean_gold is NaN without a gold reward.
     "leaderboard": pa.schema(
         [
-            ("method", _STR),
-            ("family", _STR),
-            ("win_rate", _F),
-            ("standard_error", _F),
-            ("discrete_win_rate", _F),
-            ("lc_win_rate", _F),
-            ("lc_standard_error", _F),
-            ("mean_gold", _F),
-            ("gold_standard_error", _F),
-            ("avg_length", _I),
-            ("n", _I),
-            ("annotator", _STR),
-            ("reference", _STR),
-            ("evaluation_key", _STR),
+            *_LEADERBOARD,
         ]
     ),
     # a replicated comparison (evaluation.replicates): a leaderboard row per method (means over the replicates) plus
     # bootstrap intervals, the paired difference to SFT and the rank range (farmflow.evaluation.replicates).
     "replicate_leaderboard": pa.schema(
         [
-            ("method", _STR),
-            ("family", _STR),
-            ("win_rate", _F),
-            ("standard_error", _F),
-            ("discrete_win_rate", _F),
-            ("lc_win_rate", _F),
-            ("lc_standard_error", _F),
-            ("mean_gold", _F),
-            ("gold_standard_error", _F),
-            ("avg_length", _I),
-            ("n", _I),
-            ("annotator", _STR),
-            ("reference", _STR),
-            ("evaluation_key", _STR),
+            *_LEADERBOARD,
             ("replicates", _I),
             ("win_rate_low", _F),
             ("win_rate_high", _F),
@@ -227,20 +219,7 @@ SCHEMAS: dict[str, pa.Schema] = {
             ("config_key", _STR),
             ("history", _B),
             ("leaderboard_key", _STR),
-            ("method", _STR),
-            ("family", _STR),
-            ("win_rate", _F),
-            ("standard_error", _F),
-            ("discrete_win_rate", _F),
-            ("lc_win_rate", _F),
-            ("lc_standard_error", _F),
-            ("mean_gold", _F),
-            ("gold_standard_error", _F),
-            ("avg_length", _I),
-            ("n", _I),
-            ("annotator", _STR),
-            ("reference", _STR),
-            ("evaluation_key", _STR),
+            *_LEADERBOARD,
         ]
     ),
     # the leaderboard history as stores kept it before the runs table (_rows/leaderboard_history/, one chunk
@@ -254,20 +233,7 @@ SCHEMAS: dict[str, pa.Schema] = {
             ("preset", _STR),
             ("config_key", _STR),
             ("leaderboard_key", _STR),
-            ("method", _STR),
-            ("family", _STR),
-            ("win_rate", _F),
-            ("standard_error", _F),
-            ("discrete_win_rate", _F),
-            ("lc_win_rate", _F),
-            ("lc_standard_error", _F),
-            ("mean_gold", _F),
-            ("gold_standard_error", _F),
-            ("avg_length", _I),
-            ("n", _I),
-            ("annotator", _STR),
-            ("reference", _STR),
-            ("evaluation_key", _STR),
+            *_LEADERBOARD,
         ]
     ),
     # over-optimization curves (evaluation.overopt): one row per (point, annotator); a point is
