@@ -69,3 +69,14 @@ def prefect_server(home: Path, **settings: str) -> Iterator[tuple[str, dict, Pat
         yield api_url, env, log
     finally:
         stop(proc)
+
+
+def all_artifacts(client) -> list:
+    """Every artifact a (sync) client's server holds. One read answers at most PREFECT_API_DEFAULT_LIMIT (200) rows,
+    and a session-wide test server holds more than that by the end of a full run, so read page by page."""
+    found: list = []
+    while True:
+        page = client.read_artifacts(offset=len(found), limit=200)
+        found += page
+        if len(page) < 200:
+            return found

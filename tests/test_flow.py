@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from prefect_server import all_artifacts
 
 from farmflow import tasks
 from farmflow.config import load_config
@@ -64,7 +65,7 @@ def test_flow_end_to_end_then_fully_cached_then_only_best_of_n(micro_config):
     from prefect.client.orchestration import get_client
 
     with get_client(sync_client=True) as client:
-        keys = {a.key for a in client.read_artifacts()}
+        keys = {a.key for a in all_artifacts(client)}
     assert {"leaderboard", "leaderboard-table"} <= keys
 
     # same config again: nothing executes, every stage reports cached

@@ -11,6 +11,7 @@ from datetime import datetime, timezone
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from prefect_server import all_artifacts
 from typer.testing import CliRunner
 
 from farmflow.cli import app
@@ -338,7 +339,7 @@ def test_two_compare_runs_are_recorded_and_the_second_publishes_the_trend(micro_
         open(f"{folder}/history.png", "rb").read(4) == b"\x89PNG" and "best_of_2" in open(f"{folder}/history.md").read()
     )
     with get_client(sync_client=True) as client:
-        artifacts = client.read_artifacts()
+        artifacts = all_artifacts(client)
     keys = {
         run: {a.key for a in artifacts if str(a.flow_run_id) == run}
         for run in (first["flow_run_id"], second["flow_run_id"])

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
+from prefect_server import all_artifacts
 from pydantic_core import to_jsonable_python
 from typer.testing import CliRunner
 
@@ -299,7 +300,7 @@ def test_failed_stage_resumes_from_cached_inputs_then_history_accumulates(micro_
     flow_run_ids = {r for r, _, _ in runs}
     with get_client(sync_client=True) as client:
         flow_runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=list(flow_run_ids))))
-        keys = {a.key for a in client.read_artifacts() if str(a.flow_run_id) in flow_run_ids}
+        keys = {a.key for a in all_artifacts(client) if str(a.flow_run_id) in flow_run_ids}
     assert {r.name for r in flow_runs} == {f"compare:best_of_n/synthetic-micro/{first['config_key']}"}
     assert {"leaderboard", "leaderboard-table", "overoptimization", "overoptimization-table"} <= keys
     hits = [m for m in logs if ": cache hit, " in m]

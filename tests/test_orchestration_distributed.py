@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from prefect_server import all_artifacts
 from typer.testing import CliRunner
 
 from farmflow import tasks
@@ -136,7 +137,7 @@ def test_compare_runs_gpu_stages_on_the_gpu_pool_and_reruns_only_the_changed_met
             runs = _stage_runs(client, stage.id, first.start_time)
             assert set(runs) == FIRST and all(r.state.is_completed() for r in runs.values())
             assert runs["generate sft"].name.startswith("generate:sft/synthetic-micro/")
-            artifacts = {a.key for a in client.read_artifacts() if a.flow_run_id == first.id}
+            artifacts = {a.key for a in all_artifacts(client) if a.flow_run_id == first.id}
             assert {"leaderboard", "leaderboard-table", "overoptimization", "overoptimization-table"} <= artifacts
 
             # a changed method parameter, added to the deployment's overrides as in the UI form

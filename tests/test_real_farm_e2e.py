@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from prefect_server import all_artifacts
 
 from farmflow import tasks
 from farmflow.annotators.cache import canonical
@@ -284,5 +285,5 @@ def test_real_format_micro_run_through_the_flow(prefect_harness, one_torch_threa
     from prefect.client.orchestration import get_client
 
     with get_client(sync_client=True) as client:
-        published = [str(a.data) for a in client.read_artifacts()]
+        published = [str(a.data) for a in all_artifacts(client)]
     assert published and not [d for d in published if SECRET in d]

@@ -12,7 +12,7 @@ import time
 from datetime import datetime, timedelta, timezone
 
 import pytest
-from prefect_server import prefect_cli, prefect_server, stop
+from prefect_server import all_artifacts, prefect_cli, prefect_server, stop
 
 pytestmark = pytest.mark.slow
 
@@ -104,7 +104,7 @@ def test_the_scheduler_creates_the_nightly_run_and_it_completes(server, tmp_path
                 assert [r.id for r in client.read_flow_runs(flow_run_filter=by_nightly)] == [
                     run.id
                 ]  # paused: no other run
-                artifacts = {a.key for a in client.read_artifacts() if a.flow_run_id == run.id}
+                artifacts = {a.key for a in all_artifacts(client) if a.flow_run_id == run.id}
                 assert {"leaderboard", "leaderboard-table"} <= artifacts
         finally:
             stop(worker)

@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from prefect_server import all_artifacts
 
 from farmflow import tasks
 from farmflow.evaluation.study import (
@@ -119,7 +120,7 @@ def test_study_flow_on_micro_writes_its_table_plots_and_artifacts_then_is_cached
         assert open(f"{folder}/{png}", "rb").read(4) == b"\x89PNG"
     assert "| finding | value [95% CI] | detail |" in open(f"{folder}/study.md").read()
     with get_client(sync_client=True) as client:
-        keys = {a.key for a in client.read_artifacts()}
+        keys = {a.key for a in all_artifacts(client)}
     assert {"validation-study", "validation-study-findings", "leaderboard"} <= keys
 
     tasks.EXECUTED.clear()
