@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import typer
+from prefect_server import migrated_home
 from procs import python_env
 from typer.testing import CliRunner
 
@@ -29,7 +30,9 @@ STAMP = re.compile(r"^\d\d:\d\d:\d\d\.\d{3} \| ")  # Prefect's console prefix
 
 def farmflow(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
     env = python_env(
-        PREFECT_HOME=str(cwd / "prefect"), PREFECT_LOGGING_LEVEL="INFO", FARMFLOW_LOG_DIR=str(cwd / "logs")
+        PREFECT_HOME=str(migrated_home(cwd / "prefect")),
+        PREFECT_LOGGING_LEVEL="INFO",
+        FARMFLOW_LOG_DIR=str(cwd / "logs"),
     )
     env.pop("PREFECT_API_URL", None)
     env.pop("FARMFLOW_DEBUG", None)

@@ -13,6 +13,7 @@ import time
 
 import httpx
 import pytest
+from prefect_server import migrated_home
 from procs import python_env
 
 CLI = "from farmflow.cli import main; main()"
@@ -52,7 +53,7 @@ def test_server_answers_health_and_stops_on_signal(tmp_path, sig, home):
     env.pop("PREFECT_API_URL", None)
     prefect_home = tmp_path / ".farmflow" / "prefect"
     if home == "set":
-        prefect_home = tmp_path / "elsewhere"
+        prefect_home = migrated_home(tmp_path / "elsewhere")  # default-home checks that a fresh one is created
         env["PREFECT_HOME"] = str(prefect_home)
     else:
         env.pop("PREFECT_HOME")

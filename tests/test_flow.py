@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from prefect_server import all_artifacts
+from prefect_server import all_artifacts, migrated_home
 
 from farmflow import tasks
 from farmflow.config import load_config
@@ -160,7 +160,9 @@ def _fresh_prefect_env(tmp_path, **extra: str) -> dict:
     from procs import python_env
 
     env = python_env(
-        PREFECT_HOME=str(tmp_path / "prefect"), PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="180", **extra
+        PREFECT_HOME=str(migrated_home(tmp_path / "prefect")),
+        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="180",
+        **extra,
     )
     env.pop("PREFECT_API_URL", None)
     return env

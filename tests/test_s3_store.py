@@ -13,6 +13,7 @@ from urllib.parse import urlsplit
 
 import pyarrow as pa
 import pytest
+from prefect_server import migrated_home
 from procs import python_env, run_and_kill_when
 
 from farmflow.storage import COMMIT_FILE, ArtifactRef, StoreError, open_store
@@ -549,9 +550,10 @@ def test_flow_on_s3_then_reused_from_the_bucket_then_deleted_artifact_recomputed
 
     # another machine: a new process with a new Prefect home (its own temporary API) and an
     # empty cache finds Prefect's records and the artifacts in the bucket and runs nothing
-    env = python_env(PREFECT_HOME=str(tmp_path / "prefect-2"), PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="180")
+    env = python_env(
+        PREFECT_HOME=str(migrated_home(tmp_path / "prefect-2")), PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="180"
+    )
     env.pop("PREFECT_API_URL", None)
-    (tmp_path / "prefect-2").mkdir()
     overrides = [
         f"store.uri=s3://{bucket}/farm",
         f"store.endpoint_url={s3_server.endpoint}",
