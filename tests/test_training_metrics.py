@@ -69,6 +69,32 @@ def test_resume_keeps_the_rows_up_to_the_checkpoint_and_the_wall_time():
     assert rows[2]["wall_s"] >= rows[1]["wall_s"]
 
 
+def test_dpo_counts_the_tokens_its_forwards_read(one_torch_thread):
+    """A step reads <s> prompt chosen </s> and <s> prompt rejected </s> of its pairs: with one batch of all pairs,
+    each step counts those 2 × 8 sequences' tokens, here counted from the tokenizer alone."""
+    from test_models import CFG, PROMPTS, RESPONSES
+
+    from farmflow.config import DPOConfig
+    from farmflow.methods import dpo
+    from farmflow.models import build_policy, train_tokenizer
+
+    tok = train_tokenizer(PROMPTS + RESPONSES, vocab_size=384)
+    torch.manual_seed(0)
+    model, ref = build_policy(CFG, tok), build_policy(CFG, tok)
+    prompts, out_1, out_2 = PROMPTS[:8], RESPONSES[:8], RESPONSES[8:16]
+    ref_1, ref_2 = dpo.reference_logps(ref, tok, prompts, out_1, out_2, 128)
+    cfg = DPOConfig(epochs=2, batch_size=8)
+    with recording("dpo", "k" * 16) as rec:
+        dpo.train_dpo(model, tok, prompts, out_1, out_2, [1.0, 2.0] * 4, ref_1, ref_2, cfg, 128)
+    lengths = [
+        2 + len(tok(p, add_special_tokens=False)["input_ids"]) + len(tok(o, add_special_tokens=False)["input_ids"])
+        for p, o in zip(prompts * 2, out_1 + out_2, strict=True)
+    ]
+    assert max(lengths) < 128  # nothing cut
+    rows = rec.table().to_pylist()
+    assert [r["tokens"] for r in rows] == [sum(lengths), 2 * sum(lengths)]
+
+
 # ------------------------------------------------------------------ stages
 @pytest.fixture(scope="module")
 def farm(tmp_path_factory, one_torch_thread):

@@ -50,10 +50,16 @@ def dpo_loss(
 
 
 def sequence_logps(
-    model, tokenizer, prompts: Sequence[str], responses: Sequence[str], max_len: int, average: bool = False
-) -> torch.Tensor:
+    model,
+    tokenizer,
+    prompts: Sequence[str],
+    responses: Sequence[str],
+    max_len: int,
+    average: bool = False,
+    with_tokens: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, int]:
     """Sum (or with `average`, mean) of log π(response token | prefix) over the response tokens (and </s>) of each
-    example.
+    example; `with_tokens` also returns how many tokens the forward read (prompt and response, no padding).
 
     Only the positions that predict a response token are projected onto the vocabulary (`next_token_rows` as
     ``logits_to_keep``), and each token's log-prob is its logit minus the row's logsumexp (no full log-softmax
@@ -65,7 +71,8 @@ def sequence_logps(
     token_logps = logits.gather(1, targets[:, None]).squeeze(1) - logits.logsumexp(-1)
     # back to (example, position), row-major as the logits are, then summed per example (deterministic on a GPU)
     total = token_logps.new_zeros(rows.shape).masked_scatter(rows, token_logps).sum(-1)
-    return total / rows.sum(1).clamp(min=1) if average else total
+    total = total / rows.sum(1).clamp(min=1) if average else total
+    return (total, int(mask.sum())) if with_tokens else total
 
 
 @torch.no_grad()
@@ -148,16 +155,17 @@ def train_dpo(
     trained.train()
     with progress("dpo", total, unit="step", initial=start) as bar:
         for step in range(start, total):
-            step_loss = step_acc = 0.0
+            step_loss = step_acc = step_tokens = 0.0
             for rows in rt.micro_batches():
                 part = batches[step][rows]
                 with rt.accumulate(trained):
-                    logps = sequence_logps(
+                    logps, read = sequence_logps(
                         trained,
                         tokenizer,
                         [pair_prompts[i] for i in part] * 2,
                         [chosen[i] for i in part] + [rejected[i] for i in part],
                         max_len,
+                        with_tokens=True,
                     )
                     pi_c, pi_r = logps[: len(part)], logps[len(part) :]
                     ref_c = torch.tensor([ref_c_all[i] for i in part], device=logps.device)
@@ -169,10 +177,16 @@ def train_dpo(
                     rt.step(trained, opt, sched, 1.0)
                 step_loss += loss.item() * share
                 step_acc += ((pi_c - ref_c) > (pi_r - ref_r)).float().mean().item() * share
+                step_tokens += read
             losses.append(rt.sum(step_loss))
             accs.append(rt.sum(step_acc))
             rec.log(
-                step + 1, epoch=(step + 1) * cfg.epochs / total, loss=losses[-1], **rt.stats, **implicit.figures(rt.sum)
+                step + 1,
+                epoch=(step + 1) * cfg.epochs / total,
+                loss=losses[-1],
+                tokens=int(rt.sum(step_tokens)),
+                **rt.stats,
+                **implicit.figures(rt.sum),
             )
             bar.update(1)
             bar.set_postfix(loss=f"{losses[-1]:.3f}", acc=f"{accs[-1]:.2f}")
