@@ -75,6 +75,31 @@ def test_a_run_in_a_pipe_prints_whole_tables_with_brackets_as_written(farm):
         assert "evaluate best_of_4 [p_sim^ann] (p_sim^eval)" in out  # not swallowed as rich markup
 
 
+def test_a_temporary_api_that_cannot_start_is_one_error_line_naming_its_output(tmp_path):
+    """Prefect's database cannot be opened (its file is a folder here; a full disk reads the same): the run stops
+    with one line that names the temporary API's output file and quotes its last line; the server's own lines and
+    tracebacks stay in that file."""
+    home = tmp_path / "prefect"
+    (home / "prefect.db").mkdir(parents=True)
+    env = python_env(
+        PREFECT_HOME=str(home),
+        FARMFLOW_LOG_DIR=str(tmp_path / "logs"),
+        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="15",
+    )
+    env.pop("PREFECT_API_URL", None)
+    args = ["run", "best-of-n", "--preset", "synthetic-micro", "--store", str(tmp_path / "store")]
+    done = subprocess.run(
+        [sys.executable, "-c", CLI, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 1, done.stderr[-3000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith("error: Prefect's temporary API did not start ("), done.stderr
+    output = Path(re.search(r"its output: (\S+\.log); its last line: ", errors[0]).group(1))
+    assert output.parent == tmp_path / "logs" and "unable to open database file" in output.read_text()
+    assert errors[0].endswith("Application startup failed. Exiting.")
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+
+
 def test_a_failing_run_prints_one_error_line_and_the_log_path(farm, tmp_path):
     """A data file broken mid-row: the data stage fails inside the run; the error is one line naming the file."""
     root, _, _ = farm

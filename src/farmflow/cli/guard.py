@@ -37,28 +37,54 @@ def wrap(argv: list[str], parent: int | None = None) -> list[str]:
     return [argv[0], str(Path(__file__).resolve()), str(parent or os.getpid()), *argv[1:]]
 
 
+API_OUTPUT: list[Path] = []  # the file the temporary API's output goes to, every start of this process appending
+
+
 def guard_temporary_api() -> None:
     """Start Prefect's temporary API server (`SubprocessASGIServer`) under the guard from now on, in this process.
 
     Its start command is Prefect's own (prefect/server/api/server.py, `_run_uvicorn_command`) with the guard in
-    front; tests/test_shutdown.py checks that a killed run leaves no server behind."""
+    front; tests/test_shutdown.py checks that a killed run leaves no server behind. Its output (errors only) goes to
+    one file, ``<run log folder>/<time>-prefect-api-<pid>.log``, not to the run's terminal: a server that cannot
+    start (a full disk, a broken database) prints thousands of lines while Prefect starts it again and again, and
+    the command's one error line names the file instead (`api_start_failed`)."""
     import subprocess
 
     import prefect
     from prefect.server.api.server import SubprocessASGIServer
     from prefect.settings import get_current_settings
 
+    from farmflow.cli.logs import new_path
+
     def run_uvicorn_command(self: Any) -> subprocess.Popen:
         app = ["--app-dir", str(prefect.__module_path__.parent), "--factory", "prefect.server.api.server:create_app"]
         serve = ["--host", "127.0.0.1", "--port", str(self.port), "--log-level", "error", "--lifespan", "on"]
         env = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
-        return subprocess.Popen(
-            args=wrap([sys.executable, "-m", "uvicorn", *app, *serve]),
-            env={**os.environ, **env, **get_current_settings().to_environment_variables(exclude_unset=True)},
-            start_new_session=True,  # Ctrl-C in a terminal reaches the run, which stops it when done with it
-        )
+        if not API_OUTPUT:
+            API_OUTPUT.append(new_path("prefect-api"))
+        with open(API_OUTPUT[0], "ab") as output:  # the child keeps its own handle
+            return subprocess.Popen(
+                args=wrap([sys.executable, "-m", "uvicorn", *app, *serve]),
+                env={**os.environ, **env, **get_current_settings().to_environment_variables(exclude_unset=True)},
+                stdout=output,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # Ctrl-C in a terminal reaches the run, which stops it when done with it
+            )
 
     SubprocessASGIServer._run_uvicorn_command = run_uvicorn_command
+
+
+def api_start_failed(err: BaseException) -> str | None:
+    """The one line for a temporary API that did not start (Prefect raises a RuntimeError saying so): where its output
+    is and the output's last line, which usually says why. None for any other error."""
+    if not isinstance(err, RuntimeError) or "ephemeral Prefect API" not in str(err) or not API_OUTPUT:
+        return None
+    try:
+        lines = [line.strip() for line in API_OUTPUT[0].read_text(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        lines = []
+    last = f"; its last line: {lines[-1][:300]}" if lines else "; it printed nothing"
+    return f"Prefect's temporary API did not start ({str(err).strip()}); its output: {API_OUTPUT[0]}{last}"
 
 
 def _watch(parent: int) -> None:

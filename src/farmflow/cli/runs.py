@@ -14,8 +14,8 @@ from typing import Any, Callable, Optional
 import typer
 
 from farmflow.cli.boards import print_summary
-from farmflow.cli.errors import UsageError
-from farmflow.cli.guard import guard_temporary_api
+from farmflow.cli.errors import CliError, UsageError
+from farmflow.cli.guard import api_start_failed, guard_temporary_api
 from farmflow.cli.logs import State
 from farmflow.cli.logs import start as start_log
 from farmflow.cli.output import console, emit, print_json, say
@@ -97,7 +97,12 @@ def run_flow(name: str, flow: Any, **kwargs: Any) -> Any:
     prefect.flow_engine.capture_sigterm = contextlib.nullcontext
     temporary_api = not prefect.settings.get_current_settings().api.url
     with shutdown.handling():
-        state = flow(**kwargs, return_state=True)
+        try:
+            state = flow(**kwargs, return_state=True)
+        except RuntimeError as err:
+            if line := api_start_failed(err):
+                raise CliError(line) from err
+            raise
     if temporary_api and shutdown.requested() is None:
         settle(state.state_details.flow_run_id)
     return state.result()
