@@ -272,7 +272,7 @@ def test_a_child_stage_commits_its_extra_tables_and_files(tmp_path):
     import pyarrow as pa
 
     from farmflow.storage.schemas import SCHEMAS
-    from farmflow.tasks.launch import OutboxStore, commit_outbox
+    from farmflow.tasks.outbox import OutboxStore, commit_outbox
 
     real, out = open_store(str(tmp_path / "store")), tmp_path / "out"
     outputs = pa.Table.from_pylist(

@@ -19,6 +19,7 @@ pytestmark = pytest.mark.slow
 POOL = "sched-cpu"
 CRASH = re.compile(r"Traceback|InvalidRequestError|Can't evaluate bulk DML|Unexpected error in", re.IGNORECASE)
 HEARTBEAT = "Worker channel heartbeat persistence failed"
+API_FAILED = re.compile(r"Encountered exception in request|Exception in ASGI application")
 
 
 def server_lines(log) -> list[str]:
@@ -120,8 +121,8 @@ def test_the_scheduler_creates_the_nightly_run_and_it_completes(server, tmp_path
 
 
 def test_three_comparisons_at_once_on_one_server(server, tmp_path):
-    """Three compare runs at once on one local server (SQLite), each in its own flow-run process: all complete, and
-    neither the server nor the runs log a locked database."""
+    """Three compare runs at once on one local server (SQLite), each in its own flow-run process: all complete, the
+    runs log no locked database, and no API request fails."""
     from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
     from prefect.settings import PREFECT_API_URL, temporary_settings
@@ -169,9 +170,9 @@ def test_three_comparisons_at_once_on_one_server(server, tmp_path):
             stop(worker)
     assert [r.state.name for r in finished] == ["Completed"] * 3, [r.state.message for r in finished]
     assert starts[-1] < ends[0]  # the three really ran at the same time
-    locked = [
-        line
-        for line in server_lines(server_log) + worker_log.read_text().splitlines()
-        if "database is locked" in line.lower()
-    ]
+    # the runs never met a locked database, and no API request failed (an error there is what a run would see);
+    # Prefect's own background writes (heartbeats, events) may lose SQLite's lock and retry (docs/orchestration.md)
+    locked = [line for line in worker_log.read_text().splitlines() if "database is locked" in line.lower()]
     assert not locked, "\n".join(locked[:10])
+    failed = [line for line in server_log.read_text().splitlines() if API_FAILED.search(line)]
+    assert not failed, "\n".join(failed[:10])

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from prefect_server import migrated_home
 from procs import python_env
 from rl_helpers import TOY_PROMPTS, digit_reward, toy_models
 from test_models import CFG, PROMPTS, RESPONSES
@@ -168,8 +169,9 @@ def test_a_stage_does_not_start_after_a_stop(tmp_path):
 
 
 # ------------------------------------------------------------------ the CLI process
-def _farmflow(args, tmp_path, **kw):
-    env = python_env() | {"PREFECT_HOME": str(tmp_path / "prefect"), "FARMFLOW_LOG_DIR": str(tmp_path / "logs")}
+def _farmflow(args, tmp_path, env=None, **kw):
+    home = migrated_home(tmp_path / "prefect")
+    env = python_env() | {"PREFECT_HOME": str(home), "FARMFLOW_LOG_DIR": str(tmp_path / "logs")} | (env or {})
     env.pop("PREFECT_API_URL", None)
     cmd = [sys.executable, "-c", "from farmflow.cli import main; main()", *args]
     return subprocess.Popen(cmd, env=env, cwd=tmp_path, stderr=subprocess.PIPE, text=True, **kw)
@@ -212,3 +214,37 @@ def test_sigkill_of_a_run_leaves_no_temporary_server(tmp_path):
     if alive:
         os.kill(server, signal.SIGKILL)
     assert not alive, "the temporary Prefect server outlived its killed parent"
+
+
+@pytest.mark.slow
+def test_sigterm_reaches_a_launched_training_child_which_checkpoints(tmp_path):
+    """execution.launcher=process: SFT trains in a child process. SIGTERM to `farmflow run` is passed on to the child,
+    which saves a checkpoint in the store and stops; the command says what was saved and exits 143, and no child is
+    left. (That a rerun resumes from such a checkpoint to the same weights: the test above, for every loop.)"""
+    import re
+    import threading
+
+    store = tmp_path / "store"
+    args = ["run", "best-of-n", "--preset", "synthetic-micro", "--store", str(store)]
+    args += ["--set", "execution.launcher=process", "--set", "sft.epochs=40"]  # 320 steps, ~7 s
+    env = {"FARMFLOW_PROGRESS_EVERY_S": "1", "PREFECT_LOGGING_LEVEL": "INFO"}  # the child's progress, relayed
+    proc = _farmflow(args, tmp_path, env=env)
+    lines: list[str] = []
+    threading.Thread(target=lambda: [lines.append(line) for line in proc.stderr], daemon=True).start()
+    deadline, child = time.monotonic() + 300, None
+    while not any(re.search(r"sft: [1-9]\d*/320 steps", line) for line in lines):
+        assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)[-3000:]
+        child = child or next(
+            (c for c in _children(proc.pid) if b"farmflow.tasks.child" in Path(f"/proc/{c}/cmdline").read_bytes()),
+            None,
+        )
+        time.sleep(0.2)
+    assert child is not None
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 128 + signal.SIGTERM, "".join(lines)[-3000:]
+    time.sleep(0.5)  # the reader thread's last lines
+    (error,) = [line for line in lines if line.startswith("error: ")]
+    step = int(re.search(r"stopped by SIGTERM; sft: stopped after step (\d+) \(checkpoint at step \1", error)[1])
+    assert 0 < step < 320 and not _alive(child), "the launched child outlived the stopped run"
+    (key,) = [p.name for p in (store / "_checkpoints" / "sft").iterdir()]
+    assert LocalStore(store).latest_checkpoint("sft", key)[0] == step

@@ -15,9 +15,11 @@ from typing import get_type_hints
 from pydantic import TypeAdapter
 
 import farmflow.tasks.stage as stages
+from farmflow import shutdown
 from farmflow.storage import ArtifactRef, open_store
 from farmflow.tasks.core import TASKS
-from farmflow.tasks.launch import PARENT_ENV, OutboxStore, exit_with_parent, log_for_parent
+from farmflow.tasks.launch import PARENT_ENV, exit_with_parent, log_for_parent
+from farmflow.tasks.outbox import OutboxStore
 from farmflow.tasks.registry import STAGES
 
 
@@ -38,7 +40,8 @@ def child_main(spec_path: str) -> None:
     options = {k: TypeAdapter(hints[k]).validate_python(v) for k, v in spec["options"].items()}
     stages.OUTBOX = OutboxStore(open_store(spec["store_uri"]), Path(spec["out"]), writer=is_main_process())
     try:
-        stages.run_stage(stage, fn, spec["store_uri"], config, {**inputs, **options})
+        with shutdown.handling():  # SIGTERM from the parent (its own stop): checkpoint and stop, as inline
+            stages.run_stage(stage, fn, spec["store_uri"], config, {**inputs, **options})
     except Exception as e:  # for the parent's message: under accelerate launch the log ends with the launcher's report
         (Path(spec["out"]) / f"error-{os.environ.get('RANK', '0')}.txt").write_text(f"{type(e).__name__}: {e}")
         raise
