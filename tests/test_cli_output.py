@@ -94,9 +94,9 @@ def test_a_temporary_api_that_cannot_start_is_one_error_line_naming_its_output(t
     assert done.returncode == 1, done.stderr[-3000:]
     errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and errors[0].startswith("error: Prefect's temporary API did not start ("), done.stderr
-    output = Path(re.search(r"its output: (\S+\.log); its last line: ", errors[0]).group(1))
-    assert output.parent == tmp_path / "logs" and "unable to open database file" in output.read_text()
-    assert errors[0].endswith("Application startup failed. Exiting.")
+    output = Path(re.search(r"its output: (\S+\.log); its last error: ", errors[0]).group(1))
+    assert output.parent == tmp_path / "logs" and "Traceback" in output.read_text()
+    assert errors[0].endswith("OperationalError: (sqlite3.OperationalError) unable to open database file")
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
 
 

@@ -18,6 +18,7 @@ fast as the module's own).
 from __future__ import annotations
 
 import os
+import re
 import runpy
 import signal
 import sys
@@ -76,14 +77,15 @@ def guard_temporary_api() -> None:
 
 def api_start_failed(err: BaseException) -> str | None:
     """The one line for a temporary API that did not start (Prefect raises a RuntimeError saying so): where its output
-    is and the output's last line, which usually says why. None for any other error."""
+    is and the last exception it printed (else its last line), which usually says why. None for any other error."""
     if not isinstance(err, RuntimeError) or "ephemeral Prefect API" not in str(err) or not API_OUTPUT:
         return None
     try:
         lines = [line.strip() for line in API_OUTPUT[0].read_text(errors="replace").splitlines() if line.strip()]
     except OSError:
         lines = []
-    last = f"; its last line: {lines[-1][:300]}" if lines else "; it printed nothing"
+    errors = [line for line in lines if re.match(r"[\w.]*(Error|Exception)\b.*:", line)]  # an exception's own line
+    last = f"; its last error: {errors[-1][:300]}" if errors else f"; its last line: {lines[-1][:300]}" if lines else ""
     return f"Prefect's temporary API did not start ({str(err).strip()}); its output: {API_OUTPUT[0]}{last}"
 
 
