@@ -14,8 +14,7 @@ os.environ.setdefault("FARMFLOW_LOG_DIR", tempfile.mkdtemp(prefix="farmflow-logs
 import pytest  # noqa: E402
 
 # The files that take longest (2 to 6 minutes each on 2 cores), started first. `make test` runs two xdist workers that
-# take one file at a time in collection order (--no-loadscope-reorder: xdist would otherwise start the files with the
-# most tests first); a long file started last would run alone at the end.
+# take one file at a time in collection order; a long file started last would run alone at the end.
 LONGEST_FIRST = (
     "test_orchestration_distributed.py",
     "test_smol_e2e.py",
