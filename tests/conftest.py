@@ -13,8 +13,9 @@ os.environ.setdefault("FARMFLOW_LOG_DIR", tempfile.mkdtemp(prefix="farmflow-logs
 
 import pytest  # noqa: E402
 
-# The files that take longest (2 to 6 minutes each on 2 cores), started first. `make test` runs two xdist workers that
-# take one file at a time in collection order; a long file started last would run alone at the end.
+# The files that take longest (2 to 6 minutes each on 2 cores), first in the collection order, so a serial run starts
+# them first. `make test`'s two xdist workers take one file at a time, the files with the most tests first; among
+# files with as many tests they keep this order.
 LONGEST_FIRST = (
     "test_orchestration_distributed.py",
     "test_smol_e2e.py",
