@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -50,6 +51,36 @@ def test_a_lease_is_held_once_and_a_dead_owner_on_another_machine_expires_after_
     c = Leases(store, ttl=1.0)
     assert c.try_acquire("stages/x/k") and c.try_acquire("stages/x/other")  # released by b.close()
     c.close()
+
+
+def test_a_local_lease_folder_removed_by_one_holder_while_another_takes_it_is_made_again(tmp_path):
+    """On a local store a lease's folder goes with its last file, so a taker can find it gone between making it and
+    writing, or between listing it and reading: four holders taking and releasing one lease 500 times each raise
+    nothing and end with no lease left."""
+    store = open_store(tmp_path / "store")
+    errors: list[BaseException] = []
+    taken = []
+
+    def hammer() -> None:
+        leases = Leases(store, ttl=30.0)
+        try:
+            for _ in range(500):
+                if leases.try_acquire("annotations/k"):
+                    taken.append(1)
+                    leases.release("annotations/k")
+        except Exception as err:  # noqa: BLE001 - collected for the assert below
+            errors.append(err)
+        finally:
+            leases.close()
+
+    threads = [threading.Thread(target=hammer) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert len(taken) >= 500  # the holders did take the lease, again and again
+    assert not list((tmp_path / "store" / "_leases").rglob("*.json"))
 
 
 # ------------------------------------------------------------------ annotation pairs across processes

@@ -145,7 +145,10 @@ class Leases:
     def _top(self, name: str) -> tuple[int, dict | None] | None:
         """(highest generation, its content; None if it vanished meanwhile), or None without any."""
         with self.store._io():
-            paths = sorted(self.store.fs.glob(f"{self._dir(name)}/*.json"))
+            try:
+                paths = sorted(self.store.fs.glob(f"{self._dir(name)}/*.json"))
+            except FileNotFoundError:  # a local lease folder removed by its last holder while it was listed
+                paths = []
             if not paths:
                 return None
             gen = int(paths[-1].rsplit("/", 1)[1].split(".")[0])

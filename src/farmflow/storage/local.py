@@ -122,9 +122,18 @@ class LocalStore(Store):
 
     def _create(self, path: str, data: bytes) -> bool:
         final = Path(path)
-        final.parent.mkdir(parents=True, exist_ok=True)
         tmp = final.parent / f".{final.name}-{uuid.uuid4().hex[:8]}.tmp"
-        tmp.write_bytes(data)
+        for _ in range(100):
+            # A lease's folder goes when its last file does (`Leases._delete`), so another process may remove it
+            # between this mkdir and the write; once `tmp` is in it the folder is not empty and stays.
+            try:
+                final.parent.mkdir(parents=True, exist_ok=True)
+                tmp.write_bytes(data)
+                break
+            except (FileNotFoundError, FileExistsError):  # mkdir saw the folder, then it was gone: make it again
+                continue
+        else:
+            raise OSError(f"could not create {final}: its folder keeps vanishing")
         try:
             os.link(tmp, final)  # fails if `final` exists: the first creator wins, and its content is complete
             return True
