@@ -59,7 +59,8 @@ def rows_of(*runs: tuple[dict, list[dict]]) -> list[dict]:
 
 # -------------------------------------------------------------- the plain functions
 def test_run_rows_put_the_run_before_each_leaderboard_row_and_nan_gold_becomes_null():
-    table = run_rows([board_row("sft", 40.0, 3.0, gold=0.5), board_row("dpo", 55.5, 4.0)], run_info(1))
+    cost = {"train_seconds": 10.0, "wall_seconds": 12.5, "api_usd": 0.25, "api_requests": 40.0, "pareto": True}
+    table = run_rows([board_row("sft", 40.0, 3.0, gold=0.5) | cost, board_row("dpo", 55.5, 4.0)], run_info(1))
     assert table.schema == SCHEMAS["runs"]
     rows = table.to_pylist()
     assert [(r["run_id"], r["preset"], r["method"], r["win_rate"]) for r in rows] == [
@@ -68,6 +69,8 @@ def test_run_rows_put_the_run_before_each_leaderboard_row_and_nan_gold_becomes_n
     ]
     assert [r["mean_gold"] for r in rows] == [0.5, None]  # the real farm has no gold reward: null, not NaN
     assert rows[0]["leaderboard_key"] == "lb1" and rows[1]["evaluation_key"] == "ev-dpo" and rows[0]["history"] is True
+    assert {k: rows[0][k] for k in cost} == cost  # each row's cost rides along
+    assert rows[1]["wall_seconds"] is None and rows[1]["pareto"] is None
 
 
 def test_a_change_of_exactly_two_combined_ses_is_not_flagged_just_above_is():

@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 
 from farmflow.cli import app
 from farmflow.config import AnnotatorConfig, load_config
+from farmflow.evaluation.cost import COST_COLUMNS
 from farmflow.labeling.labels import labels, load_pairs
 from farmflow.labeling.server import make_app
 from farmflow.storage import open_store
@@ -235,6 +236,11 @@ def test_human_arm_people_as_reference_and_judge_and_cost(farm, tmp_path):
         for r in costed.values()
     )
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    stored = {r["method"]: r for r in store.read_table(board).to_pylist()}  # the board's Parquet holds the same
+    for method, r in costed.items():
+        assert {c: stored[method][c] for c in (*COST_COLUMNS, "pareto")} == pytest.approx(
+            {c: r[c] for c in (*COST_COLUMNS, "pareto")}
+        )
 
 
 def test_human_annotator_config_is_a_bare_value_and_leaves_other_keys_alone():
@@ -375,3 +381,10 @@ def test_api_dollars_and_requests_of_a_row_are_its_annotation_and_judging_spend(
     assert row["api_requests"] == pytest.approx(requests)
     assert row["api_usd"] == pytest.approx(annotated.metrics["cost_usd"] + sum(r["price_usd"] for r in eval_rows))
     assert row["api_usd"] > annotated.metrics["cost_usd"] > 0
+    # the leaderboard stage writes the same cost into its Parquet table (and so into the runs row log)
+    from farmflow.tasks.analysis import leaderboard_task
+
+    stored = open_store(uri).read_table(leaderboard_task.fn(uri, {"m": evaluation})).to_pylist()[0]
+    for column in COST_COLUMNS:
+        assert stored[column] == pytest.approx(row[column])
+    assert stored["pareto"] is True and stored["api_usd"] > 0

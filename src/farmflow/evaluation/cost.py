@@ -239,13 +239,16 @@ def plot_cost(rows: Sequence[dict], path: str, curve: Sequence[dict] = (), title
     plt.close(fig)
 
 
-def cost_report(rows: Sequence[dict], records: Iterable[dict], title: str) -> tuple[list[dict], str, bytes]:
-    """(cost rows, their Markdown, the quality–cost plot as PNG bytes) of leaderboard rows, from the records."""
+def cost_report(
+    rows: Sequence[dict], records: Iterable[dict], title: str, cache_rows: Sequence[dict] = (), evaluations=None
+) -> tuple[list[dict], str, bytes]:
+    """(cost rows, their Markdown, the quality–cost plot as PNG bytes) of leaderboard rows, from the records (and the
+    row cache's prices of the evaluation pairs: `cost_rows`)."""
     import tempfile
     from pathlib import Path
 
     records = list(records)
-    costed = cost_rows(rows, records)
+    costed = cost_rows(rows, records, cache_rows, evaluations)
     bon = next((r for r in costed if r["method"].startswith("best_of_")), None)
     curve = best_of_n_curve(records, bon["evaluation_key"]) if bon else []
     with tempfile.TemporaryDirectory() as tmp:

@@ -28,6 +28,19 @@ _LEADERBOARD = [
     ("evaluation_key", _STR),
 ]
 
+# what a leaderboard row cost (farmflow.evaluation.cost): compute seconds to train, to answer the evaluation set and to
+# judge it, their sum, the API spend on its annotations and judgments, and whether it is on the win rate vs cost
+# Pareto frontier; null where its stages' records are not in the store.
+_COST = [
+    ("train_seconds", _F),
+    ("answer_seconds", _F),
+    ("judge_seconds", _F),
+    ("wall_seconds", _F),
+    ("api_usd", _F),
+    ("api_requests", _F),
+    ("pareto", _B),
+]
+
 SCHEMAS: dict[str, pa.Schema] = {
     # data stage: every instruction of every split; `output` is the demonstration (sft),
     # the reference output (eval) or empty; `task` holds the synthetic task as JSON
@@ -141,12 +154,8 @@ SCHEMAS: dict[str, pa.Schema] = {
             ("p_1_shown_second", _F),
         ]
     ),
-    # one row per evaluated method (evaluation.leaderboard_rows); mean_gold is NaN without a gold reward.
-    "leaderboard": pa.schema(
-        [
-            *_LEADERBOARD,
-        ]
-    ),
+    # one row per evaluated method (evaluation.leaderboard_rows) with its cost; mean_gold is NaN without a gold reward.
+    "leaderboard": pa.schema([*_LEADERBOARD, *_COST]),
     # a replicated comparison (evaluation.replicates): a leaderboard row per method (means over the replicates) plus
     # bootstrap intervals, the paired difference to SFT and the rank range (farmflow.evaluation.replicates).
     "replicate_leaderboard": pa.schema(
@@ -207,7 +216,7 @@ SCHEMAS: dict[str, pa.Schema] = {
     # the runs (a row log under _rows/runs/, one chunk per flow run that ends in a leaderboard: compare runs,
     # nightly and manual, and single-method flows): the run (run_id: the last 8 hex digits of its flow-run id,
     # when, which flow, preset, config key, whether it publishes the trend, its leaderboard artifact) followed
-    # by one leaderboard row per method; mean gold null where there is no gold reward (the real farm).
+    # by one leaderboard row per method with its cost; mean gold null where there is no gold reward (the real farm).
     "runs": pa.schema(
         [
             ("run_id", _STR),
@@ -220,6 +229,7 @@ SCHEMAS: dict[str, pa.Schema] = {
             ("history", _B),
             ("leaderboard_key", _STR),
             *_LEADERBOARD,
+            *_COST,
         ]
     ),
     # the leaderboard history as stores kept it before the runs table (_rows/leaderboard_history/, one chunk

@@ -32,6 +32,7 @@ from farmflow.evaluation.cost import cost_report
 from farmflow.evaluation.leaderboard import annotator_label, reference_label
 from farmflow.evaluation.overopt import curve_markdown, curve_rows, plot_curves
 from farmflow.evaluation.reward_report import report_markdown, report_rows
+from farmflow.labeling.labels import simulated_labels
 from farmflow.methods.dpo import reference_logps
 from farmflow.models import load_policy, load_reward, score
 from farmflow.progress import progress
@@ -215,9 +216,11 @@ def leaderboard_task(store_uri: str, evaluations: dict[str, ArtifactRef], title:
             run_of_rows(store.read_table(ArtifactRef.model_validate(r["ref"])).to_pylist())
         )
     rows = leaderboard_rows(entries, peer_runs)
-    key = stage_key("leaderboard", "4", {"title": title, "peers": sorted(r["ref"]["key"] for r in peers)}, evaluations)
+    key = stage_key("leaderboard", "5", {"title": title, "peers": sorted(r["ref"]["key"] for r in peers)}, evaluations)
     markdown = leaderboard_markdown(rows, title)
-    _, cost_md, cost_png = cost_report(rows, committed, f"{title}: win rate vs cost")
+    judged = {e["evaluation_key"]: e["rows"] for e in entries}  # the judges' API spend on them, from the row cache
+    cache = simulated_labels(store)
+    rows, cost_md, cost_png = cost_report(rows, committed, f"{title}: win rate vs cost", cache, judged)
     ref = store.get("leaderboard", key)
     if ref is None:
         with tempfile.TemporaryDirectory() as tmp:
