@@ -25,7 +25,7 @@ from farmflow.evaluation.glm_lc import (
     length_feature,
     sigmoid,
 )
-from farmflow.evaluation.glm_leaderboard import compare, leaderboard, read_judgments, read_published
+from farmflow.evaluation.glm_leaderboard import compare, held_out, leaderboard, read_judgments, read_published
 from farmflow.evaluation.lc import length_controlled_winrate
 
 AE2 = Path(__file__).resolve().parents[2] / "shared" / "data" / "alpaca_eval_2_judgments"
@@ -123,7 +123,7 @@ def shared_boards():
         pytest.skip(f"shared data not found at {AE2}")
     rows, dups = read_judgments(AE2 / "judgments.parquet")
     published = read_published(AE2 / "leaderboard.csv")
-    positional, info = leaderboard(rows, by_position=True, difficulty_Cs=np.array([JOINT_C]))
+    positional, info = leaderboard(rows, difficulty_Cs=np.array([JOINT_C]))  # by position: the default
     return dups, info, published, positional
 
 
@@ -139,6 +139,18 @@ def test_shared_leaderboard_reproduces_alpaca_eval_2(shared_boards):
     assert s["max_abs_delta"] <= 1.3
     base = next(r for r in positional if r["model"] == "gpt4_1106_preview")
     assert base["lc_win_rate"] == 50.0 and base["win_rate"] == 50.0
+
+
+def test_published_models_scored_with_tables_fitted_without_them_meet_the_bar(shared_boards):
+    """Models whose judgments no difficulty table saw (4 folds; the fit's C fixed to the CV's choice to keep this
+    short): the done-when of the LC work, median |Δ| ≤ 0.3, ≥ 85% within 1 point, Spearman ≥ 0.99."""
+    rows, _ = read_judgments(AE2 / "judgments.parquet")
+    _, _, published, _ = shared_boards
+    board, info = held_out(rows, list(published), folds=4, difficulty_Cs=np.array([JOINT_C]))
+    assert info["folds"] == 4 and len(board) == 36  # the baseline is not scored: its LC is 50 by construction
+    s = compare(board, published)
+    assert s["n"] == 36 and s["max_abs_win_rate_delta"] < 1e-9
+    assert s["median_abs_delta"] <= 0.3 and s["within_1"] >= 0.85 and s["spearman"] >= 0.99
 
 
 def test_cli_leaderboard_with_published_comparison(tmp_path):
@@ -174,6 +186,14 @@ def test_cli_leaderboard_with_published_comparison(tmp_path):
     assert "3 exact duplicate rows left out" in res.stderr and "vs published (2 models)" in res.stderr
     bad = CliRunner().invoke(app, ["eval", "leaderboard", str(tmp_path / "lb.csv")])
     assert bad.exit_code == 2 and "cannot read" in bad.output
+    # --held-out 2: good and bad each scored with a table fitted without them, the other models as before
+    args = ["eval", "leaderboard", str(tmp_path / "j.parquet"), "--published", str(tmp_path / "lb.csv")]
+    res = CliRunner().invoke(app, [*args, "--held-out", "2", "-f", "csv"])
+    assert res.exit_code == 0, res.output
+    assert sorted(r["model"] for r in csv.DictReader(res.stdout.splitlines())) == ["bad", "good"]
+    assert "(2 held-out folds)" in res.stderr and "vs published (2 models)" in res.stderr
+    res = CliRunner().invoke(app, args[:3] + ["--held-out", "2"])
+    assert res.exit_code == 2 and "--held-out K scores the --published models" in res.output
 
 
 def test_cli_winrate_defaults_to_alpaca_eval_lc(tmp_path):

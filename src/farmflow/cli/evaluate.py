@@ -90,11 +90,18 @@ def leaderboard(
     baseline: Optional[str] = typer.Option(
         None, "--baseline", help="The baseline generator (default: the one judged against itself)."
     ),
-    by_position: bool = typer.Option(
+    by_instruction: bool = typer.Option(
         False,
-        "--by-position",
-        help="Look each row's difficulty up by its position among the model's rows, as AlpacaEval does (its "
-        "published LC of a model with missing rows carries this); default: by instruction.",
+        "--by-instruction",
+        help="Look each row's difficulty up by its instruction; default: by its position among the model's rows, "
+        "as AlpacaEval does (its published LC of a model with missing rows carries this).",
+    ),
+    held_out: int = typer.Option(
+        0,
+        "--held-out",
+        min=0,
+        help="Score the --published models in K folds, each with a difficulty table fitted without its fold's "
+        "judgments (what a new model gets from a table fitted before it); 0: one table over every run.",
     ),
     fmt: str = format_option(),
 ) -> None:
@@ -108,7 +115,12 @@ def leaderboard(
     try:
         rows, dups = gl.read_judgments(path)
         pub = gl.read_published(published) if published else None
-        board, info = gl.leaderboard(rows, baseline=baseline, by_position=by_position)
+        if held_out and not pub:
+            raise ValueError("--held-out K scores the --published models: give --published CSV")
+        if held_out:
+            board, info = gl.held_out(rows, list(pub), held_out, baseline=baseline, by_position=not by_instruction)
+        else:
+            board, info = gl.leaderboard(rows, baseline=baseline, by_position=not by_instruction)
     except ValueError as err:
         raise UsageError(str(err)) from None
     if dups:
@@ -117,7 +129,9 @@ def leaderboard(
     cols = ["model", "n_total", "win_rate", "standard_error", "lc_win_rate", "lc_standard_error", "avg_length"]
     cols += ["published_lc", "lc_delta"] if pub else []
     caption = f"baseline {info['baseline']}; gamed-baseline rows: {info['gamed_rows']}; "
-    caption += f"difficulty C {info['difficulty_C']:.3g}"
+    Cs = info["difficulty_C"] if held_out else [info["difficulty_C"]]
+    caption += f"difficulty C {', '.join(f'{c:.3g}' for c in Cs)}"
+    caption += f" ({info['folds']} held-out folds)" if held_out else ""
     if summary.get("n"):
         caption += (
             f"; vs published ({summary['n']} models): median |Δ| {summary['median_abs_delta']:.2f}, "

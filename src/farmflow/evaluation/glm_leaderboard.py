@@ -15,8 +15,9 @@ is fitted alone (`glm_lc`); the baseline's LC is 50 by construction, as AlpacaEv
 `by_position`: AlpacaEval looks a row's difficulty up by the row's position in the model's
 annotations file rather than by its instruction, so a model with missing rows gets the
 difficulties of the wrong instructions after the first gap. Its published LC values carry
-this; set it to reproduce them, leave it off to look difficulty up by instruction. The gamed
-rows (judged or stand-in) always take the difficulty of their own instruction.
+this, so it is the default (the LC means what AlpacaEval 2 reports); turn it off to look
+difficulty up by instruction. Both agree on a model without missing rows. The gamed rows
+(judged or stand-in) always take the difficulty of their own instruction.
 """
 
 from __future__ import annotations
@@ -94,14 +95,16 @@ def _run(rows: list[dict], gamed: bool = False) -> dict:
 def leaderboard(
     rows: list[dict],
     baseline: str | None = None,
-    by_position: bool = False,
+    by_position: bool = True,
     difficulty: dict | None = None,
     difficulty_Cs: np.ndarray = CS,
+    table_only: bool = False,
 ) -> tuple[list[dict], dict]:
     """Per-model statistics (module doc), best LC first, and facts about the fit (baseline, gamed rows, C, table).
 
     `difficulty`: a table (instruction key → difficulty) to use instead of fitting one;
-    `difficulty_Cs`: the grid the difficulty fit's cross-validation chooses C from (one value: that C).
+    `difficulty_Cs`: the grid the difficulty fit's cross-validation chooses C from (one value: that C);
+    `table_only`: fit the difficulty table and return no rows.
     """
     by_model: dict[str, list[dict]] = {}
     for r in rows:
@@ -115,6 +118,10 @@ def leaderboard(
     if difficulty is None:
         runs = [_run(rs, gamed=have_gamed and g in variants) for g, rs in by_model.items()]
         difficulty, C = joint_difficulty(runs, Cs=difficulty_Cs)
+    info = {"baseline": base, "gamed_rows": "judged" if have_gamed else "stand-in", "difficulty_C": C}
+    info["difficulty"] = difficulty
+    if table_only:
+        return [], info
     order = sorted(difficulty, key=lambda k: (str(type(k)), k))
 
     def diff_of(rs: list[dict], positional: bool = False) -> np.ndarray:
@@ -151,9 +158,43 @@ def leaderboard(
             row |= {k: lc[k] for k in ("lc_win_rate", "lc_standard_error", "lc_length_coef", "lc_difficulty_coef")}
         out.append(row)
     out.sort(key=lambda r: -r["lc_win_rate"])
-    info = {"baseline": base, "gamed_rows": "judged" if have_gamed else "stand-in", "difficulty_C": C}
-    info["difficulty"] = difficulty
     return out, info
+
+
+def held_out(
+    rows: list[dict],
+    models: list[str],
+    folds: int = 4,
+    baseline: str | None = None,
+    by_position: bool = True,
+    difficulty_Cs: np.ndarray = CS,
+) -> tuple[list[dict], dict]:
+    """`leaderboard` rows of `models`, each scored with a difficulty table fitted without its own judgments.
+
+    The models (the baseline left out) are sorted by name and split into `folds` folds, fold k = names[k::folds];
+    per fold one difficulty table is fitted over every other run of `rows` (its cross-validation included), then the
+    fold's models are fitted with it. So no LC of the result rests on its own model's outcomes in the table: what a
+    newly evaluated model gets from a table fitted before it. Returns the rows (best LC first) and the fits' facts
+    (baseline, gamed rows, the C of each fold)."""
+    by_model: dict[str, list[dict]] = {}
+    for r in rows:
+        by_model.setdefault(r["generator"], []).append(r)
+    base = _find_baseline(by_model, baseline)
+    gamed = {f"{base}_verbose", f"{base}_concise"} if base else set()
+    names = sorted(m for m in models if m in by_model and m != base and m not in gamed)
+    out, Cs, info = [], [], {}
+    for k in range(min(folds, len(names))):
+        fold = set(names[k::folds])
+        others = [r for r in rows if r["generator"] not in fold]
+        _, fit = leaderboard(
+            others, baseline=base, by_position=by_position, difficulty_Cs=difficulty_Cs, table_only=True
+        )
+        scored = [r for r in rows if r["generator"] in fold or r["generator"] == base or r["generator"] in gamed]
+        board, info = leaderboard(scored, baseline=base, by_position=by_position, difficulty=fit["difficulty"])
+        out += [r for r in board if r["model"] in fold]
+        Cs.append(fit["difficulty_C"])
+    out.sort(key=lambda r: -r["lc_win_rate"])
+    return out, {k: info.get(k) for k in ("baseline", "gamed_rows")} | {"difficulty_C": Cs, "folds": len(Cs)}
 
 
 def read_published(path: str | Path) -> dict[str, dict[str, float]]:
