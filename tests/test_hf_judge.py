@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pyarrow as pa
 import pytest
 import torch
+from procs import python_env
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from farmflow.annotators import annotate, hf, unit_hash
@@ -218,6 +222,48 @@ def test_annotate_gives_the_preferences_table_and_caches_every_row(judge_dir, tm
 def test_the_cache_is_appended_in_chunks(judge_dir, tmp_path):
     annotate(rows_of(PAIRS), hf_config(judge_dir, chunk_size=4), str(tmp_path))
     assert len(open_store(tmp_path).row_chunks(NAMESPACE)) == 3  # 4 + 4 + 1 pairs
+
+
+TWO_RUNS = """
+import json, logging, os, sys, time
+from farmflow.annotators import annotate
+logging.basicConfig(level=logging.INFO)
+from farmflow.config import AnnotatorConfig
+open({ready!r}, "w").close()
+while not all(os.path.exists(p) for p in {barrier!r}):  # start judging together
+    time.sleep(0.01)
+rows = [{{"instruction": f"Say the number {{i}}.", "input": "", "output_1": f"{{i}}", "output_2": f"It is {{i + 1}}."}}
+        for i in range(120)]
+cfg = AnnotatorConfig(kind="hf", hf={{"model": {model!r}, "batch_size": 4}}, chunk_size=5)
+table, totals = annotate(rows, cfg, {store!r})
+print(json.dumps({{"totals": totals, "prefs": table.column("preference").to_pylist()}}))
+"""
+
+
+def test_two_processes_judging_the_same_pairs_at_once_judge_each_once(judge_dir, tmp_path):
+    """Two real processes run the hf judge over the same 120 pairs on one store at the same moment: the row cache
+    ends with 120 judgments, not 240; the runs' judged counts add up to 120; both end with the same labels."""
+    store, barrier = str(tmp_path / "store"), [str(tmp_path / "a"), str(tmp_path / "b")]
+    procs = []
+    for ready in barrier:
+        code = TWO_RUNS.format(ready=ready, barrier=barrier, model=str(judge_dir), store=store)
+        env = python_env(FARMFLOW_LEASE_TTL_S="3", OMP_NUM_THREADS="1")
+        procs.append(
+            subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        )
+    runs, logs = [], []
+    for proc in procs:
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err.decode()[-3000:]
+        runs.append(json.loads(out.decode().strip().splitlines()[-1]))
+        logs.append(err.decode())
+    a, b = runs
+    assert a["totals"]["judged"] + b["totals"]["judged"] == 120
+    assert any("are being asked by another run; waiting" in log for log in logs)  # they did overlap
+    assert a["prefs"] == b["prefs"] and None not in a["prefs"]
+    log = open_store(store).read_rows(NAMESPACE, NAMESPACE).to_pylist()
+    assert len(log) == len({r["key"] for r in log}) == 120
+    assert not list((tmp_path / "store" / "_leases").rglob("*.json"))  # every lease and heartbeat released
 
 
 def test_label_noise_replaces_labels_by_a_seeded_coin_without_judging(judge_dir, tmp_path):

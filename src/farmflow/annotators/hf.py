@@ -7,7 +7,9 @@ pair judged in both orders so position bias cancels; the preference is ``1 + P(o
 
 Label noise, ties and the row cache work as for the API judges (`api.annotate_api`): the row key
 holds the outputs in canonical order, the annotator hash is the judge's identity (`judge_hash`), and
-judged rows are appended every `chunk_size` pairs, so a killed run loses at most one chunk.
+judged rows are appended every `chunk_size` pairs, so a killed run loses at most one chunk. Concurrent
+runs on one store judge each pair once: a run leases the pairs it judges and waits for the others'
+answers in the row cache (`plan.settle`); a lease goes once its chunk is in the cache.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import farmflow.annotators.cache as cache
+import farmflow.annotators.plan as planning
 from farmflow.annotators.hf_judge import (
     ANSWER_LEAD,
     ANSWERS,
@@ -118,48 +121,66 @@ def annotate_hf(
     if progress:
         progress(len(plan) - sum(waiting.values()))
     results: dict[str, dict] = {}
-    if todo:
-        judge = load_judge(cfg.hf)
-        passes_before, start = judge.forward_passes, time.perf_counter()
-        log(
-            "annotate: the hf judge %s judges %d pairs in both orders (%d cached)",
-            name,
-            len(todo),
-            sum(1 for e in plan if e.get("key") in ok),
-        )
-        items = list(todo.items())
-        for lo in range(0, len(items), cfg.chunk_size):
-            chunk = items[lo : lo + cfg.chunk_size]
+    loaded: list[Judge] = []
+    passes_before: list[int] = []
+
+    def ask(batch: planning.Todo, claims: planning.Claims | None) -> bool:
+        """Judge the pairs this run holds, a chunk at a time; each chunk's leases go once its rows are cached."""
+        pending = [p for pend in batch.values() for p in pend.values()]
+        if not loaded:  # loaded only when this run judges something
+            loaded.append(load_judge(cfg.hf))
+            passes_before.append(loaded[0].forward_passes)
+            log(
+                "annotate: the hf judge %s judges %d pairs in both orders (%d cached)",
+                name,
+                len(todo),
+                len(plan) - sum(waiting.values()),
+            )
+        judge = loaded[0]
+        for lo in range(0, len(pending), cfg.chunk_size):
+            chunk = pending[lo : lo + cfg.chunk_size]
+            pairs = [(p.instruction, p.input, p.output_1, p.output_2) for p in chunk]
             t0 = time.perf_counter()
-            verdicts = judge_pairs(judge, [pair for _, pair in chunk], cfg.hf.batch_size)
+            verdicts = judge_pairs(judge, pairs, cfg.hf.batch_size)
             seconds = (time.perf_counter() - t0) / len(chunk)
-            new = [_cache_row(cfg, ahash, key, pair, v, seconds) for (key, pair), v in zip(chunk, verdicts)]
+            new = [_cache_row(cfg, ahash, p.key, pair, v, seconds) for p, pair, v in zip(chunk, pairs, verdicts)]
             if store is not None:
                 store.append_rows(cache.NAMESPACE, cache.to_table(new), cache.NAMESPACE)
-            results |= {r["key"]: r for r in new}
-            cut = [(pair, v) for (_, pair), v in zip(chunk, verdicts) if v.cut_tokens]
+            if claims is not None:
+                claims.release([p.key for p in chunk])
+            results.update({r["key"]: r for r in new})
+            cut = [(pair, v) for pair, v in zip(pairs, verdicts) if v.cut_tokens]
             stats.truncated += len(cut)
             stats.truncated_examples += [pair[0][:60] for pair, _ in cut][: max(0, 3 - len(stats.truncated_examples))]
             stats.judged += len(chunk)
             stats.prompt_tokens += sum(v.prompt_tokens for v in verdicts)
             if progress:
-                progress(sum(waiting[key] for key, _ in chunk))
-        stats.forward_passes = judge.forward_passes - passes_before
+                progress(sum(waiting[p.key] for p in chunk))
+        return True
+
+    if todo:
+        start = time.perf_counter()
+        pending = {key: planning.Pending(key, *pair, swapped=False) for key, pair in todo.items()}
+        answered = planning.settle({0: pending}, store, [ahash], ask, progress)  # pairs judged by another run
+        ok = ok | answered
         stats.seconds = time.perf_counter() - start
+        if loaded:
+            stats.forward_passes = loaded[0].forward_passes - passes_before[0]
         if stats.truncated:
             log(
                 "annotate: %d of %d pairs were longer than the hf judge's %d-token prompt: their outputs were cut "
                 "in the middle (e.g. instructions %s)",
                 stats.truncated,
-                len(todo),
-                judge.limit,
+                stats.judged,
+                loaded[0].limit,
                 stats.truncated_examples,
             )
         log(
-            "annotate: the hf judge judged %d pairs in %d forward passes, %.1fs",
+            "annotate: the hf judge judged %d pairs in %d forward passes, %.1fs%s",
             stats.judged,
             stats.forward_passes,
             stats.seconds,
+            f"; {len(answered)} judged by another run at the same time" if answered else "",
         )
 
     out = []
