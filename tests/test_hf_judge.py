@@ -14,6 +14,7 @@ from procs import python_env
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from farmflow.annotators import annotate, hf, unit_hash
+from farmflow.annotators import hf_judge as hf_judge_module
 from farmflow.annotators.cache import NAMESPACE, canonical
 from farmflow.config import AnnotatorConfig, HFJudgeConfig
 from farmflow.evaluation import evaluate_outputs
@@ -124,6 +125,24 @@ def test_batched_equals_unbatched(judge):
     assert len({len(p.ids) for pair in PAIRS for p in hf.fit(judge, *pair)[0]}) > 5  # the batches really were padded
 
 
+def test_the_shared_guidance_is_read_once_and_changes_no_answer(judge, monkeypatch):
+    """Every prompt opens with the same guidance; its key/value cache, read once and kept on the judge, gives the
+    probabilities of reading every prompt whole (batched too)."""
+    prompts = [p for pair in PAIRS for p in hf.fit(judge, *pair)[0]]
+    judge.prefix = None
+    cached = hf.answer_probs(judge, prompts, batch_size=4)
+    head = judge.prefix[0]
+    assert len(head) >= hf_judge_module.MIN_SHARED and all(p.ids[: len(head)] == list(head) for p in prompts)
+    assert len({p.ids[len(head)] for p in prompts}) > 1  # the longest opening they share
+    passes = judge.forward_passes
+    hf.answer_probs(judge, prompts, batch_size=4)
+    assert judge.forward_passes == passes + 5  # 18 prompts in batches of 4; the guidance is not read again
+    monkeypatch.setattr(hf_judge_module, "MIN_SHARED", 10**6)  # every prompt read whole
+    whole = hf.answer_probs(judge, prompts, batch_size=1)
+    for (p, m), (q, n) in zip(cached, whole):
+        assert p == pytest.approx(q, abs=1e-5) and m == pytest.approx(n, abs=1e-5)
+
+
 def test_probabilities_and_preferences_in_range(judge):
     for v in hf.judge_pairs(judge, PAIRS, batch_size=8):
         assert 0 < v.p_1_shown_first < 1 and 0 < v.p_1_shown_second < 1
@@ -188,11 +207,12 @@ def test_long_pairs_are_cut_in_the_middle_to_fit(judge_dir):
 def test_annotate_gives_the_preferences_table_and_caches_every_row(judge_dir, tmp_path):
     rows = rows_of(PAIRS) + rows_of([("Tie?", "", "same", "same"), PAIRS[0]])  # a tie, and a pair asked twice
     settled: list[int] = []
+    hf.load_judge(HFJudgeConfig(model=str(judge_dir))).prefix = None  # the process's judge: its guidance not read yet
     table, metrics = annotate(rows, hf_config(judge_dir), str(tmp_path), progress=settled.append)
     assert table.schema == SCHEMAS["preferences"] and table.num_rows == len(rows) and sum(settled) == len(rows)
     assert metrics["judged"] == len(PAIRS) and metrics["ties"] == 1 and metrics["cached"] == 0
     assert table.column("preference")[-1].as_py() == table.column("preference")[0].as_py()
-    assert metrics["forward_passes"] == 5  # 9 pairs x 2 orders in batches of 4
+    assert metrics["forward_passes"] == 1 + 5  # the shared guidance once, 9 pairs x 2 orders in batches of 4
     got = table.to_pylist()
     assert got[-2]["preference"] == 1.5 and got[-2]["p_1_shown_first"] is None
     expected = hf.judge_pairs(hf.load_judge(HFJudgeConfig(model=str(judge_dir))), PAIRS, batch_size=1)

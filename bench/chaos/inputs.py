@@ -42,7 +42,11 @@ CASES: list[tuple[str, list[str], dict[str, str]]] = [
     ("http:// store", [*RUN, "--set", "store.uri=http://example.com/farm"], {}),
     ("S3 options on a local store", [*RUN, "--set", "store.endpoint_url=http://127.0.0.1:9"], {}),
     ("credentials in a store URI", [*RUN, "--store", "s3://AKIAEXAMPLE:secret@bucket/farm"], {}),
-    ("unreachable S3 endpoint", [*RUN, "--store", "s3://bucket/farm?endpoint_url=http://127.0.0.1:9"], {}),
+    (  # credentials set, so what fails is the endpoint, not the credentials lookup before it
+        "unreachable S3 endpoint",
+        [*RUN, "--store", "s3://bucket/farm?endpoint_url=http://127.0.0.1:9"],
+        {"AWS_ACCESS_KEY_ID": "chaos-key-id", "AWS_SECRET_ACCESS_KEY": "chaos-secret"},
+    ),
     ("store that is a file", [*RUN, "--store", "{tmp}/a-file.txt"], {}),
     ("store in an unwritable folder", [*RUN, "--store", "/proc/farmflow-store"], {}),
     ("model that is not available", [*RUN, "--set", "model.pretrained=no-such-model-anywhere"], {}),

@@ -23,6 +23,7 @@ such pairs are counted (``truncated``) and logged, never an error.
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 from dataclasses import dataclass
@@ -98,6 +99,8 @@ class Judge:
     chat: bool
     limit: int
     forward_passes: int = 0
+    prefix: tuple[tuple[int, ...], object] | None = None
+    """The key/value cache of the prompts' shared opening (the judging guidance) and its token ids."""
 
 
 def load_judge(cfg: HFJudgeConfig) -> Judge:
@@ -230,33 +233,66 @@ def fit(judge: Judge, instruction: str, input: str, output_1: str, output_2: str
 
 
 # ----------------------------------------------------------------------------- the forward pass
+MIN_SHARED = 16
+"""Shared opening tokens below which every prompt is read whole (a cache copy per batch is not worth fewer)."""
+
+
+def shared_prefix(judge: Judge, prompts: Sequence[Prompt], device) -> tuple[tuple[int, ...], object]:
+    """(the token ids every prompt opens with, their key/value cache), or ((), None) when they share fewer than
+    `MIN_SHARED`. Each prompt keeps at least one token of its own (the last position's logits are its answer). The
+    cache is kept on the judge: the same guidance in the next call is not read again."""
+    if not prompts:
+        return (), None
+    first, n = prompts[0].ids, min(len(p.ids) for p in prompts) - 1
+    k = next((i for i in range(n) if any(p.ids[i] != first[i] for p in prompts)), n)
+    head = tuple(first[:k])
+    if k < MIN_SHARED:
+        return (), None
+    if judge.prefix is not None and judge.prefix[0] == head:
+        return head, judge.prefix[1]
+    ids = torch.tensor([head], device=device)
+    cache = judge.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True).past_key_values
+    judge.forward_passes += 1
+    judge.prefix = (head, cache)
+    return head, cache
+
+
 @torch.inference_mode()
 def answer_probs(judge: Judge, prompts: Sequence[Prompt], batch_size: int) -> list[tuple[float, float]]:
     """(P(a) renormalized over the two answer tokens, the probability mass of the two) per prompt.
 
-    Prompts are sorted by length and left-padded into batches of `batch_size`; positions count
-    from each prompt's first real token, so a prompt's answer does not depend on its batch.
+    Every prompt opens with the same judging guidance (about a third of a typical prompt's tokens), so that opening
+    is read once and its key/value cache reused (`shared_prefix`); each prompt's own tokens follow it. Prompts are
+    sorted by length and left-padded into batches of `batch_size` (the padding sits between the shared opening and the
+    prompt's own tokens, masked); positions count real tokens only, so a prompt's answer does not depend on its batch.
     """
     device = next(judge.model.parameters()).device
     out: list[tuple[float, float]] = [(0.0, 0.0)] * len(prompts)
+    head, cache = shared_prefix(judge, prompts, device)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i].ids))
     for start in range(0, len(order), batch_size):
         idx = order[start : start + batch_size]
-        width = max(len(prompts[i].ids) for i in idx)
+        own = [prompts[i].ids[len(head) :] for i in idx]
+        width = max(len(o) for o in own)
         ids = torch.zeros(len(idx), width, dtype=torch.long)
-        mask = torch.zeros(len(idx), width, dtype=torch.long)
-        for row, i in enumerate(idx):
-            n = len(prompts[i].ids)
-            ids[row, width - n :] = torch.tensor(prompts[i].ids)
-            mask[row, width - n :] = 1
-        position = (mask.cumsum(-1) - 1).clamp(min=0)
+        mask = torch.zeros(len(idx), len(head) + width, dtype=torch.long)
+        mask[:, : len(head)] = 1
+        for row, o in enumerate(own):
+            ids[row, width - len(o) :] = torch.tensor(o)
+            mask[row, len(head) + width - len(o) :] = 1
+        position = (mask.cumsum(-1) - 1).clamp(min=0)[:, len(head) :]
+        past = None
+        if cache is not None:
+            past = copy.deepcopy(cache)
+            past.batch_repeat_interleave(len(idx))
         logits = (
             judge.model(
                 input_ids=ids.to(device),
                 attention_mask=mask.to(device),
                 position_ids=position.to(device),
+                past_key_values=past,
                 logits_to_keep=1,
-                use_cache=False,
+                use_cache=past is not None,
             )
             .logits[:, -1]
             .float()
