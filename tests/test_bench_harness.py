@@ -102,6 +102,19 @@ def test_annotators_smoke_counts_only_distinct_pairs_sent(tmp_path):
     assert r["entries"] == []  # no peer in the smoke run
 
 
+def test_judge_smoke_compares_the_two_ways_of_reading_prompts_on_the_same_prompts(tmp_path):
+    from bench import judge
+
+    r = judge.main(["--smoke", "--out", str(tmp_path / "judge.json")])
+    (e,) = r["entries"]
+    assert e["contenders"] == ["guidance read once", "every prompt whole"] and r["setup"]["prompts"] == 8
+    assert r["setup"]["shared_tokens"] >= 16 and "differ by at most" in e["note"]
+    assert float(e["note"].rsplit(" ", 1)[1]) < 1e-4  # the same answers either way
+    for runs in r["runs"].values():
+        (run,) = runs
+        assert run["prompts_per_s"] == pytest.approx(8 / run["seconds"])
+
+
 def test_cli_smoke_times_the_cli_against_its_imports(tmp_path):
     from bench import cli
 

@@ -1,0 +1,138 @@
+"""The in-process hf judge's forward passes: the shared judging guidance read once (its key/value cache reused by every
+batch) against every prompt read whole.
+
+Pairs: the first --pairs AlpacaEval instructions of ../shared/data, Davinci003's reference output against the next
+instruction's reference (realistic lengths), each in both orders as the judge sees them. Judge: SmolLM2-135M-Instruct
+from the model cache (`farmflow models get smollm2-135m-instruct`), float32, the smol-cpu preset's prompt limit and the
+judge's default batch size. The two sides run interleaved (`bench.harness.interleave`: one warm-up each, then A B,
+B A, ...) on the same prompts; reported: prompts/s, median and range, the ratio, and the largest difference between
+the two sides' probabilities.
+
+``--smoke`` (CI): a tiny random Llama judge, 4 pairs, one round. Writes bench/results/judge.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from bench.harness import ROOT, entry, interleave, machine, values
+
+OUT = ROOT / "bench" / "results" / "judge.json"
+EVAL_FILE = ROOT.parent / "shared" / "data" / "alpaca_eval_davinci003_outputs.json"
+MODEL = "smollm2-135m-instruct"
+
+
+def pairs_of(n: int) -> list[tuple[str, str, str, str]]:
+    rows = json.loads(EVAL_FILE.read_text())[: n + 1]
+    return [(r["instruction"], "", r["output"], rows[i + 1]["output"]) for i, r in enumerate(rows[:n])]
+
+
+def tiny_judge(folder: Path) -> str:
+    """A random 1-layer Llama with a small BPE tokenizer trained on the judging prompt's words."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from farmflow.annotators import hf
+    from farmflow.models import train_tokenizer
+
+    tok = train_tokenizer([hf.SYSTEM, hf.QUESTION, hf.ANSWER_LEAD + " (a) (b) ## Instruction ## Output"] * 3, 300)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return str(folder)
+
+
+def side(judge, prompts, batch: int, shared: bool, got: dict):
+    from farmflow.annotators import hf_judge
+
+    def run() -> dict:
+        hf_judge.MIN_SHARED = 16 if shared else 10**9
+        judge.prefix = None  # each round reads the guidance again: its cost counts
+        start = time.perf_counter()
+        got[shared] = hf_judge.answer_probs(judge, prompts, batch)
+        seconds = time.perf_counter() - start
+        return {"seconds": seconds, "prompts_per_s": len(prompts) / seconds}
+
+    return run
+
+
+def main(argv: list[str] | None = None) -> dict:
+    import tempfile
+
+    from farmflow.annotators import hf_judge
+    from farmflow.config import HFJudgeConfig
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (after one warm-up each)")
+    parser.add_argument("--pairs", type=int, default=48, help="AlpacaEval pairs (each judged in both orders)")
+    parser.add_argument("--smoke", action="store_true", help="a tiny random judge and 4 pairs: seconds, for CI")
+    parser.add_argument("--out", type=Path, default=OUT, help="results file")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        model = tiny_judge(Path(tmp) / "tiny-judge") if args.smoke else MODEL
+        cfg = HFJudgeConfig(model=model, max_prompt_tokens=704)
+        judge = hf_judge.load_judge(cfg)
+        pairs = pairs_of(4 if args.smoke else args.pairs)
+        prompts = [p for pair in pairs for p in hf_judge.fit(judge, *pair)[0]]
+        got: dict = {}
+        runs = interleave(
+            {
+                "guidance read once": side(judge, prompts, cfg.batch_size, True, got),
+                "every prompt whole": side(judge, prompts, cfg.batch_size, False, got),
+            },
+            rounds=1 if args.smoke else args.rounds,
+            warmup=0 if args.smoke else 1,
+        )
+    hf_judge.MIN_SHARED = 16
+    diff = max(abs(a[0] - b[0]) for a, b in zip(got[True], got[False]))
+    head = len(hf_judge.shared_prefix(judge, prompts, "cpu")[0])
+    mean = sum(len(p.ids) for p in prompts) / len(prompts)
+    what = "tiny random Llama (smoke)" if args.smoke else f"{MODEL} (fp32)"
+    rates = {name: values(rs, "prompts_per_s") for name, rs in runs.items()}
+    results = {
+        "machine": machine(),
+        "setup": {
+            "judge": what,
+            "prompts": len(prompts),
+            "batch_size": cfg.batch_size,
+            "shared_tokens": head,
+            "mean_prompt_tokens": mean,
+        },
+        "entries": [
+            entry(
+                f"hf judge forward passes, {what}",
+                "prompts/s",
+                rates,
+                note=f"{head} of {mean:.0f} tokens per prompt shared; probabilities differ by at most {diff:.1e}",
+            )
+        ],
+        "runs": runs,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    print(
+        f"hf judge: guidance read once {results['entries'][0]['medians']['guidance read once']['median']:.2f} vs "
+        f"whole {results['entries'][0]['medians']['every prompt whole']['median']:.2f} prompts/s "
+        f"({results['entries'][0]['ratio']:.2f}x; max |Δp| {diff:.1e})",
+        flush=True,
+    )
+    return results
+
+
+if __name__ == "__main__":
+    main()
