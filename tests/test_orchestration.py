@@ -364,20 +364,6 @@ def test_stage_timings_separate_waiting_for_another_model_stage(tmp_path):
     assert 0.8 <= timing["base_model"]["waited_seconds"] <= timing["base_model"]["seconds"]
 
 
-def test_the_hf_judge_takes_its_turn_with_the_model_stages_and_other_judges_do_not():
-    """Annotation and evaluation by the in-process hf judge load a model on the device, so they take turns with
-    training and generation like every model stage; oracle, API and human judges overlap them."""
-    from farmflow.config.execution import GPU_STAGES
-    from farmflow.flows.runner import loads_model
-
-    hf = AnnotatorConfig(kind="hf", hf={"model": "smollm2-135m-instruct"})
-    for stage in ("annotate", "evaluate"):
-        assert loads_model(stage, hf, GPU_STAGES)
-        assert not loads_model(stage, AnnotatorConfig(), GPU_STAGES)
-        assert not loads_model(stage, AnnotatorConfig.model_validate("human:alice"), GPU_STAGES)
-    assert loads_model("sft", load_config("synthetic-micro").sft, GPU_STAGES) and "evaluate" not in GPU_STAGES
-
-
 def test_a_full_config_from_the_ui_still_gets_the_deployments_overrides_and_operational_settings_keep_the_config_key():
     """Orchestration review: a config filled in the UI of a deployment made with --set failed ('not both'), and the
     config key in run names and history changed with memory-only settings."""

@@ -134,9 +134,8 @@ class ExecutionConfig(Section):
         2,
         ge=1,
         description="Methods (and baselines) run at once after the shared upstream stages. Local: their stages that "
-        "load a model (the hf judge's annotation and evaluation included) take turns (one device), while annotation "
-        "and evaluation by API or oracle judges overlap them; distributed: GPU flow runs in flight at once (bounded by "
-        "the GPU pool's concurrency limit).",
+        "load a model take turns (one device), while evaluation and API annotation overlap them; distributed: GPU flow "
+        "runs in flight at once (bounded by the GPU pool's concurrency limit).",
     )
     cpu_pool: str = Field(
         "farmflow-cpu", description="Work pool of the flows themselves: orchestration, data, annotation, evaluation."

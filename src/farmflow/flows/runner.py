@@ -11,7 +11,7 @@ import threading
 import time
 from contextlib import nullcontext
 from datetime import datetime
-from typing import Any, Sequence
+from typing import Any
 
 from farmflow import shutdown
 from farmflow.config import ExecutionConfig
@@ -53,15 +53,9 @@ def retry_options(stage: str, config: Any, store_uri: str, execution: ExecutionC
 
 
 MODEL_LOCK = threading.Lock()
-"""Stages that load a model (`loads_model`) take turns within a process: one device, and
-loading Hugging Face models while another thread trains is not safe. Other stages (evaluation and
-annotation by API or oracle judges) of parallel methods overlap them."""
-
-
-def loads_model(stage: str, config: Any, gpu_stages: Sequence[str]) -> bool:
-    """Whether a stage loads a model in this process: a GPU stage, or annotation and evaluation by the in-process
-    hf judge (whose config is an annotator config of kind 'hf')."""
-    return stage in gpu_stages or getattr(config, "kind", None) == "hf"
+"""Stages that load a model (`execution.gpu_stages`) take turns within a process: one device, and
+loading Hugging Face models while another thread trains is not safe. Other stages (evaluation,
+API annotation) of parallel methods overlap them."""
 
 
 class StageRunner:
@@ -134,7 +128,7 @@ class StageRunner:
 
     def _local(self, task, config: Any, inputs: dict[str, Any], start: float) -> tuple[ArtifactRef, bool, float]:
         """(ref, cached, seconds spent waiting for MODEL_LOCK before running)."""
-        model = loads_model(task.name, config, self.execution.gpu_stages)
+        model = task.name in self.execution.gpu_stages
         with MODEL_LOCK if model else nullcontext():
             waited = time.perf_counter() - start if model else 0.0
             shutdown.check(task.name)  # the stop came while this stage waited for another model stage
