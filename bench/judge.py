@@ -32,27 +32,11 @@ def pairs_of(n: int) -> list[tuple[str, str, str, str]]:
 
 def tiny_judge(folder: Path) -> str:
     """A random 1-layer Llama with a small BPE tokenizer trained on the judging prompt's words."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from farmflow.annotators import hf
-    from farmflow.models import train_tokenizer
+    from farmflow.models import random_llama, train_tokenizer
 
     tok = train_tokenizer([hf.SYSTEM, hf.QUESTION, hf.ANSWER_LEAD + " (a) (b) ## Instruction ## Output"] * 3, 300)
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        pad_token_id=tok.pad_token_id,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-    )
-    LlamaForCausalLM(config).save_pretrained(folder)
+    random_llama(tok, max_positions=2048).save_pretrained(folder)
     tok.save_pretrained(folder)
     return str(folder)
 

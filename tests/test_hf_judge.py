@@ -11,14 +11,13 @@ import pyarrow as pa
 import pytest
 import torch
 from procs import python_env
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from farmflow.annotators import annotate, hf, unit_hash
 from farmflow.annotators import hf_judge as hf_judge_module
 from farmflow.annotators.cache import NAMESPACE, canonical
 from farmflow.config import AnnotatorConfig, HFJudgeConfig
 from farmflow.evaluation import evaluate_outputs
-from farmflow.models import train_tokenizer
+from farmflow.models import random_llama, train_tokenizer
 from farmflow.storage import open_store
 from farmflow.storage.schemas import SCHEMAS
 from farmflow.tasks.core import key_config
@@ -60,21 +59,7 @@ def save_tiny_judge(folder: Path, chat: bool = False, seed: int = 0) -> Path:
     if chat:
         tok.add_special_tokens({"additional_special_tokens": specials})
         tok.chat_template = CHATML
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        initializer_range=0.3,
-        pad_token_id=tok.pad_token_id,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-    )
-    LlamaForCausalLM(config).save_pretrained(folder)
+    random_llama(tok, seed=seed, init_range=0.3).save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder
 

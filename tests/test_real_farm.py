@@ -5,11 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaForCausalLM
 
 from farmflow.config import ModelConfig
-from farmflow.models import encode_examples, load_policy, load_pretrained, sample
+from farmflow.models import encode_examples, load_policy, load_pretrained, random_llama, sample, train_tokenizer
 from farmflow.storage import open_store
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -18,31 +17,8 @@ ALPACA, EVAL = DATA / "alpaca_en_demo.json", DATA / "alpaca_eval_davinci003_outp
 
 def tiny_llama_without_pad(folder: Path) -> Path:
     """A random tiny Llama and a BPE tokenizer with BOS/EOS but no pad token, saved like any hub model."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(["Write a response that appropriately completes the request."] * 4, trainer=trainer)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        bos_token_id=0,
-        eos_token_id=1,
-        tie_word_embeddings=False,
-    )
-    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer = train_tokenizer(["Write a response that appropriately completes the request."] * 4, 300, pad=False)
+    random_llama(tokenizer, max_positions=512).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
 

@@ -40,37 +40,17 @@ def greedy_a_llama(folder: Path) -> int:
     signs flip). Greedy: "a", then the end. Sampled: "a" only ~6% of the time. Returns the id of "a".
     """
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import GenerationConfig
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(["Judge the items below. Reply with one line per item: [1] (a)"] * 4, trainer=trainer)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    from farmflow.models import random_llama, train_tokenizer
+
+    tokenizer = train_tokenizer(["Judge the items below. Reply with one line per item: [1] (a)"] * 4, 300, pad=False)
     tokenizer.chat_template = (
         "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
         "{% if add_generation_prompt %}assistant:{% endif %}"
     )
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=8192,
-        bos_token_id=0,
-        eos_token_id=1,
-        tie_word_embeddings=False,
-    )
-    model = LlamaForCausalLM(config)
+    model = random_llama(tokenizer, max_positions=8192)
+    config = model.config
     a = tokenizer.convert_tokens_to_ids("a")
     with torch.no_grad():
         model.model.layers[0].self_attn.o_proj.weight.zero_()

@@ -1,7 +1,7 @@
 """Tokenizer and model factory, batched sampling with a KV cache, reward scoring.
 
 * `train_tokenizer`: a byte-level BPE trained locally on the farm's text (no downloads).
-* `build_policy`: a tiny Llama-style causal LM from `ModelConfig`.
+* `build_policy`: a tiny Llama-style causal LM from `ModelConfig`; `random_llama`: a 1-layer one for any tokenizer.
 * `sample` (`sampling`): batched ancestral sampling (temperature, top-p, n samples per
   prompt) with a KV cache, each sample on its own random stream; `score`: reward scores.
 * `encode_examples` (`encoding`): training examples with response-only labels.
@@ -64,20 +64,21 @@ PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 
 
 # ------------------------------------------------------------------ tokenizer
-def train_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenizerFast:
-    """Byte-level BPE trained on `texts` (deterministic for the same texts)."""
+def train_tokenizer(texts: Iterable[str], vocab_size: int, pad: bool = True) -> PreTrainedTokenizerFast:
+    """Byte-level BPE trained on `texts` (deterministic for the same texts). `pad=False` leaves the pad token out, as
+    many hub tokenizers do (BOS and EOS then take ids 0 and 1)."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=[PAD, BOS, EOS],
+        special_tokens=[PAD, BOS, EOS] if pad else [BOS, EOS],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD, padding_side="right"
+        tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD if pad else None, padding_side="right"
     )
 
 
@@ -103,6 +104,33 @@ def build_policy(cfg: ModelConfig, tokenizer: PreTrainedTokenizerFast) -> LlamaF
         tie_word_embeddings=True,
     )
     config.farmflow_lora = cfg.lora.model_dump() if cfg.lora else None
+    return LlamaForCausalLM(config)
+
+
+def random_llama(
+    tokenizer: PreTrainedTokenizerFast,
+    seed: int = 0,
+    max_positions: int = 1024,
+    init_range: float = 0.02,
+    tie: bool = False,
+) -> LlamaForCausalLM:
+    """A random 1-layer Llama (hidden size 32) for `tokenizer`: the stand-in for a hub checkpoint in tests and smoke
+    benchmarks. A wide `init_range` (e.g. 0.3) makes its next-token choices clear-cut rather than near uniform."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=max_positions,
+        initializer_range=init_range,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=tie,
+    )
     return LlamaForCausalLM(config)
 
 
