@@ -5,8 +5,8 @@ Pairs: the first --pairs AlpacaEval instructions of ../shared/data, Davinci003's
 instruction's reference (realistic lengths), each in both orders as the judge sees them. Judge: SmolLM2-135M-Instruct
 from the model cache (`farmflow models get smollm2-135m-instruct`), float32, a 704-token prompt limit (pairs at full
 length) and the judge's default batch size. The two sides run interleaved (`bench.harness.interleave`: one warm-up
-each, then A B, B A, ...) on the same prompts; reported: prompts/s, median and range, the ratio, and the largest difference between
-the two sides' probabilities.
+each, then A B, B A, ...) on the same prompts; reported: prompts/s, median and range, the ratio, and the largest
+difference between the two sides' probabilities.
 
 ``--smoke`` (CI): a tiny random Llama judge, 4 pairs, one round. Writes bench/results/judge.json.
 """
