@@ -388,3 +388,29 @@ def test_api_dollars_and_requests_of_a_row_are_its_annotation_and_judging_spend(
     for column in COST_COLUMNS:
         assert stored[column] == pytest.approx(row[column])
     assert stored["pareto"] is True and stored["api_usd"] > 0
+
+
+def test_crowded_methods_get_labels_that_do_not_overlap():
+    """Methods of about the same cost and win rate (the usual leaderboard): every label readable, none on another."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from farmflow.evaluation.cost import _label_points
+
+    points = [("dpo", 446, 54.5), ("expert_iteration", 553, 53.5), ("ppo", 512, 53.2), ("quark", 500, 52.0)]
+    points += [("feedme", 431, 51.7), ("best_of_4", 436, 50.5), ("sft", 376, 50.0), ("untrained", 7, 27.3)]
+    fig, ax = plt.subplots(figsize=(6.5, 4.2), dpi=100)
+    ax.plot([x for _, x, _ in points], [y for _, _, y in points], "o")
+    ax.set_xscale("log")
+    _label_points(ax, points, size=8)
+    from matplotlib.text import Text
+
+    fig.canvas.draw()
+    boxes = [Text.get_window_extent(t) for t in ax.texts]  # the words themselves, not the lines back to the points
+    assert sorted(t.get_text() for t in ax.texts) == sorted(name for name, _, _ in points)
+    names = [t.get_text() for t in ax.texts]
+    overlaps = [(names[i], names[j]) for i in range(len(boxes)) for j in range(i) if boxes[i].overlaps(boxes[j])]
+    assert not overlaps, overlaps
+    plt.close(fig)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 from farmflow.evaluation.analysis import pair_key
 from farmflow.evaluation.leaderboard import FAMILY_COLOURS, method_family
@@ -193,6 +193,39 @@ def cost_markdown(rows: Sequence[dict], title: str = "Quality and cost") -> str:
     return "\n".join(lines) + "\n"
 
 
+def _text_box(label: Any, renderer: Any) -> Any:
+    """A label's text extent in pixels, without its connecting line (an annotation's own extent includes it)."""
+    from matplotlib.text import Text
+
+    label.update_positions(renderer)
+    return Text.get_window_extent(label, renderer)
+
+
+def _label_points(ax, points: Sequence[tuple[str, float, float]], size: float) -> None:
+    """Name each point beside it; where methods crowd together (similar cost and win rate) a label moves down, by its
+    measured size, until it overlaps no other, with a thin line back to its point. Call once the layout is final."""
+    ax.figure.canvas.draw()  # settles the axis limits, so data positions are the final pixels
+    renderer = ax.figure.canvas.get_renderer()
+    placed: list[Any] = []
+    for name, x, y in sorted(points, key=lambda p: -p[2]):
+        label = ax.annotate(
+            name,
+            (x, y),
+            textcoords="offset points",
+            xytext=(5, 4),
+            size=size,
+            arrowprops={"arrowstyle": "-", "lw": 0.5, "color": "0.5", "shrinkA": 0, "shrinkB": 3},
+        )
+        box = _text_box(label, renderer)
+        for _ in range(4 * len(points)):  # each step clears at least a sliver of one placed label
+            if not any(box.overlaps(other) for other in placed):
+                break
+            label.xyann = (label.xyann[0], label.xyann[1] - 1.1 * size)
+            box = _text_box(label, renderer)
+        label.arrow_patch.set_visible(label.xyann[1] < 0)
+        placed.append(box)
+
+
 def plot_cost(rows: Sequence[dict], path: str, curve: Sequence[dict] = (), title: str = "Win rate vs cost") -> None:
     """Win rate ± SE against wall seconds (log scale), coloured by family, the Pareto frontier as a step line, and
     best-of-n over n as a curve (PNG)."""
@@ -207,7 +240,6 @@ def plot_cost(rows: Sequence[dict], path: str, curve: Sequence[dict] = (), title
     for r in shown:
         colour = FAMILY_COLOURS[method_family(r["method"])]
         ax.errorbar(r["wall_seconds"], r["win_rate"], yerr=se(r["standard_error"]), fmt="o", color=colour, capsize=3)
-        ax.annotate(r["method"], (r["wall_seconds"], r["win_rate"]), textcoords="offset points", xytext=(5, 4), size=8)
     front = sorted((r["wall_seconds"], r["win_rate"]) for r in shown if r.get("pareto"))
     if front:
         ax.step([c for c, _ in front], [q for _, q in front], where="post", color="black", lw=1, ls="--")
@@ -235,7 +267,8 @@ def plot_cost(rows: Sequence[dict], path: str, curve: Sequence[dict] = (), title
     if front or len(curve) >= 2:
         ax.legend(loc="best", fontsize=7)
     fig.tight_layout()
-    fig.savefig(path)
+    _label_points(ax, [(r["method"], r["wall_seconds"], r["win_rate"]) for r in shown], size=8)
+    fig.savefig(path, bbox_inches="tight")
     plt.close(fig)
 
 
