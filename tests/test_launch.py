@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import shutil
 import sys
 from pathlib import Path
 
@@ -31,6 +32,25 @@ def cfg(monkeypatch):
 def _upstream(uri: str, cfg):
     data = tasks.data_task.fn(uri, cfg.data)
     return data, tasks.base_model_task.fn(uri, cfg.model, data=data)
+
+
+def _ddp_config(folder: Path) -> Path:
+    """accelerate's config for 2 local processes (gloo on CPU)."""
+    path = folder / "cpu_ddp.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "compute_environment": "LOCAL_MACHINE",
+                "distributed_type": "MULTI_GPU",
+                "num_machines": 1,
+                "num_processes": 2,
+                "machine_rank": 0,
+                "mixed_precision": "no",
+                "use_cpu": False,
+            }
+        )
+    )
+    return path
 
 
 def _weights(uri: str, ref) -> dict[str, torch.Tensor]:
@@ -193,20 +213,7 @@ def test_fsdp_config_is_the_7b_recipe():
 def test_two_process_ddp_on_cpu_matches_one_process(tmp_path, cfg):
     """accelerate launch, 2 CPU processes (gloo): each takes half of every batch; the result is the one-process
     run's."""
-    ddp = tmp_path / "cpu_ddp.yaml"
-    ddp.write_text(
-        yaml.safe_dump(
-            {
-                "compute_environment": "LOCAL_MACHINE",
-                "distributed_type": "MULTI_GPU",
-                "num_machines": 1,
-                "num_processes": 2,
-                "machine_rank": 0,
-                "mixed_precision": "no",
-                "use_cpu": False,
-            }
-        )
-    )
+    ddp = _ddp_config(tmp_path)
     inline_uri, ddp_uri = str(tmp_path / "inline"), str(tmp_path / "ddp")
     data_a, base_a = _upstream(inline_uri, cfg)
     data_b, base_b = _upstream(ddp_uri, cfg)
@@ -221,6 +228,34 @@ def test_two_process_ddp_on_cpu_matches_one_process(tmp_path, cfg):
         assert torch.allclose(a[k], b[k], atol=1e-4, rtol=1e-3), f"{k}: max diff {(a[k] - b[k]).abs().max():.2e}"
     assert two.metrics["train_loss_first"] == pytest.approx(inline.metrics["train_loss_first"], rel=1e-4)
     assert two.metrics["train_tokens"] == inline.metrics["train_tokens"]
+
+
+@pytest.mark.slow  # the synthetic-micro stages up to the pairs, then two child processes (~60 s)
+def test_two_process_reward_model_logs_the_global_batchs_figures(tmp_path, cfg):
+    """The training_metrics rows of a reward model trained on 2 processes are the one-process run's: accuracy, margin
+    and mean rewards are summed over both halves of every batch (Runtime.sum), tokens count the whole batch."""
+    from farmflow.training_metrics import read
+
+    inline_uri, ddp_uri = str(tmp_path / "inline"), str(tmp_path / "ddp")
+    data, base = _upstream(inline_uri, cfg)
+    sft = tasks.sft_task.fn(inline_uri, cfg.sft, data=data, base=base)
+    prefs = tasks.annotate_task.fn(
+        inline_uri, cfg.annotation, tasks.sample_pairs_task.fn(inline_uri, cfg.pairs, data, sft)
+    )
+    shutil.copytree(inline_uri, ddp_uri)  # the same upstream artifacts
+    inline = tasks.train_reward_task.fn(inline_uri, cfg.reward, prefs, sft)
+    with launching(ExecutionConfig(launcher="accelerate", accelerate_config=str(_ddp_config(tmp_path)))):
+        two = tasks.train_reward_task.fn(ddp_uri, cfg.reward, prefs, sft)
+    assert two.key == inline.key and two.metrics["processes"] == 2 and inline.metrics["processes"] == 1
+    one_rows, two_rows = read(open_store(inline_uri), inline).to_pylist(), read(open_store(ddp_uri), two).to_pylist()
+    assert [r["step"] for r in two_rows] == [r["step"] for r in one_rows] and len(one_rows) > 2
+    for a, b in zip(one_rows, two_rows):
+        assert a["split"] == b["split"] and a["tokens"] == b["tokens"]
+        for name in ("loss", "accuracy", "margin", "chosen_reward", "rejected_reward"):
+            if a.get(name) is None:
+                continue
+            assert b[name] == pytest.approx(a[name], rel=1e-3, abs=1e-4), (name, a["step"], a[name], b[name])
+    assert {r["split"] for r in one_rows} == {"train", "val"}
 
 
 @pytest.mark.slow

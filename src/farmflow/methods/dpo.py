@@ -196,6 +196,7 @@ def train_dpo(
     return {
         "steps": float(total),
         "resumed_from_step": float(start),
+        "processes": float(rt.processes),
         "pairs": float(len(pairs)),
         "train_loss_first": losses[0],
         "train_loss_last": sum(losses[-k:]) / k,

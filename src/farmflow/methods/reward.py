@@ -109,6 +109,7 @@ def train_reward(
     return {
         "steps": float(total),
         "resumed_from_step": float(start),
+        "processes": float(rt.processes),
         "train_loss_first": losses[0],
         "train_loss_last": sum(tail) / len(tail),
     }
