@@ -391,7 +391,8 @@ def test_api_dollars_and_requests_of_a_row_are_its_annotation_and_judging_spend(
 
 
 def test_crowded_methods_get_labels_that_do_not_overlap():
-    """Methods of about the same cost and win rate (the usual leaderboard): every label readable, none on another."""
+    """Methods of about the same cost and win rate (the usual leaderboard), and best-of-n's points over n among them:
+    every label readable, none on another."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -399,17 +400,18 @@ def test_crowded_methods_get_labels_that_do_not_overlap():
 
     from farmflow.evaluation.cost import _label_points
 
-    points = [("dpo", 446, 54.5), ("expert_iteration", 553, 53.5), ("ppo", 512, 53.2), ("quark", 500, 52.0)]
-    points += [("feedme", 431, 51.7), ("best_of_4", 436, 50.5), ("sft", 376, 50.0), ("untrained", 7, 27.3)]
+    points = [("dpo", 446, 54.5, 8), ("expert_iteration", 553, 53.5, 8), ("ppo", 512, 53.2, 8), ("quark", 500, 52.0, 8)]
+    points += [("feedme", 431, 51.7, 8), ("best_of_4", 436, 50.5, 8), ("sft", 376, 50.0, 8), ("untrained", 7, 27.3, 8)]
+    points += [("n=1", 436, 50.0, 7), ("n=2", 434, 49.2, 7), ("n=8", 443, 51.2, 7), ("n=16", 455, 52.0, 7)]
     fig, ax = plt.subplots(figsize=(6.5, 4.2), dpi=100)
-    ax.plot([x for _, x, _ in points], [y for _, _, y in points], "o")
+    ax.plot([p[1] for p in points], [p[2] for p in points], "o")
     ax.set_xscale("log")
-    _label_points(ax, points, size=8)
+    _label_points(ax, points)
     from matplotlib.text import Text
 
     fig.canvas.draw()
     boxes = [Text.get_window_extent(t) for t in ax.texts]  # the words themselves, not the lines back to the points
-    assert sorted(t.get_text() for t in ax.texts) == sorted(name for name, _, _ in points)
+    assert sorted(t.get_text() for t in ax.texts) == sorted(p[0] for p in points)
     names = [t.get_text() for t in ax.texts]
     overlaps = [(names[i], names[j]) for i in range(len(boxes)) for j in range(i) if boxes[i].overlaps(boxes[j])]
     assert not overlaps, overlaps

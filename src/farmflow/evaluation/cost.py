@@ -201,13 +201,14 @@ def _text_box(label: Any, renderer: Any) -> Any:
     return Text.get_window_extent(label, renderer)
 
 
-def _label_points(ax, points: Sequence[tuple[str, float, float]], size: float) -> None:
-    """Name each point beside it; where methods crowd together (similar cost and win rate) a label moves down, by its
-    measured size, until it overlaps no other, with a thin line back to its point. Call once the layout is final."""
+def _label_points(ax, points: Sequence[tuple[str, float, float, float]]) -> None:
+    """Name each point (name, x, y, font size) beside it. Where points crowd together (methods of similar cost and win
+    rate) a label takes the nearest free place, right or left of its point and up or down by whole lines of its
+    measured size, with a thin line back to the point. Call once the layout is final."""
     ax.figure.canvas.draw()  # settles the axis limits, so data positions are the final pixels
     renderer = ax.figure.canvas.get_renderer()
     placed: list[Any] = []
-    for name, x, y in sorted(points, key=lambda p: -p[2]):
+    for name, x, y, size in sorted(points, key=lambda p: -p[2]):
         label = ax.annotate(
             name,
             (x, y),
@@ -216,13 +217,14 @@ def _label_points(ax, points: Sequence[tuple[str, float, float]], size: float) -
             size=size,
             arrowprops={"arrowstyle": "-", "lw": 0.5, "color": "0.5", "shrinkA": 0, "shrinkB": 3},
         )
-        box = _text_box(label, renderer)
-        for _ in range(4 * len(points)):  # each step clears at least a sliver of one placed label
+        width = _text_box(label, renderer).width * 72 / ax.figure.dpi  # in points
+        lines = [0] + [d * k for k in range(1, 4 * len(points)) for d in (-1, 1)]
+        for dx, dy in ((dx, 4 + 1.1 * size * k) for k in lines for dx in (5, -5 - width)):
+            label.xyann = (dx, dy)
+            box = _text_box(label, renderer)
             if not any(box.overlaps(other) for other in placed):
                 break
-            label.xyann = (label.xyann[0], label.xyann[1] - 1.1 * size)
-            box = _text_box(label, renderer)
-        label.arrow_patch.set_visible(label.xyann[1] < 0)
+        label.arrow_patch.set_visible(label.xyann != (5, 4))
         placed.append(box)
 
 
@@ -235,7 +237,7 @@ def plot_cost(rows: Sequence[dict], path: str, curve: Sequence[dict] = (), title
     import matplotlib.pyplot as plt
 
     shown = [r for r in rows if not math.isnan(r["wall_seconds"]) and r["wall_seconds"] > 0]
-    fig, ax = plt.subplots(figsize=(6.5, 4.2), dpi=100)
+    fig, ax = plt.subplots(figsize=(8, 5.5), dpi=100)
     se = lambda x: 0 if x is None or math.isnan(x) else x  # noqa: E731
     for r in shown:
         colour = FAMILY_COLOURS[method_family(r["method"])]
@@ -255,10 +257,6 @@ def plot_cost(rows: Sequence[dict], path: str, curve: Sequence[dict] = (), title
             alpha=0.7,
             label="best-of-n over n",
         )
-        for p in curve:
-            ax.annotate(
-                f"n={p['n']}", (p["wall_seconds"], p["win_rate"]), textcoords="offset points", xytext=(3, -10), size=7
-            )
     ax.set_xscale("log")
     ax.set_xlabel("compute seconds to train, answer and judge (log)")
     ax.set_ylabel("win rate vs reference (%), ± 1 SE")
@@ -267,7 +265,10 @@ def plot_cost(rows: Sequence[dict], path: str, curve: Sequence[dict] = (), title
     if front or len(curve) >= 2:
         ax.legend(loc="best", fontsize=7)
     fig.tight_layout()
-    _label_points(ax, [(r["method"], r["wall_seconds"], r["win_rate"]) for r in shown], size=8)
+    labels = [(r["method"], r["wall_seconds"], r["win_rate"], 8) for r in shown]
+    if len(curve) >= 2:
+        labels += [(f"n={p['n']}", p["wall_seconds"], p["win_rate"], 7) for p in curve]
+    _label_points(ax, labels)
     fig.savefig(path, bbox_inches="tight")
     plt.close(fig)
 
