@@ -110,3 +110,24 @@ def kill_when_checkpointed(task: str, config, art: dict, stage: str, min_step: i
         f"a checkpoint of step {min_step}+",
     )
     return newest()
+
+
+def ddp_config(folder: Path) -> Path:
+    """accelerate's config for 2 local processes (DDP; gloo on CPU)."""
+    import yaml
+
+    path = folder / "cpu_ddp.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "compute_environment": "LOCAL_MACHINE",
+                "distributed_type": "MULTI_GPU",
+                "num_machines": 1,
+                "num_processes": 2,
+                "machine_rank": 0,
+                "mixed_precision": "no",
+                "use_cpu": False,
+            }
+        )
+    )
+    return path

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from rl_helpers import ddp_config
 
 from farmflow import tasks
 from farmflow.config import ExecutionConfig, load_config
@@ -32,25 +33,6 @@ def cfg(monkeypatch):
 def _upstream(uri: str, cfg):
     data = tasks.data_task.fn(uri, cfg.data)
     return data, tasks.base_model_task.fn(uri, cfg.model, data=data)
-
-
-def _ddp_config(folder: Path) -> Path:
-    """accelerate's config for 2 local processes (gloo on CPU)."""
-    path = folder / "cpu_ddp.yaml"
-    path.write_text(
-        yaml.safe_dump(
-            {
-                "compute_environment": "LOCAL_MACHINE",
-                "distributed_type": "MULTI_GPU",
-                "num_machines": 1,
-                "num_processes": 2,
-                "machine_rank": 0,
-                "mixed_precision": "no",
-                "use_cpu": False,
-            }
-        )
-    )
-    return path
 
 
 def _weights(uri: str, ref) -> dict[str, torch.Tensor]:
@@ -213,7 +195,7 @@ def test_fsdp_config_is_the_7b_recipe():
 def test_two_process_ddp_on_cpu_matches_one_process(tmp_path, cfg):
     """accelerate launch, 2 CPU processes (gloo): each takes half of every batch; the result is the one-process
     run's."""
-    ddp = _ddp_config(tmp_path)
+    ddp = ddp_config(tmp_path)
     inline_uri, ddp_uri = str(tmp_path / "inline"), str(tmp_path / "ddp")
     data_a, base_a = _upstream(inline_uri, cfg)
     data_b, base_b = _upstream(ddp_uri, cfg)
@@ -244,7 +226,7 @@ def test_two_process_reward_model_logs_the_global_batchs_figures(tmp_path, cfg):
     )
     shutil.copytree(inline_uri, ddp_uri)  # the same upstream artifacts
     inline = tasks.train_reward_task.fn(inline_uri, cfg.reward, prefs, sft)
-    with launching(ExecutionConfig(launcher="accelerate", accelerate_config=str(_ddp_config(tmp_path)))):
+    with launching(ExecutionConfig(launcher="accelerate", accelerate_config=str(ddp_config(tmp_path)))):
         two = tasks.train_reward_task.fn(ddp_uri, cfg.reward, prefs, sft)
     assert two.key == inline.key and two.metrics["processes"] == 2 and inline.metrics["processes"] == 1
     one_rows, two_rows = read(open_store(inline_uri), inline).to_pylist(), read(open_store(ddp_uri), two).to_pylist()

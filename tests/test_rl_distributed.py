@@ -19,12 +19,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))  # rl_helpers, also when this file runs as the worker script
 
-from rl_helpers import TOY_PROMPTS, digit_reward, micro_artifacts, toy_models  # noqa: E402
+from rl_helpers import TOY_PROMPTS, ddp_config, digit_reward, micro_artifacts, toy_models  # noqa: E402
 
 from farmflow.config import PPOConfig, QuarkConfig  # noqa: E402
 from farmflow.methods import ppo, quark  # noqa: E402
@@ -225,22 +224,6 @@ def test_local_micro_batches_are_the_share_counted_from_zero():
 
 
 # ------------------------------------------------------------------ two processes (slow)
-def _ddp_config(folder: Path) -> Path:
-    path = folder / "cpu_ddp.yaml"
-    path.write_text(
-        yaml.safe_dump(
-            {
-                "compute_environment": "LOCAL_MACHINE",
-                "distributed_type": "MULTI_GPU",
-                "num_machines": 1,
-                "num_processes": 2,
-                "machine_rank": 0,
-                "mixed_precision": "no",
-                "use_cpu": False,
-            }
-        )
-    )
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -253,7 +236,7 @@ def ranks(tmp_path_factory) -> tuple[list[dict], Path]:
         "-m",
         "accelerate.commands.launch",
         "--config_file",
-        str(_ddp_config(out)),
+        str(ddp_config(out)),
         "--main_process_port",
         str(free_port()),
         __file__,
@@ -449,7 +432,7 @@ def test_stage_on_two_processes_commits_the_inline_key_and_record(micro, method,
     task, config, inputs = _stage(method, micro)
     uri = str(tmp_path / "store")
     shutil.copytree(micro["uri"], uri, ignore=shutil.ignore_patterns("ppo", "quark"))  # the same upstream artifacts
-    with launching(ExecutionConfig(launcher="accelerate", accelerate_config=str(_ddp_config(tmp_path)))):
+    with launching(ExecutionConfig(launcher="accelerate", accelerate_config=str(ddp_config(tmp_path)))):
         two = task.fn(uri, config, **inputs)
     inline = task.fn(micro["uri"], config, **inputs)
     assert two.key == inline.key and two.stage == inline.stage == method
@@ -475,7 +458,7 @@ def test_a_rollout_that_does_not_split_is_one_clear_launch_error(micro, tmp_path
     task, config, inputs = _stage("ppo", micro)
     bad = config.model_copy(update={"rollout_batch_size": 45})
     with (
-        launching(ExecutionConfig(launcher="accelerate", accelerate_config=str(_ddp_config(tmp_path)))),
+        launching(ExecutionConfig(launcher="accelerate", accelerate_config=str(ddp_config(tmp_path)))),
         pytest.raises(StageLaunchError) as err,
     ):
         task.fn(micro["uri"], bad, **inputs)
