@@ -30,12 +30,18 @@ def pairs_of(n: int) -> list[tuple[str, str, str, str]]:
     return [(r["instruction"], "", r["output"], rows[i + 1]["output"]) for i, r in enumerate(rows[:n])]
 
 
-def tiny_judge(folder: Path) -> str:
-    """A random 1-layer Llama with a small BPE tokenizer trained on the judging prompt's words."""
+def tiny_judge(folder: Path, chat: bool = False) -> str:
+    """A random 1-layer Llama with a small BPE tokenizer trained on the judging prompt's words (`chat`: with a plain
+    chat template, so that an OpenAI-compatible server can serve it)."""
     from farmflow.annotators import hf
     from farmflow.models import random_llama, train_tokenizer
 
     tok = train_tokenizer([hf.SYSTEM, hf.QUESTION, hf.ANSWER_LEAD + " (a) (b) ## Instruction ## Output"] * 3, 300)
+    if chat:
+        tok.chat_template = (
+            "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}assistant:{% endif %}"
+        )
     random_llama(tok, max_positions=2048).save_pretrained(folder)
     tok.save_pretrained(folder)
     return str(folder)

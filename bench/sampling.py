@@ -155,6 +155,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--rounds", type=int, default=5, help="interleaved rounds per comparison (after one warm-up each)"
     )
+    parser.add_argument(
+        "--prompts", type=int, default=64, help="AlpacaEval prompts for n = 1 (best-of-n: an eighth of them, ≥ 2)"
+    )
     parser.add_argument("--smoke", action="store_true", help="a tiny random model and a few prompts: seconds, for CI")
     parser.add_argument("--out", type=Path, default=OUT, help="results file")
     args = parser.parse_args(argv)
@@ -162,8 +165,8 @@ def main(argv: list[str] | None = None) -> dict:
         model, tok, prompts, what = tiny_setup(prompts=8, max_len=96)
         new, batch, n_best, best_prompts = 8, 4, 4, 2
     else:
-        model, tok, prompts, what = real_setup(prompts=64, max_len=512)
-        new, batch, n_best, best_prompts = 64, 16, 16, 8
+        model, tok, prompts, what = real_setup(prompts=args.prompts, max_len=512)
+        new, batch, n_best, best_prompts = 64, 16, 16, max(2, args.prompts // 8)
     prompts = sorted(
         prompts, key=lambda p: len(tok(p, add_special_tokens=False)["input_ids"])
     )  # the same batches on both sides

@@ -115,6 +115,20 @@ def test_judge_smoke_compares_the_two_ways_of_reading_prompts_on_the_same_prompt
         assert run["prompts_per_s"] == pytest.approx(8 / run["seconds"])
 
 
+@pytest.mark.slow
+def test_serve_judge_smoke_judges_the_same_pairs_in_process_and_through_transformers_serve(tmp_path):
+    from bench import serve_judge
+
+    r = serve_judge.main(["--smoke", "--out", str(tmp_path / "serve_judge.json")])
+    (e,) = r["entries"]
+    assert e["contenders"] == ["in process (hf)", "transformers serve (api)"] and r["setup"]["pairs"] == 4
+    for name, runs in r["runs"].items():
+        (run,) = runs
+        assert run["pairs_per_s"] == pytest.approx(4 / run["seconds"])
+        assert run["judged"] == 4, name  # the served random model's answer is held to "a" or "b": every pair parses
+    assert (tmp_path / "serve_judge.json").exists()
+
+
 def test_cli_smoke_times_the_cli_against_its_imports(tmp_path):
     from bench import cli
 

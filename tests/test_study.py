@@ -15,6 +15,7 @@ from farmflow.evaluation.study import (
     calibrate_sharpness,
     gold_differences,
     human_like_annotator,
+    is_method,
     overoptimization_findings,
     study_rows,
 )
@@ -67,13 +68,20 @@ def test_study_rows_rank_methods_under_both_arms():
         "sft": [_rows([1.0] * (n // 2) + [2.0] * (n // 2))],
         "dpo": [_rows([2.0] * (n - 4) + [1.0] * 4)],
     }
+    sim["sft (4 epochs)"], human["sft (4 epochs)"] = [_rows([1.0] * n, 0.1)], [_rows([1.0] * n)]
     rows = {r["method"]: r for r in study_rows(sim, human, n_boot=300)}
     assert rows["dpo"]["sim_win_rate"] == 100.0 and rows["dpo"]["human_win_rate"] == 90.0
+    assert math.isnan(rows["sft (4 epochs)"]["sim_rank"]) and rows["sft (4 epochs)"]["sim_resolved"] == "worse"
     assert rows["dpo"]["sim_resolved"] == "better" and rows["dpo"]["human_resolved"] == "better"
     assert (rows["dpo"]["sim_rank"], rows["sft"]["sim_rank"]) == (1.0, 2.0)
     assert (rows["dpo"]["gold_rank"], rows["dpo"]["human_rank"]) == (1.0, 1.0)
     assert math.isnan(rows["untrained"]["sim_rank"])  # left out of the rankings
     assert rows["sft"]["sim_resolved"] == "" and rows["dpo"]["mean_gold"] == pytest.approx(0.7)
+
+
+def test_baselines_stay_out_of_the_methods_ranking():
+    assert is_method("dpo") and is_method("sft") and is_method("best_of_16")
+    assert not is_method("untrained") and not is_method("sft (4 epochs)")
 
 
 def test_overoptimization_is_present_only_when_the_peak_beats_the_end():
@@ -108,8 +116,20 @@ def test_study_flow_on_micro_writes_its_table_plots_and_artifacts_then_is_cached
     folder = summary["artifacts"]["study"]
     table = pq.read_table(f"{folder}/data.parquet")
     assert table.schema.names == SCHEMAS["validation_study"].names
-    assert sorted(table.column("method").to_pylist()) == ["best_of_4", "sft", "untrained"]
+    assert sorted(table.column("method").to_pylist()) == [
+        "best_of_4",
+        "sft",
+        "sft (0.25 epochs)",
+        "sft (0.5 epochs)",
+        "untrained",
+    ]
     findings = {f["quantity"]: f for f in summary["findings"]}
+    assert findings["Spearman (sim, human-like)"]["detail"].startswith("2 methods;")
+    assert findings["Spearman (sim, gold), all systems"]["detail"].startswith(
+        "5 systems: the methods and untrained, sft (0.25 epochs), sft (0.5 epochs);"
+    )
+    board = pq.read_table(f"{summary['artifacts']['leaderboard']}/data.parquet").column("method").to_pylist()
+    assert sorted(board) == ["best_of_4", "sft", "untrained"]  # the shortened SFTs are the study's, not the board's
     assert findings["human-like agreement (two judgements of one pair)"]["value"] == pytest.approx(0.657, abs=0.01)
     for name in ("Spearman (sim, human-like)", "Pearson (sim, human-like)", "prompts to resolve 2 points"):
         assert name in findings, name
@@ -126,6 +146,13 @@ def test_study_flow_on_micro_writes_its_table_plots_and_artifacts_then_is_cached
     tasks.EXECUTED.clear()
     again = study_flow(advanced=micro_config, methods=["best_of_n"], replicates=1, ns=[1, 2])
     assert tasks.EXECUTED == {} and again["artifacts"]["study"] == folder
+
+
+def test_shortened_sft_baselines_must_be_shorter_than_sft(micro_config):
+    from farmflow.flows.study import run_study
+
+    with pytest.raises(ValueError, match="sft_epochs must lie between 0 and the preset's 1 epochs"):
+        run_study(micro_config, [], 1, sft_epochs=(1.0,))
 
 
 def test_the_study_cli_refuses_a_farm_without_gold(tmp_path):

@@ -25,6 +25,12 @@ def validate(
     n: list[int] = typer.Option([], "--n", help="Best-of-n counts of the over-optimization curves (default 1..64)."),
     ppo_every: Optional[int] = typer.Option(None, "--ppo-every", help="Also PPO's curves: a snapshot every N steps."),
     agreement: float = typer.Option(0.657, help="Human-human agreement of the human-like arm (paper: 0.657)."),
+    sft_epochs: list[float] = typer.Option(
+        [],
+        "--sft-epochs",
+        help="Epochs of an SFT baseline stopped early, for the all-systems ranking (repeat; default: a quarter and "
+        "half of the preset's sft.epochs; 0: none).",
+    ),
     set_: list[str] = typer.Option([], "--set", help="Override a field (section.field=value)."),
     store: Optional[str] = typer.Option(None, help=STORE_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
@@ -36,6 +42,8 @@ def validate(
     if not 0.5 < agreement < 1:
         raise UsageError(f"--agreement must lie between 0.5 (coin flips) and 1, got {agreement}")
     cfg = load(preset, set_, store)
+    if any(not 0 <= e < cfg.sft.epochs for e in sft_epochs):
+        raise UsageError(f"--sft-epochs must lie between 0 and the preset's sft.epochs ({cfg.sft.epochs:g})")
     if cfg.data.source != "synthetic":
         raise UsageError(
             f"the study needs the synthetic farm's gold reward; preset {preset} has data.source {cfg.data.source!r}"
@@ -55,6 +63,7 @@ def validate(
         ns=list(n) or None,
         ppo_every=ppo_every,
         agreement=agreement,
+        sft_epochs=[e for e in sft_epochs if e] if sft_epochs else None,
     )
     wall = time.perf_counter() - start
     if as_json:

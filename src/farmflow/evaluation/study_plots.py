@@ -19,10 +19,10 @@ def _agg():
 
 
 def plot_rankings(rows: Sequence[dict], summary: Sequence[dict], path: str, title: str = "Validation study") -> None:
-    """Each method's win rate under the human-like arm (x) and the simulated arm (y), 95% intervals on both, with the
-    Spearman and Pearson correlations and their intervals in the title (paper Fig. 3)."""
+    """Each system's win rate under the human-like arm (x) and the simulated arm (y), 95% intervals on both, with the
+    Spearman and Pearson correlations (methods; all systems) and their intervals in the title (paper Fig. 3)."""
     plt = _agg()
-    fig, ax = plt.subplots(figsize=(6, 5.2), dpi=120)
+    fig, ax = plt.subplots(figsize=(6.4, 5.8), dpi=120)
     for r in rows:
         colour = FAMILY_COLOURS[method_family(r["method"])]
         ax.errorbar(
@@ -44,10 +44,14 @@ def plot_rankings(rows: Sequence[dict], summary: Sequence[dict], path: str, titl
     ax.set_ylabel("simulated (p_sim^eval) win rate vs reference (%)")
     found = {s["quantity"]: s for s in summary}
     lines = [title]
-    for name in ("Spearman (sim, human-like)", "Pearson (sim, human-like)"):
-        if name in found:
-            s = found[name]
-            lines.append(f"{name}: {s['value']:.2f} [{s['low']:.2f}, {s['high']:.2f}]")
+    for suffix, over in (("", "methods"), (", all systems", "all systems")):
+        parts = [
+            f"{name} {found[q]['value']:.2f} [{found[q]['low']:.2f}, {found[q]['high']:.2f}]"
+            for name in ("Spearman", "Pearson")
+            if (q := f"{name} (sim, human-like){suffix}") in found
+        ]
+        if parts:
+            lines.append(f"{over}: " + ", ".join(parts))
     ax.set_title("\n".join(lines), fontsize=9)
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -57,60 +61,65 @@ def plot_rankings(rows: Sequence[dict], summary: Sequence[dict], path: str, titl
 
 def plot_overoptimization(curve: Sequence[dict], path: str, title: str = "Over-optimization") -> None:
     """One panel per labeller (whose labels trained the reward model): win rate under each judge against the proxy
-    reward, best-of-n's points labelled by n, and the mean gold reward (×100, dashed) on one axis (paper Fig. 5)."""
+    reward, best-of-n's points (solid, labelled by n) and PPO's snapshots where present (dotted, labelled by step), and
+    the mean gold reward (×100, black dashed) on one axis (paper Fig. 5)."""
     plt = _agg()
     labellers = list(dict.fromkeys(r["labeller"] for r in curve))
     judges = list(dict.fromkeys(r["annotator"] for r in curve))
-    fig, axes = plt.subplots(1, len(labellers), figsize=(5.2 * len(labellers), 4.2), dpi=120, squeeze=False)
+    fig, axes = plt.subplots(1, len(labellers), figsize=(6 * len(labellers), 4.8), dpi=120, squeeze=False)
     for ax, labeller in zip(axes[0], labellers):
-        for j, judge in enumerate(judges):
-            line = sorted(
-                (
-                    r
-                    for r in curve
-                    if r["labeller"] == labeller and r["annotator"] == judge and r["family"] == "best_of_n"
-                ),
+        families = [f for f in ("best_of_n", "ppo") if any(r["family"] == f for r in curve)]
+        for family in families:
+            style = {"best_of_n": ("-", "o", ""), "ppo": (":", "^", "step ")}[family]
+            for j, judge in enumerate(judges):
+                line = sorted(
+                    (
+                        r
+                        for r in curve
+                        if r["labeller"] == labeller and r["annotator"] == judge and r["family"] == family
+                    ),
+                    key=lambda r: r["pressure"],
+                )
+                if not line:
+                    continue
+                ax.errorbar(
+                    [r["proxy_reward"] for r in line],
+                    [r["win_rate"] for r in line],
+                    yerr=[0 if math.isnan(r["standard_error"]) else r["standard_error"] for r in line],
+                    ls=style[0],
+                    marker=style[1],
+                    color=f"C{j}",
+                    capsize=2,
+                    label=f"{family}, judged by {judge}",
+                )
+                for r in line:
+                    ax.annotate(
+                        f"{style[2]}{r['pressure']:g}",
+                        (r["proxy_reward"], r["win_rate"]),
+                        xytext=(3, 3),
+                        textcoords="offset points",
+                        fontsize=6,
+                    )
+            gold = sorted(
+                {r["label"]: r for r in curve if r["labeller"] == labeller and r["family"] == family}.values(),
                 key=lambda r: r["pressure"],
             )
-            if not line:
-                continue
-            ax.errorbar(
-                [r["proxy_reward"] for r in line],
-                [r["win_rate"] for r in line],
-                yerr=[0 if math.isnan(r["standard_error"]) else r["standard_error"] for r in line],
-                marker="o",
-                color=f"C{j}",
-                capsize=2,
-                label=f"judged by {judge}",
-            )
-            for r in line:
-                ax.annotate(
-                    f"{r['pressure']:g}",
-                    (r["proxy_reward"], r["win_rate"]),
-                    xytext=(3, 3),
-                    textcoords="offset points",
-                    fontsize=6,
+            if gold and not any(math.isnan(r["mean_gold"]) for r in gold):
+                ax.plot(
+                    [r["proxy_reward"] for r in gold],
+                    [100 * r["mean_gold"] for r in gold],
+                    color="black",
+                    ls="--" if family == "best_of_n" else "-.",
+                    marker="s",
+                    ms=3,
+                    label=f"{family}, gold reward ×100",
                 )
-        gold = sorted(
-            {r["label"]: r for r in curve if r["labeller"] == labeller and r["family"] == "best_of_n"}.values(),
-            key=lambda r: r["pressure"],
-        )
-        if gold and not any(math.isnan(r["mean_gold"]) for r in gold):
-            ax.plot(
-                [r["proxy_reward"] for r in gold],
-                [100 * r["mean_gold"] for r in gold],
-                color="black",
-                ls="--",
-                marker="s",
-                ms=3,
-                label="gold reward ×100",
-            )
         ax.set_title(f"reward model on {labeller} labels", fontsize=9)
         ax.set_xlabel("proxy reward (mean over eval outputs)")
         ax.set_ylabel("win rate vs reference (%) / gold ×100")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle(title + " (points: best-of-n's n)")
+    fig.suptitle(title + " (points: best-of-n's n, PPO's step)")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

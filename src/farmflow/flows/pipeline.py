@@ -114,6 +114,7 @@ class Upstream:
 
 
 def generate_outputs(up: Upstream, policy: ArtifactRef, generator: str, control: str = "") -> ArtifactRef:
+    """The evaluation-set outputs of `policy`, named `generator` in the outputs table and the stage's label."""
     config = {"sample": up.cfg.generation, "generator": generator, "control": control}
     return up.run(generate_task, config, f"generate {generator}", data=up.data, policy=policy)
 

@@ -3,7 +3,9 @@ humans do, and does over-optimization show? (AlpacaFarm Fig. 3, Fig. 5, Table 2;
 
 1. Every chosen method and the baselines under K replicates (`farmflow.flows.replicates`: K seeds, SFT replicated
    unless ``evaluation.replicate_sft`` is False), each judged by the simulated evaluator p_sim^eval; the leaderboard
-   with intervals and each method's paired difference to SFT.
+   with intervals and each method's paired difference to SFT. Beside them, baselines of lesser quality for the
+   all-systems ranking (the paper's Fig. 3 spans LLaMA 7B to GPT-4): SFT stopped after a quarter and half of its
+   epochs (`short_sft_outputs`; ``sft_epochs``), the way the paper sets SFT on 10k demonstrations beside 52k.
 2. The human-like arm: a gold-based annotator whose sharpness makes two of its judgements agree as often as two
    humans (65.7%), calibrated on replicate 0's evaluation pairs; it judges the same outputs (`evaluate` stages).
 3. Over-optimization (the over-optimization flow's pieces): for each labeller (p_sim^ann, greedy) a reward model on
@@ -35,10 +37,11 @@ from farmflow.evaluation.replicates import aligned
 from farmflow.evaluation.study import (
     HUMAN,
     HUMAN_AGREEMENT,
-    LEFT_OUT,
+    SHORT_SFT,
     calibrate_sharpness,
     gold_differences,
     human_like_annotator,
+    is_method,
     overoptimization_findings,
     resolution_rows,
     study_markdown,
@@ -47,11 +50,12 @@ from farmflow.evaluation.study import (
 from farmflow.evaluation.study_plots import plot_overoptimization, plot_rankings
 from farmflow.flows.form import MethodName, PresetName, prefect_run_name, run_config, with_form_doc
 from farmflow.flows.overoptimization import best_of_n_points, labelled_upstream, point_configs, ppo_points
+from farmflow.flows.pipeline import Upstream, generate_outputs
 from farmflow.flows.replicates import replicate_board_task, replicate_config, replicate_evaluations
 from farmflow.flows.runner import StageRunner
 from farmflow.storage import ArtifactRef, open_store, stage_key
 from farmflow.storage.schemas import SCHEMAS
-from farmflow.tasks import evaluate_task
+from farmflow.tasks import evaluate_task, sft_task
 from farmflow.tasks.analysis import overoptimization_task
 
 STUDY_NS = (1, 2, 4, 8, 16, 64)
@@ -88,10 +92,9 @@ def study_task(
     if ref is None:
         sim_rows, human_rows = _tables(store, sim), _tables(store, human)
         rows = study_rows(sim_rows, human_rows, n_boot=n_boot)
-        ranked = [m for m in sim_rows if m not in LEFT_OUT]
-        _, s = aligned({m: sim_rows[m] for m in ranked})
-        _, h = aligned({m: human_rows[m] for m in ranked})
-        _, g = aligned({m: sim_rows[m] for m in ranked}, "gold_2")
+        _, s = aligned(sim_rows)
+        _, h = aligned(human_rows)
+        _, g = aligned(sim_rows, "gold_2")
         summary = [
             {
                 "quantity": "human-like agreement (two judgements of one pair)",
@@ -101,18 +104,24 @@ def study_task(
                 "detail": f"sharpness {calibration['sharpness']:g}; paper: humans 65.7%",
             },
         ]
-        for other, scores in (("human-like", h), ("gold", g)):
-            c = ranking_agreement([s[m] for m in ranked], [scores[m] for m in ranked], n_boot)
-            for name in ("Spearman", "Pearson"):
-                summary.append(
-                    {
-                        "quantity": f"{name} (sim, {other})",
-                        "value": c[name.lower()],
-                        "low": c[f"{name.lower()}_low"],
-                        "high": c[f"{name.lower()}_high"],
-                        "detail": f"{len(ranked)} methods, bootstrap over prompts",
-                    }
-                )
+        methods = [m for m in sim_rows if is_method(m)]
+        systems = {"": (methods, f"{len(methods)} methods")}
+        if len(sim_rows) > len(methods):
+            baselines = ", ".join(m for m in sim_rows if not is_method(m))
+            systems[", all systems"] = (list(sim_rows), f"{len(sim_rows)} systems: the methods and {baselines}")
+        for suffix, (ranked, described) in systems.items():
+            for other, scores in (("human-like", h), ("gold", g)):
+                c = ranking_agreement([s[m] for m in ranked], [scores[m] for m in ranked], n_boot)
+                for name in ("Spearman", "Pearson"):
+                    summary.append(
+                        {
+                            "quantity": f"{name} (sim, {other}){suffix}",
+                            "value": c[name.lower()],
+                            "low": c[f"{name.lower()}_low"],
+                            "high": c[f"{name.lower()}_high"],
+                            "detail": f"{described}; bootstrap over prompts",
+                        }
+                    )
         summary += resolution_rows(rows)
         curve_rows = store.read_table(curve).to_pylist() if curve else []
         if curve_rows:
@@ -180,6 +189,20 @@ def overoptimization_curve(
     )
 
 
+def default_sft_epochs(cfg: FarmConfig) -> tuple[float, ...]:
+    """The shortened SFT baselines' epochs: a quarter and a half of the preset's."""
+    return (cfg.sft.epochs / 4, cfg.sft.epochs / 2)
+
+
+def short_sft_outputs(up: Upstream, epochs: float, tag: str = "") -> tuple[str, ArtifactRef]:
+    """(name, evaluation-set outputs) of SFT stopped after `epochs` (its own run: the schedule spans those epochs),
+    on the same data and base model as `up`'s SFT."""
+    name = SHORT_SFT.format(epochs=epochs)
+    sft = up.cfg.sft.model_copy(update={"epochs": epochs})
+    policy = up.run(sft_task, sft, f"{name}{tag}", data=up.data, base=up.base, checkpoints=up.cfg.checkpoints)
+    return name, generate_outputs(up, policy, name)
+
+
 def run_study(
     cfg: FarmConfig,
     methods: list[str] | tuple[str, ...],
@@ -188,20 +211,30 @@ def run_study(
     ppo_every: int | None = None,
     target_agreement: float = HUMAN_AGREEMENT,
     n_boot: int = N_BOOT,
+    sft_epochs: tuple[float, ...] | None = None,
 ) -> dict[str, Any]:
-    """The study (module doc) on one farm config; returns a JSON-able summary (findings, rows, artifacts, stages)."""
+    """The study (module doc) on one farm config; returns a JSON-able summary (findings, rows, artifacts, stages).
+    `sft_epochs`: the shortened SFT baselines (None: `default_sft_epochs`; empty: none)."""
     if cfg.data.source != "synthetic":
         raise ValueError(
             f"the validation study needs the synthetic farm's gold reward; data.source is {cfg.data.source!r}"
         )
     run = StageRunner(cfg.store.location, cfg.execution, cfg.name)
     outputs, sim, data = [], [], None
+    short = sorted({float(e) for e in (default_sft_epochs(cfg) if sft_epochs is None else sft_epochs)})
+    if any(not 0 < e < cfg.sft.epochs for e in short):
+        raise ValueError(f"sft_epochs must lie between 0 and the preset's {cfg.sft.epochs:g} epochs, got {short}")
     for r in range(replicates):
         up, done = replicate_evaluations(run, cfg, methods, r)
         data = data or up.data
+        tag = f" [replicate {r}]" if r else ""
+        for e in short:
+            name, o = short_sft_outputs(up, e, tag)
+            judged = run(evaluate_task, up.cfg.evaluation.annotator, f"evaluate {name}{tag}", outputs=o, data=data)
+            done[name] = (o, judged)
         outputs.append({m: o for m, (o, _) in done.items()})
         sim.append({m: ev for m, (_, ev) in done.items()})
-    calib_rows = [row for m, ev in sim[0].items() if m not in LEFT_OUT for row in run.store.read_table(ev).to_pylist()]
+    calib_rows = [row for m, ev in sim[0].items() if is_method(m) for row in run.store.read_table(ev).to_pylist()]
     sharpness, reached = calibrate_sharpness(gold_differences(calib_rows), target_agreement)
     human = []
     for r in range(replicates):
@@ -213,7 +246,11 @@ def run_study(
                 for m, o in outputs[r].items()
             }
         )
-    board = replicate_board_task(run.store_uri, sim, f"Leaderboard: {cfg.name}, {replicates} replicate(s)", n_boot)
+    shortened = {SHORT_SFT.format(epochs=e) for e in short}  # the study's baselines, not the leaderboard's
+    methods_only = [{m: ev for m, ev in evs.items() if m not in shortened} for evs in sim]
+    board = replicate_board_task(
+        run.store_uri, methods_only, f"Leaderboard: {cfg.name}, {replicates} replicate(s)", n_boot
+    )
     curve = None
     if ns:
         judges = {
@@ -243,6 +280,7 @@ def run_study(
     ns: Best-of-n sample counts of the over-optimization curves (default 1, 2, 4, 8, 16, 64; empty: no curves).
     ppo_every: Also PPO's curves: a snapshot every this many PPO steps, each a point (None: best-of-n only).
     agreement: Human-human agreement the human-like arm is calibrated to (paper: 0.657).
+    sft_epochs: Epochs of the shortened SFT baselines (all-systems ranking; None: a quarter and half of sft.epochs).
 """)
 def study_flow(
     preset: PresetName | None = None,
@@ -254,6 +292,7 @@ def study_flow(
     ns: list[int] | None = None,
     ppo_every: int | None = None,
     agreement: float = HUMAN_AGREEMENT,
+    sft_epochs: list[float] | None = None,
     overrides: list[str] | None = None,
     advanced: FarmConfig | None = None,
 ) -> dict[str, Any]:
@@ -262,4 +301,5 @@ def study_flow(
     cfg = run_config(preset, advanced, overrides, seed, eval_size, pref_size)
     chosen = list(methods) if methods else list(METHODS)
     k = replicates or cfg.evaluation.replicates
-    return run_study(cfg, chosen, k, tuple(STUDY_NS if ns is None else ns), ppo_every, agreement)
+    short = None if sft_epochs is None else tuple(sft_epochs)
+    return run_study(cfg, chosen, k, tuple(STUDY_NS if ns is None else ns), ppo_every, agreement, sft_epochs=short)
