@@ -398,7 +398,7 @@ def test_crowded_methods_get_labels_that_do_not_overlap():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from farmflow.evaluation.cost import _label_points
+    from farmflow.evaluation.cost import label_points
 
     points = [("dpo", 446, 54.5, 8), ("expert_iteration", 553, 53.5, 8), ("ppo", 512, 53.2, 8), ("quark", 500, 52.0, 8)]
     points += [("feedme", 431, 51.7, 8), ("best_of_4", 436, 50.5, 8), ("sft", 376, 50.0, 8), ("untrained", 7, 27.3, 8)]
@@ -406,7 +406,7 @@ def test_crowded_methods_get_labels_that_do_not_overlap():
     fig, ax = plt.subplots(figsize=(6.5, 4.2), dpi=100)
     ax.plot([p[1] for p in points], [p[2] for p in points], "o")
     ax.set_xscale("log")
-    _label_points(ax, points)
+    label_points(ax, points)
     from matplotlib.text import Text
 
     fig.canvas.draw()

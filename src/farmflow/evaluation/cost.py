@@ -201,7 +201,7 @@ def _text_box(label: Any, renderer: Any) -> Any:
     return Text.get_window_extent(label, renderer)
 
 
-def _label_points(ax, points: Sequence[tuple[str, float, float, float]]) -> None:
+def label_points(ax, points: Sequence[tuple[str, float, float, float]]) -> None:
     """Name each point (name, x, y, font size) beside it. Where points crowd together (methods of similar cost and win
     rate) a label takes the nearest free place, right or left of its point and up or down by whole lines of its
     measured size, with a thin line back to the point. Call once the layout is final."""
@@ -268,7 +268,7 @@ def plot_cost(rows: Sequence[dict], path: str, curve: Sequence[dict] = (), title
     labels = [(r["method"], r["wall_seconds"], r["win_rate"], 8) for r in shown]
     if len(curve) >= 2:
         labels += [(f"n={p['n']}", p["wall_seconds"], p["win_rate"], 7) for p in curve]
-    _label_points(ax, labels)
+    label_points(ax, labels)
     fig.savefig(path, bbox_inches="tight")
     plt.close(fig)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+from farmflow.evaluation.cost import label_points
 from farmflow.evaluation.leaderboard import FAMILY_COLOURS, method_family
 
 
@@ -34,9 +35,6 @@ def plot_rankings(rows: Sequence[dict], summary: Sequence[dict], path: str, titl
             color=colour,
             capsize=2,
         )
-        ax.annotate(
-            r["method"], (r["human_win_rate"], r["sim_win_rate"]), xytext=(4, 3), textcoords="offset points", fontsize=7
-        )
     lo = min(min(r["human_low"], r["sim_low"]) for r in rows) - 2
     hi = max(max(r["human_high"], r["sim_high"]) for r in rows) + 2
     ax.plot([lo, hi], [lo, hi], color="grey", lw=0.8, ls="--")
@@ -55,7 +53,8 @@ def plot_rankings(rows: Sequence[dict], summary: Sequence[dict], path: str, titl
     ax.set_title("\n".join(lines), fontsize=9)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path)
+    label_points(ax, [(r["method"], r["human_win_rate"], r["sim_win_rate"], 7) for r in rows])
+    fig.savefig(path, bbox_inches="tight")
     plt.close(fig)
 
 
