@@ -24,17 +24,17 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
-
-import httpx
+from typing import Iterator
 
 from bench.harness import entry, interleave, machine, summary
+from farmflow.loopback import free_port, server_process
 
 OUT = Path(__file__).parent / "results" / "cli.json"
 REPEATS = 7
@@ -72,50 +72,26 @@ def imports(env: dict) -> float:
     return time.perf_counter() - start
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(prefect_home: Path, log: Path) -> tuple[subprocess.Popen, str]:
-    """`farmflow server` on a free loopback port; returns it and the PREFECT_API_URL it printed, once it answers."""
+@contextmanager
+def running_server(prefect_home: Path, log: Path) -> Iterator[str]:
+    """`farmflow server` on a free loopback port until the block ends (stopped by SIGINT, as Ctrl-C would); yields
+    the PREFECT_API_URL it printed, once it answers."""
     port = free_port()
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [FARMFLOW, "server", "--port", str(port)],
-            env=child_env(prefect_home),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
     url = f"http://127.0.0.1:{port}/api"
-    deadline = time.monotonic() + 180
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            stop_server(proc)
-            raise RuntimeError("farmflow server did not come up: " + log.read_text()[-2000:])
-        time.sleep(0.2)
-    if f"export PREFECT_API_URL={url}" not in log.read_text():
-        stop_server(proc)
-        raise RuntimeError(f"farmflow server did not print the export line for {url}")
-    return proc, url
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    """SIGINT (Ctrl-C: a graceful shutdown), then SIGKILL if it has not exited after 60 s."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    command = [FARMFLOW, "server", "--port", str(port)]
+    with server_process(
+        command,
+        url + "/health",
+        log,
+        "farmflow server",
+        env=child_env(prefect_home),
+        stop_signal=signal.SIGINT,
+        group=True,
+        grace=60,
+    ):
+        if f"export PREFECT_API_URL={url}" not in log.read_text():
+            raise RuntimeError(f"farmflow server did not print the export line for {url}")
+        yield url
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -132,7 +108,6 @@ def main(argv: list[str] | None = None) -> dict:
     store = tmp / "store"
     temporary_env = child_env(tmp / "prefect-temporary")
     load_before = os.getloadavg()
-    server = None
     flows: dict[str, list[float]] = {"server": [], "temporary": []}
 
     def run_with(name: str, env: dict):
@@ -148,18 +123,17 @@ def main(argv: list[str] | None = None) -> dict:
         return run
 
     try:
-        contenders = {}
-        if not args.smoke:
-            print("filling the store (one un-timed run with a temporary server)...", flush=True)
-            farmflow_run(store, temporary_env, cached=False)
-            server, url = start_server(tmp / "prefect-server", tmp / "server.log")
-            contenders["server"] = run_with("server", child_env(tmp / "prefect-client", PREFECT_API_URL=url))
-        contenders["temporary"] = run_with("temporary", temporary_env)
-        contenders["imports"] = lambda: imports(temporary_env)
-        walls = interleave(contenders, rounds=1 if args.smoke else args.rounds, warmup=0 if args.smoke else 1)
+        with ExitStack() as servers:
+            contenders = {}
+            if not args.smoke:
+                print("filling the store (one un-timed run with a temporary server)...", flush=True)
+                farmflow_run(store, temporary_env, cached=False)
+                url = servers.enter_context(running_server(tmp / "prefect-server", tmp / "server.log"))
+                contenders["server"] = run_with("server", child_env(tmp / "prefect-client", PREFECT_API_URL=url))
+            contenders["temporary"] = run_with("temporary", temporary_env)
+            contenders["imports"] = lambda: imports(temporary_env)
+            walls = interleave(contenders, rounds=1 if args.smoke else args.rounds, warmup=0 if args.smoke else 1)
     finally:
-        if server is not None:
-            stop_server(server)
         shutil.rmtree(tmp, ignore_errors=True)
 
     med = {name: statistics.median(xs) for name, xs in walls.items()}

@@ -24,18 +24,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
-import httpx
-
 from bench.harness import ROOT, entry, interleave, machine, values
 from bench.judge import EVAL_FILE, MODEL, tiny_judge
+from farmflow.loopback import free_port, server_process
 
 OUT = ROOT / "bench" / "results" / "serve_judge.json"
 TRANSFORMERS = Path(sys.executable).parent / "transformers"
@@ -58,32 +55,11 @@ def rows_of(n: int) -> list[dict]:
 @contextmanager
 def served(folder: str, log: Path):
     """`transformers serve` for `folder` on a free loopback port until the block ends; yields its /v1 URL."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = os.environ | {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    with open(log, "wb") as out:
-        command = [str(TRANSFORMERS), "serve", folder, "--host", "127.0.0.1", "--port", str(port), "--device", "cpu"]
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"transformers serve did not start: {log.read_text(errors='replace')[-2000:]}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+    command = [str(TRANSFORMERS), "serve", folder, "--host", "127.0.0.1", "--port", str(port), "--device", "cpu"]
+    with server_process(command, f"http://127.0.0.1:{port}/health", log, "transformers serve", env=env):
         yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def side(rows: list[dict], cfg, scratch: Path):

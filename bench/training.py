@@ -19,7 +19,8 @@ Fairness: both sides see the same token sequences (farmflow's ``encode_examples`
 encoding, given to TRL pre-tokenized, so TRL's tokenization happens in its constructor,
 outside the timing, while farmflow tokenizes each batch inside its loop), in the same
 batches (farmflow's `batch_order`; TRL reads the rows sequentially in that order), right
-padded to the longest sequence of the batch, in float32 without gradient checkpointing,
+padded to the longest sequence of the batch (except farmflow's reward model, run with
+``reward.packing``: see DIFFERENCES), in float32 without gradient checkpointing,
 with AdamW (``optim="adamw_torch"``, farmflow's `torch.optim.AdamW`), gradient clipping
 at 1.0, linear warmup then cosine decay. Logging, evaluation, saving and reporting are
 off in TRL. Each (trainer, side) runs in a fresh process with the same thread count;
@@ -114,6 +115,12 @@ DIFFERENCES = [
     "Learning rate: Hugging Face's linear warmup starts at 0 (farmflow's at lr/warmup_steps), "
     "so losses after step 1 differ slightly.",
     "DPO: TRL's DPOTrainer with _prepare_dataset overridden to take pre-tokenized prompt/chosen/rejected ids.",
+    "Reward model: TRL pads both outputs of every pair to the batch's longest sequence, one row each, so it reads "
+    "every prompt twice; farmflow runs with reward.packing (its best configuration): a batch's pairs in rows of up "
+    "to 2 x max_len positions, a pair as prompt, output_1, output_2 with output_2 attending to the prompt and "
+    "itself only (pack_pairs; the same rewards up to float rounding). TRL's RewardTrainer has no packing, so "
+    "padding is its best configuration. The tokens counted are the same on both sides (both outputs with their "
+    "prompt); computed_positions_per_step gives the positions each side runs through the model.",
 ]
 
 
@@ -221,7 +228,7 @@ def chosen_rejected(pairs: dict) -> tuple[list[str], list[str], list[str]]:
 def run_farmflow(kind: str, folder: Path, inputs: dict) -> dict:
     from farmflow.config import DPOConfig, RewardConfig, SFTConfig
     from farmflow.methods import dpo, reward, sft
-    from farmflow.models import encode_examples, load_policy, reward_from_policy
+    from farmflow.models import encode_examples, load_policy, pack_pairs, reward_from_policy, tokenize_examples
 
     model, tok = load_policy(folder / "policy")
     steps, batch, lr = inputs["steps"][kind], inputs["trainers"][kind]["batch"], inputs["trainers"][kind]["lr"]
@@ -253,6 +260,7 @@ def run_farmflow(kind: str, folder: Path, inputs: dict) -> dict:
             encode_examples(tok, [prompts[i] for i in b], [responses[i] for i in b], max_len)[1]
             for b in batches(n, batch, steps)
         ]
+        computed = [m.numel() for m in shapes]
 
         def train():
             return sft.train_sft(model, tok, prompts, responses, SFTConfig(**common), max_len)
@@ -265,11 +273,20 @@ def run_farmflow(kind: str, folder: Path, inputs: dict) -> dict:
             encode_examples(tok, [prompts[i] for i in b] * 2, [out_1[i] for i in b] + [out_2[i] for i in b], max_len)[1]
             for b in batches(n, batch, steps)
         ]
-        if kind == "reward":
+        computed = [m.numel() for m in shapes]
+        if kind == "reward":  # with packing the loop lays out each batch's pairs by pack_pairs
+            p_ids, o_ids = tokenize_examples(tok, prompts, out_1 + out_2)
+            computed = [
+                pack_pairs(
+                    tok, [p_ids[i] for i in b], [o_ids[i] for i in b], [o_ids[n + i] for i in b], max_len
+                ).input_ids.numel()
+                for b in batches(n, batch, steps)
+            ]
             model = reward_from_policy(folder / "policy", seed=SEED)
 
             def train():
-                return reward.train_reward(model, tok, prompts, out_1, out_2, prefs, RewardConfig(**common), max_len)
+                cfg = RewardConfig(**common, packing=True)  # farmflow's best configuration (TRL's has no packing)
+                return reward.train_reward(model, tok, prompts, out_1, out_2, prefs, cfg, max_len)
 
         else:
             ref_1, ref_2 = dpo.reference_logps(model, tok, prompts, out_1, out_2, max_len, batch_size=batch)
@@ -284,7 +301,7 @@ def run_farmflow(kind: str, folder: Path, inputs: dict) -> dict:
     return {
         "step_ends": ends,
         "tokens": [int(m.sum()) for m in shapes],
-        "padded": [m.numel() for m in shapes],
+        "padded": computed,
         "loss_first": metrics["train_loss_first"],
         "loss_last": metrics["train_loss_last"],
     }
@@ -557,13 +574,11 @@ def main(argv: list[str] | None = None) -> dict:
 
             runs = interleave({side: contender(side) for side in sides}, rounds=args.rounds, warmup=0)
             ff = runs["farmflow"]
-            if any(
-                (r["tokens"], r["padded"]) != (ff[0]["tokens"], ff[0]["padded"]) for rs in runs.values() for r in rs
-            ):
+            if any(r["tokens"] != ff[0]["tokens"] for rs in runs.values() for r in rs):
                 raise RuntimeError(f"{kind}: the sides did not train on the same batches")
             results["trainers"][kind] = {
                 "tokens_per_step": statistics.mean(ff[0]["tokens"]),
-                "padded_tokens_per_step": statistics.mean(ff[0]["padded"]),
+                "computed_positions_per_step": {side: statistics.mean(rs[0]["padded"]) for side, rs in runs.items()},
                 "first_step_loss": {side: rs[0]["loss_first"] for side, rs in runs.items()},
                 "peak_rss_mb_median": {side: statistics.median(values(rs, "peak_rss_mb")) for side, rs in runs.items()},
                 "runs": {

@@ -4,22 +4,15 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
 import tempfile
-import time
 from contextlib import closing, contextmanager
 from pathlib import Path
 from typing import Iterator
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
+from farmflow import loopback
 
 _MIGRATED: list[Path] = []  # the database this test process migrated, once
 
@@ -55,23 +48,15 @@ def prefect_cli(*args: str, env: dict, log: Path) -> subprocess.Popen:
 
 
 def stop(proc: subprocess.Popen) -> None:
-    """SIGTERM the process group, SIGKILL after 20 s."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
+    """SIGTERM the process group (`prefect_cli` starts each in a session of its own), SIGKILL after 20 s."""
+    loopback.stop(proc, signal.SIGTERM, grace=20, group=True)
 
 
 @contextmanager
 def prefect_server(home: Path, **settings: str) -> Iterator[tuple[str, dict, Path]]:
     """Start a server (extra `settings` as environment variables); yields (api_url, environment for clients, server
     log)."""
-    import httpx
-
-    port = free_port()
+    port = loopback.free_port()
     api_url = f"http://127.0.0.1:{port}/api"
     env = os.environ | {
         "PREFECT_HOME": str(migrated_home(home)),
@@ -84,15 +69,7 @@ def prefect_server(home: Path, **settings: str) -> Iterator[tuple[str, dict, Pat
     log = home / "server.log"
     proc = prefect_cli("server", "start", "--host", "127.0.0.1", "--port", str(port), env=env, log=log)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{api_url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.5)
+        loopback.wait_healthy(proc, f"{api_url}/health", 120, "prefect server", log)
         yield api_url, env, log
     finally:
         stop(proc)

@@ -16,6 +16,8 @@ import pytest
 from prefect_server import migrated_home
 from procs import python_env
 
+from farmflow.loopback import free_port
+
 CLI = "from farmflow.cli import main; main()"
 # after the CLI exits: did it get as far as the heavy imports (the flows, torch)?
 CLI_REPORTING_IMPORTS = f"""
@@ -25,12 +27,6 @@ try:
 finally:
     print("flows imported" if "farmflow.flows" in sys.modules or "torch" in sys.modules else "nothing heavy imported")
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def answers(url: str) -> bool:

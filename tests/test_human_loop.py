@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import socket
 import threading
 import time
 
@@ -19,16 +18,11 @@ from farmflow.config import AnnotatorConfig, load_config
 from farmflow.evaluation.cost import COST_COLUMNS
 from farmflow.labeling.labels import labels, load_pairs
 from farmflow.labeling.server import make_app
+from farmflow.loopback import free_port
 from farmflow.storage import open_store
 from farmflow.tasks import TASKS
 from farmflow.tasks.methods import dpo_task, reference_logps_task
 from farmflow.tasks.preferences import human_config, human_preferences_task
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LabelServer:

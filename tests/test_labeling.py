@@ -6,7 +6,6 @@ import csv
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from farmflow.labeling.labels import (
     shown_swapped,
 )
 from farmflow.labeling.session import Session
+from farmflow.loopback import free_port
 from farmflow.storage import open_store
 from farmflow.storage.sql import connect
 
@@ -38,12 +38,6 @@ WHERE annotator LIKE 'human:%'
 QUALIFY row_number() OVER (PARTITION BY key ORDER BY created DESC) = 1 AND status = 'ok'
 ORDER BY instruction
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write_pairs(path, n: int) -> list[dict]:

@@ -645,6 +645,96 @@ def test_sft_loop_with_packing_trains_like_the_padded_loop(tok):
         assert torch.allclose(p, q, atol=1e-5), name
 
 
+def test_pack_pairs_by_hand():
+    """Three pairs (max_len 8): two share their prompt, one cuts its long prompt differently for each output."""
+    from types import SimpleNamespace
+
+    from farmflow.models import pack_pairs
+
+    t = SimpleNamespace(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    prompts = [[5, 6], [10, 11, 12, 13, 14, 15, 16], [5]]
+    out_1, out_2 = [[7], [], [7]], [[8, 9], [18, 19], [7]]
+    packed = pack_pairs(t, prompts, out_1, out_2, max_len=8)
+    # pair 1 (16 tokens: the empty output leaves its prompt one more token) fills row 0; pairs 0 and 2 share row 1
+    assert packed.input_ids.tolist() == [
+        [1, 11, 12, 13, 14, 15, 16, 2, 1, 12, 13, 14, 15, 16, 18, 19],
+        [1, 5, 6, 7, 2, 8, 9, 2, 1, 5, 7, 2, 7, 2, 0, 0],
+    ]
+    assert packed.position_ids.tolist() == [
+        [0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7],
+        [0, 1, 2, 3, 4, 3, 4, 5, 0, 1, 2, 3, 2, 3, 0, 0],
+    ]
+    assert packed.ends.tolist() == [[[1, 4], [1, 7]], [[0, 7], [0, 15]], [[1, 11], [1, 13]]]
+    seen = packed.allowed[:, 0]
+    assert seen[1, 5].nonzero().flatten().tolist() == [0, 1, 2, 5]  # output_2 of pair 0: its prompt, not output_1
+    assert seen[1, 4].nonzero().flatten().tolist() == [0, 1, 2, 3, 4]
+    assert seen[1, 12].nonzero().flatten().tolist() == [8, 9, 12]  # pair 2 sees nothing of pair 0
+    assert seen[0, 9].nonzero().flatten().tolist() == [8, 9]  # pair 1's second copy of its prompt starts afresh
+    assert seen[1, 14].nonzero().flatten().tolist() == [14]  # padding: itself only
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_pair_rewards_equal_each_output_read_alone_and_their_gradients(tok, reward_model, attn):
+    """The packed forward (each prompt read once, several pairs a row) gives every output the reward and the
+    gradient it gets read in its own right-padded row, on both attention kernels."""
+    from farmflow.methods.reward import bradley_terry_loss, pair_rewards
+
+    _, folder = reward_model
+    rm = reward_from_policy(folder, seed=0)
+    rm.set_attn_implementation(attn)
+    max_len = 40  # short enough that one long prompt is cut differently for its two outputs
+    prompts = [PROMPTS[0], "Hi", PROMPTS[5] * 3, PROMPTS[9], "What is 2 + 2?"]
+    out_1 = [RESPONSES[0], "a much longer response than the others, to force padding", "", RESPONSES[9], "4"]
+    out_2 = [RESPONSES[1], "no", RESPONSES[5] * 2, "", "five"]
+    prefs = torch.tensor([1.0, 2.0, 1.0, 2.0, 1.5])
+    p_ids, o_ids = tokenize_examples(tok, prompts, out_1 + out_2)
+    o1, o2 = o_ids[:5], o_ids[5:]
+    ids, mask, _ = pack_examples(tok, p_ids * 2, o1 + o2, max_len)
+
+    def alone():
+        r = rm(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, 0]
+        alone.rewards = r.detach()
+        return bradley_terry_loss(r[:5], r[5:], prefs)
+
+    def packed():
+        r1, r2 = pair_rewards(rm, tok, p_ids, o1, o2, max_len, packed=True)
+        packed.rewards = torch.cat([r1, r2]).detach()
+        return bradley_terry_loss(r1, r2, prefs)
+
+    rm.train()
+    loss, grads = _loss_and_grads(rm, alone)
+    p_loss, p_grads = _loss_and_grads(rm, packed)
+    assert torch.allclose(packed.rewards, alone.rewards, atol=1e-5)
+    assert len(set(alone.rewards.tolist())) == 10  # every output scored differently: a mix-up would show
+    assert p_loss.item() == pytest.approx(loss.item(), rel=1e-5)
+    for name, g in grads.items():
+        assert torch.allclose(p_grads[name], g, rtol=1e-3, atol=1e-5), name
+    from farmflow.models import pack_pairs
+
+    assert not torch.equal(ids[2, :3], ids[7, :3])  # pair 2's outputs read differently cut prompts (not shared)
+    assert pack_pairs(tok, p_ids, o1, o2, max_len).input_ids.numel() < ids.numel()  # fewer positions than 2 rows a pair
+
+
+def test_reward_loop_with_packing_trains_like_the_padded_loop(tok, reward_model):
+    from farmflow.config import RewardConfig
+    from farmflow.methods import reward
+
+    _, folder = reward_model
+    cfg = RewardConfig(epochs=1, batch_size=4, lr=1e-3, warmup_ratio=0.0, seed=0)
+    padded, packed = reward_from_policy(folder, seed=0), reward_from_policy(folder, seed=0)
+    prefs = [1.0, 2.0] * 4
+    args = (tok, PROMPTS[:8], RESPONSES[:8], RESPONSES[8:16], prefs)
+    m_padded = reward.train_reward(padded, *args, cfg, 96)
+    m_packed = reward.train_reward(packed, *args, cfg.model_copy(update={"packing": True}), 96)
+    assert m_packed["train_loss_first"] == pytest.approx(m_padded["train_loss_first"], rel=1e-5)
+    assert m_packed["train_loss_last"] == pytest.approx(m_padded["train_loss_last"], rel=1e-4)
+    moved = 0
+    for (name, p), q, r in zip(padded.named_parameters(), packed.parameters(), reward_from_policy(folder).parameters()):
+        assert torch.allclose(p, q, atol=1e-5), name
+        moved += not torch.equal(p, r)
+    assert moved > 0  # the two steps trained something
+
+
 def test_half_precision_on_a_cpu_that_emulates_it_is_flagged():
     from farmflow.models import slow_half_precision
 

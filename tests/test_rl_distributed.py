@@ -228,7 +228,7 @@ def test_local_micro_batches_are_the_share_counted_from_zero():
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> tuple[list[dict], Path]:
-    from farmflow.tasks.launch import free_port
+    from farmflow.loopback import free_port
 
     out = tmp_path_factory.mktemp("rl-distributed")
     argv = [

@@ -16,6 +16,7 @@ import pytest
 from prefect_server import migrated_home
 from procs import python_env, run_and_kill_when
 
+from farmflow.loopback import free_port
 from farmflow.storage import COMMIT_FILE, ArtifactRef, StoreError, open_store
 from farmflow.storage.s3 import S3Store
 from farmflow.storage.schemas import SCHEMAS
@@ -320,14 +321,6 @@ def assert_one_clear_error(err: pytest.ExceptionInfo, *must: str, secret: str = 
         assert text in message, (text, message)
     assert secret not in message and secret not in repr(err.value)
     return message
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_unreachable_endpoint_is_one_clear_error(s3_server):

@@ -12,18 +12,16 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 from test_api_annotators import judge, make_rows, pool
 
 from farmflow.annotators import AnnotationError, AnnotationIncomplete, annotate, cache
 from farmflow.config import AnnotatorConfig
+from farmflow.loopback import free_port, server_process
 from farmflow.storage import open_store
 
 pytestmark = pytest.mark.slow
@@ -84,45 +82,14 @@ def served(tmp_path_factory):
     folder = tmp_path_factory.mktemp("transformers-serve")
     model = folder / "tiny-judge"
     a_id = greedy_a_llama(model)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     log = folder / "server.log"
     env = os.environ | {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    with open(log, "wb") as out:
-        command = [
-            str(TRANSFORMERS),
-            "serve",
-            str(model),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--device",
-            "cpu",
-            "--default-seed",
-            "0",
-        ]
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
-    try:
-        deadline = time.monotonic() + 120
-        while True:  # ~10 s on the 2-core machine, mostly imports
-            assert proc.poll() is None, f"transformers serve exited: {log.read_text()[-2000:]}"
-            assert time.monotonic() < deadline, f"transformers serve did not answer /health: {log.read_text()[-2000:]}"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+    command = [str(TRANSFORMERS), "serve", str(model), "--host", "127.0.0.1", "--port", str(port), "--device", "cpu"]
+    # ~10 s on the 2-core machine, mostly imports
+    health = f"http://127.0.0.1:{port}/health"
+    with server_process([*command, "--default-seed", "0"], health, log, "transformers serve", env=env, timeout=120):
         yield Served(f"http://127.0.0.1:{port}/v1", str(model), log, a_id)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.fixture

@@ -250,6 +250,8 @@ def reparse(
 @contextlib.contextmanager
 def local_judge(store: Optional[str] = None, port: int = LOCAL_JUDGE_PORT) -> Iterator[list[str]]:
     """Start a loopback judge server (a subprocess) and yield config overrides that annotate through it."""
+    from farmflow import loopback
+
     cmd = guarded([sys.executable, "-m", "farmflow.cli.annotators", "--port", str(port)])  # dies with this process
     # its own session: Ctrl-C in a terminal reaches the run only, which stops the server when done with it
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -268,11 +270,7 @@ def local_judge(store: Optional[str] = None, port: int = LOCAL_JUDGE_PORT) -> It
             f"evaluation.annotator={json.dumps({'preset': 'p_sim_eval', 'base_url': url})}",
         ]
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        loopback.stop(proc, grace=10)
 
 
 def human_reference(

@@ -89,6 +89,14 @@ class RewardConfig(Section):
         "optimizer step of batch_size, so results equal the unaccumulated run up to float rounding (memory only; None: "
         "the whole batch at once). Not part of the stage key.",
     )
+    packing: bool = Field(
+        False,
+        json_schema_extra={"stage_key": False},
+        description="Read each micro-batch's pairs in one packed forward pass: a pair's prompt once, both outputs "
+        "after it (the second attending to the prompt and itself only, a 4D attention mask), several pairs to a row "
+        "of up to twice the model's max_seq_len, instead of two right-padded rows per pair: fewer positions, the same "
+        "rewards and gradients up to float rounding (sdpa and eager attention). Not part of the stage key.",
+    )
 
 
 class BestOfNConfig(Section):

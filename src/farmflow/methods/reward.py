@@ -9,7 +9,9 @@ token (`farmflow.models.reward_from_policy`). Defaults (`farmflow.config.RewardC
 follow AlpacaFarm's reward-modeling script for LLaMA-7B: 1 epoch, AdamW lr 3e-6, batch
 16, 3% warmup then cosine, no weight decay. The loop runs through
 `farmflow.models.runtime.Runtime` (device, processes, micro-batches of `micro_batch_size`
-pairs weighted by their share of the batch).
+pairs weighted by their share of the batch). A micro-batch's pairs are read in one forward
+pass (`pair_rewards`): two right-padded rows per pair, or with ``packing`` each prompt once and
+both outputs after it, several pairs to a row, with the same rewards up to float rounding.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from farmflow.config import RewardConfig
-from farmflow.models import batch_order, optimizer_and_schedule, pack_examples, tokenize_examples
+from farmflow.models import batch_order, optimizer_and_schedule, pack_examples, pack_pairs, tokenize_examples
 from farmflow.models.checkpoint import Checkpointer
 from farmflow.models.runtime import Runtime
 from farmflow.progress import progress
@@ -36,12 +38,41 @@ def bradley_terry_loss(reward_1: torch.Tensor, reward_2: torch.Tensor, preferenc
     return F.binary_cross_entropy_with_logits(reward_2 - reward_1, target)
 
 
-def _rewards(model, tokenizer, prompts, out_1, out_2, max_len) -> tuple[torch.Tensor, torch.Tensor]:
-    """Score both outputs of each pair in one forward pass (all three given as token ids); no KV cache is built."""
-    ids, mask, _ = pack_examples(tokenizer, list(prompts) * 2, list(out_1) + list(out_2), max_len)
-    device = next(model.parameters()).device
-    r = model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False).logits[:, 0].float()
-    return r[: len(prompts)], r[len(prompts) :]
+def pair_rewards(
+    model, tokenizer, prompts, out_1, out_2, max_len, packed: bool = False, unwrapped=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both rewards of each pair (all three given as token ids) from one forward pass; no KV cache is built.
+
+    Padded (as TRL's RewardTrainer): every output its own right-padded row after its prompt, read by the
+    classifier at its last non-padding token. `packed` (`RewardConfig.packing`): the pairs laid out by
+    `farmflow.models.pack_pairs`, each prompt read once and each output attending to its prompt and itself with
+    the positions it has alone, so every reward equals the padded one up to float rounding, from fewer positions.
+    Hugging Face's classifier keeps only each row's last score, so a hook on its head reads all of them and the
+    two read-out positions of each pair are picked. `unwrapped` is the module behind a DDP/FSDP-prepared `model`
+    (`Runtime.unwrap`).
+    """
+    unwrapped = unwrapped or model
+    param = next(unwrapped.parameters())
+    if not packed:
+        ids, mask, _ = pack_examples(tokenizer, list(prompts) * 2, list(out_1) + list(out_2), max_len)
+        r = model(input_ids=ids.to(param.device), attention_mask=mask.to(param.device), use_cache=False)
+        r = r.logits[:, 0].float()
+        return r[: len(prompts)], r[len(prompts) :]
+    layout = pack_pairs(tokenizer, prompts, out_1, out_2, max_len)
+    scores = []
+    hook = unwrapped.score.register_forward_hook(lambda _module, _args, out: scores.append(out))
+    try:
+        model(
+            input_ids=layout.input_ids.to(param.device),
+            attention_mask=layout.attention_mask(unwrapped.config._attn_implementation, param.dtype).to(param.device),
+            position_ids=layout.position_ids.to(param.device),
+            use_cache=False,
+        )
+    finally:
+        hook.remove()
+    ends = layout.ends.to(param.device)
+    r = scores[0][ends[..., 0], ends[..., 1], 0].float()  # (pairs, 2)
+    return r[:, 0], r[:, 1]
 
 
 def train_reward(
@@ -66,6 +97,7 @@ def train_reward(
     ckpt = rt.checkpointer(checkpointer or Checkpointer(None, "reward", "", 0))
     state = {"modules": {"model": rt.unwrap(model)}, "optimizers": {"opt": opt}, "schedulers": {"sched": sched}}
     start, extra = ckpt.restore(**state)
+    inner = rt.unwrap(model)
     model.train()
     losses = list(extra.get("losses", []))
     rec, pairs = recorder("reward"), Pairs()
@@ -78,13 +110,15 @@ def train_reward(
             for rows in rt.micro_batches():
                 part = idx[rows]
                 with rt.accumulate(model):
-                    r1, r2 = _rewards(
+                    r1, r2 = pair_rewards(
                         model,
                         tokenizer,
                         [p_ids[i] for i in part],
                         [o1_ids[i] for i in part],
                         [o2_ids[i] for i in part],
                         max_len,
+                        cfg.packing,
+                        inner,
                     )
                     loss = bradley_terry_loss(r1, r2, torch.tensor([preferences[i] for i in part], device=r1.device))
                     pairs.add_preferred(r1, r2, torch.tensor([preferences[i] for i in part]))

@@ -3,6 +3,7 @@ left-padded prompts."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -48,13 +49,9 @@ def pack_examples(
     """`encode_examples` from token ids (`tokenize_examples`)."""
     rows, labels = [], []
     for p, r in zip(p_ids, r_ids):
-        r = r + [tokenizer.eos_token_id]
-        room = max_len - 1 - min(len(r), max(1, max_len // 4))
-        p = [tokenizer.bos_token_id] + (p[-room:] if len(p) > room else p)
-        ids = (p + r)[:max_len]
-        lab = ([IGNORE] * len(p) + r)[:max_len]
-        rows.append(ids)
-        labels.append(lab)
+        p, r = _cut(tokenizer, p, r, max_len)
+        rows.append(p + r)
+        labels.append([IGNORE] * len(p) + r)
     width = max(len(x) for x in rows)
     input_ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
     label_t = torch.full((len(rows), width), IGNORE, dtype=torch.long)
@@ -64,6 +61,111 @@ def pack_examples(
         label_t[i, : len(lab)] = torch.tensor(lab)
         mask[i, : len(ids)] = 1
     return input_ids, mask, label_t
+
+
+def _cut(tokenizer: PreTrainedTokenizerFast, p: list[int], r: list[int], max_len: int) -> tuple[list[int], list[int]]:
+    """One example as `pack_examples` trains on it: (``<s>`` + prompt, response + ``</s>``), cut to `max_len` tokens."""
+    r = r + [tokenizer.eos_token_id]
+    room = max_len - 1 - min(len(r), max(1, max_len // 4))
+    p = [tokenizer.bos_token_id] + (p[-room:] if len(p) > room else p)
+    return p, r[: max_len - len(p)]
+
+
+@dataclass
+class PackedPairs:
+    """Both outputs of preference pairs laid out to be read in one forward pass (`pack_pairs`)."""
+
+    input_ids: torch.Tensor
+    """(rows, width) token ids, `pad_token_id` after the last pair of a row."""
+    position_ids: torch.Tensor
+    """(rows, width): each output continues its prompt's positions, as if read on its own after it."""
+    allowed: torch.Tensor
+    """(rows, 1, width, width) bool, True where query position i may attend to key position j."""
+    ends: torch.Tensor
+    """(pairs, 2, 2): the (row, column) whose score is output_1's and output_2's reward."""
+
+    def attention_mask(self, attn_implementation: str, dtype: torch.dtype) -> torch.Tensor:
+        """`allowed` as a Hugging Face model takes a ready 4D mask: bool for sdpa, an additive float bias for eager."""
+        if attn_implementation == "sdpa":
+            return self.allowed
+        return torch.zeros(self.allowed.shape, dtype=dtype).masked_fill(~self.allowed, torch.finfo(dtype).min)
+
+
+def pack_pairs(
+    tokenizer: PreTrainedTokenizerFast,
+    p_ids: Sequence[list[int]],
+    r1_ids: Sequence[list[int]],
+    r2_ids: Sequence[list[int]],
+    max_len: int,
+) -> PackedPairs:
+    """Preference pairs packed for one forward pass that reads each prompt once.
+
+    Every output is the example `pack_examples` makes of (prompt, output), so its reward equals the one read
+    from that example alone, up to float rounding. A pair becomes ``prompt output_1 output_2``: output_2 attends
+    to the prompt and to itself, not to output_1, and its position ids continue the prompt's (when the two
+    outputs' examples cut the prompt differently, the pair is ``prompt_1 output_1 prompt_2 output_2`` instead).
+    Pairs go into rows of up to 2 × `max_len` tokens, longest first, each into the first row with room
+    (first-fit decreasing), and attend only within themselves. Against two right-padded rows per pair this
+    skips each prompt's second reading and most of the padding. An output's reward is read where a sequence
+    classifier reads it alone: at its example's last token that is not `pad_token_id`.
+    """
+    pad = tokenizer.pad_token_id
+    units = []  # per pair: tokens, positions, branch (0: the shared prompt, 1/2: an output's own), read-out offsets
+    for p, r1, r2 in zip(p_ids, r1_ids, r2_ids):
+        (pa, a), (pb, b) = _cut(tokenizer, p, r1, max_len), _cut(tokenizer, p, r2, max_len)
+        if pa == pb:
+            parts = [(pa, 0, 0), (a, 1, len(pa)), (b, 2, len(pa))]
+        else:
+            parts = [(pa + a, 1, 0), (pb + b, 2, 0)]
+        tokens, positions, branch = [], [], []
+        for seg, br, first in parts:
+            tokens += seg
+            positions += range(first, first + len(seg))
+            branch += [br] * len(seg)
+        reads = []
+        for example, br in ((pa + a, 1), (pb + b, 2)):
+            last = max((k for k, t in enumerate(example) if t != pad), default=0)  # index in the example alone
+            # the example is the prompt (shared or this branch's own) followed by this branch's output
+            own = [k for k, x in enumerate(branch) if x == br]
+            shared = [k for k, x in enumerate(branch) if x == 0]
+            reads.append((shared + own)[last])
+        units.append((tokens, positions, branch, reads))
+    capacity = 2 * max_len
+    rows: list[list[int]] = []  # unit indices per row
+    room: list[int] = []
+    for u in sorted(range(len(units)), key=lambda u: -len(units[u][0])):
+        n = len(units[u][0])
+        at = next((k for k, left in enumerate(room) if left >= n), None)
+        if at is None:
+            rows.append([])
+            room.append(capacity)
+            at = len(rows) - 1
+        rows[at].append(u)
+        room[at] -= n
+    width = max(capacity - left for left in room)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    pos = torch.zeros((len(rows), width), dtype=torch.long)
+    unit = torch.full((len(rows), width), -1, dtype=torch.long)
+    branch = torch.full((len(rows), width), -1, dtype=torch.long)
+    ends = torch.zeros((len(units), 2, 2), dtype=torch.long)
+    for r, members in enumerate(rows):
+        at = 0
+        for u in members:
+            tokens, positions, br, reads = units[u]
+            n = len(tokens)
+            ids[r, at : at + n] = torch.tensor(tokens)
+            pos[r, at : at + n] = torch.tensor(positions)
+            branch[r, at : at + n] = torch.tensor(br)
+            unit[r, at : at + n] = u
+            ends[u, :, 0] = r
+            ends[u, :, 1] = torch.tensor(reads) + at
+            at += n
+    q_unit, k_unit = unit[:, :, None], unit[:, None, :]
+    q_branch, k_branch = branch[:, :, None], branch[:, None, :]
+    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    allowed = causal & (q_unit == k_unit) & ((k_branch == 0) | (k_branch == q_branch))
+    allowed |= torch.eye(width, dtype=torch.bool)  # padding attends to itself: no query without a key
+    return PackedPairs(ids, pos, allowed[:, None], ends)
 
 
 def next_token_rows(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

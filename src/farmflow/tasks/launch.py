@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,6 +34,7 @@ from typing import Any
 from pydantic_core import to_jsonable_python
 
 from farmflow import shutdown, training_metrics
+from farmflow.loopback import free_port
 from farmflow.progress import log
 from farmflow.storage import ArtifactRef
 from farmflow.tasks.outbox import commit_outbox
@@ -67,12 +67,6 @@ def find_config(path: str) -> Path:
     raise StageLaunchError(
         f"execution.accelerate_config: no file {path!r} in {Path.cwd()} and no shipped config of that name ({shipped})"
     )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def command(stage: str, spec: Path, execution: Any) -> list[str]:
