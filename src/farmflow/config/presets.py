@@ -185,7 +185,7 @@ def _smol(name: str, sizes: dict, max_seq_len: int, new_tokens: int, batch: int,
     The judge is a 135M model: its agreement with GPT-4 is at chance (docs/evaluation.md), so the leaderboard shows
     that the machinery runs on real components, not which method is better. Learning rates are the AlpacaFarm
     settings for fine-tuning a pretrained model (SFT 2e-5, reward model and PPO 1e-5, DPO 1e-6 raised to 5e-6 for
-    so few steps)."""
+    so few steps). The reward model packs its pairs (`RewardConfig.packing`: each prompt read once)."""
     judge = {"kind": "hf", "hf": {"model": "smollm2-135m-instruct", "max_prompt_tokens": max_seq_len + 2 * new_tokens}}
     train = {"epochs": 1, "batch_size": batch, "lr": 2e-5}
     rl = {
@@ -210,7 +210,7 @@ def _smol(name: str, sizes: dict, max_seq_len: int, new_tokens: int, batch: int,
             "sft": train,
             "pairs": {"temperature": 1.0, "max_new_tokens": new_tokens, "batch_size": 16},
             "annotation": judge,
-            "reward": {"epochs": 1, "batch_size": batch, "lr": 1e-5},
+            "reward": {"epochs": 1, "batch_size": batch, "lr": 1e-5, "packing": True},
             "best_of_n": {"n": n},
             "feedme": train,
             "reward_conditioning": {"train": train},
