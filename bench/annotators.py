@@ -23,7 +23,6 @@ missing (`make bench` does it; pass --no-peer to skip the peer).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -35,7 +34,7 @@ from pathlib import Path
 
 import yaml
 
-from bench.harness import entry, interleave, machine
+from bench.harness import arguments, entry, interleave, machine
 from bench.venvs import ensure_venv
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -209,14 +208,13 @@ def peer(rows: list[dict], url: str, batch: int, python: Path, work: Path) -> di
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = arguments(
+        __doc__, OUT, ROUNDS, "CI: 20 requests per batch size, one round, no peer", "interleaved rounds per batch size"
+    )
     parser.add_argument(
         "--requests", type=int, default=REQUESTS, help="requests per batch size (pairs = requests x batch)"
     )
-    parser.add_argument("--rounds", type=int, default=ROUNDS, help="interleaved rounds per batch size")
     parser.add_argument("--no-peer", action="store_true", help="skip alpaca_eval")
-    parser.add_argument("--smoke", action="store_true", help="CI: 20 requests per batch size, one round, no peer")
-    parser.add_argument("--out", type=Path, default=OUT, help="results file")
     args = parser.parse_args(argv)
     if args.smoke:
         args.requests, args.rounds, args.no_peer = 20, 1, True

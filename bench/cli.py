@@ -19,7 +19,6 @@ shell. Writes bench/results/cli.json.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -33,7 +32,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from bench.harness import entry, interleave, machine, summary
+from bench.harness import arguments, entry, interleave, machine, summary
 from farmflow.loopback import free_port, server_process
 
 OUT = Path(__file__).parent / "results" / "cli.json"
@@ -95,14 +94,12 @@ def running_server(prefect_home: Path, log: Path) -> Iterator[str]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=REPEATS, help="interleaved rounds")
-    parser.add_argument(
-        "--smoke",
-        action="store_true",
-        help="CI: `farmflow --help` in place of the cached run, no server, one round (checks the wiring in seconds)",
+    parser = arguments(
+        __doc__,
+        OUT,
+        REPEATS,
+        "CI: `farmflow --help` in place of the cached run, no server, one round (checks the wiring in seconds)",
     )
-    parser.add_argument("--out", type=Path, default=OUT, help="results file")
     args = parser.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="farmflow-bench-cli-"))
     store = tmp / "store"

@@ -13,6 +13,7 @@ better, e.g. tokens/s) or a dict holding it under `metric`.
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import statistics
@@ -22,6 +23,17 @@ from pathlib import Path
 from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def arguments(
+    doc: str, out: Path, rounds: int, smoke: str, rounds_help: str = "interleaved rounds"
+) -> argparse.ArgumentParser:
+    """A bench's command line: --rounds, --smoke (CI: seconds), --out; the bench adds its own options."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=rounds, help=f"{rounds_help} (after one warm-up each)")
+    parser.add_argument("--smoke", action="store_true", help=smoke)
+    parser.add_argument("--out", type=Path, default=out, help="results file")
+    return parser
 
 
 def interleave(contenders: dict[str, Callable[[], Any]], rounds: int, warmup: int = 1) -> dict[str, list[Any]]:

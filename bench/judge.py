@@ -13,12 +13,11 @@ difference between the two sides' probabilities.
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
 
-from bench.harness import ROOT, entry, interleave, machine, values
+from bench.harness import ROOT, arguments, entry, interleave, machine, values
 
 OUT = ROOT / "bench" / "results" / "judge.json"
 EVAL_FILE = ROOT.parent / "shared" / "data" / "alpaca_eval_davinci003_outputs.json"
@@ -67,11 +66,8 @@ def main(argv: list[str] | None = None) -> dict:
     from farmflow.annotators import hf_judge
     from farmflow.config import HFJudgeConfig
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (after one warm-up each)")
+    parser = arguments(__doc__, OUT, 5, "a tiny random judge and 4 pairs: seconds, for CI")
     parser.add_argument("--pairs", type=int, default=48, help="AlpacaEval pairs (each judged in both orders)")
-    parser.add_argument("--smoke", action="store_true", help="a tiny random judge and 4 pairs: seconds, for CI")
-    parser.add_argument("--out", type=Path, default=OUT, help="results file")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         model = tiny_judge(Path(tmp) / "tiny-judge") if args.smoke else MODEL

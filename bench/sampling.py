@@ -18,14 +18,13 @@ Contenders run interleaved (`bench.harness`), warmed, for `--rounds` rounds. Wri
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
 
 import torch
 
-from bench.harness import entry, interleave, machine, summary, values
+from bench.harness import arguments, entry, interleave, machine, summary, values
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = Path(__file__).parent / "results" / "sampling.json"
@@ -151,15 +150,12 @@ def curve_sides(model, tok, prompts: list[str], new: int, batch: int):
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--rounds", type=int, default=5, help="interleaved rounds per comparison (after one warm-up each)"
+    parser = arguments(
+        __doc__, OUT, 5, "a tiny random model and a few prompts: seconds, for CI", "interleaved rounds per comparison"
     )
     parser.add_argument(
         "--prompts", type=int, default=64, help="AlpacaEval prompts for n = 1 (best-of-n: an eighth of them, ≥ 2)"
     )
-    parser.add_argument("--smoke", action="store_true", help="a tiny random model and a few prompts: seconds, for CI")
-    parser.add_argument("--out", type=Path, default=OUT, help="results file")
     args = parser.parse_args(argv)
     if args.smoke:
         model, tok, prompts, what = tiny_setup(prompts=8, max_len=96)

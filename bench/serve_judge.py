@@ -21,7 +21,6 @@ Writes bench/results/serve_judge.json.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -30,7 +29,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from bench.harness import ROOT, entry, interleave, machine, values
+from bench.harness import ROOT, arguments, entry, interleave, machine, values
 from bench.judge import EVAL_FILE, MODEL, tiny_judge
 from farmflow.loopback import free_port, server_process
 
@@ -82,11 +81,8 @@ def main(argv: list[str] | None = None) -> dict:
     from farmflow.config import AnnotatorConfig
     from farmflow.modelcache import resolve_model
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (after one warm-up each)")
+    parser = arguments(__doc__, OUT, 5, "a tiny random judge and 4 pairs: seconds, for CI")
     parser.add_argument("--pairs", type=int, default=24, help="AlpacaEval pairs per round")
-    parser.add_argument("--smoke", action="store_true", help="a tiny random judge and 4 pairs: seconds, for CI")
-    parser.add_argument("--out", type=Path, default=OUT, help="results file")
     args = parser.parse_args(argv)
     os.environ.setdefault("OPENAI_API_KEY", "local")  # transformers serve takes any key
     with tempfile.TemporaryDirectory() as tmp:

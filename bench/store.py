@@ -18,7 +18,6 @@ Writes bench/results/store.json.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -32,7 +31,7 @@ from typing import Callable
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from bench.harness import entry, interleave, machine
+from bench.harness import arguments, entry, interleave, machine
 
 OUT = Path(__file__).parent / "results" / "store.json"
 ROWS, CHECKPOINT_MB, ROUNDS = 200_000, 50, 5
@@ -167,10 +166,9 @@ def comparisons(local, s3, client, table: pa.Table, weights: Path, tmp: Path, ca
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=ROUNDS, help="interleaved rounds per comparison")
-    parser.add_argument("--smoke", action="store_true", help="CI: 2,000 rows, a 1 MB checkpoint, one round")
-    parser.add_argument("--out", type=Path, default=OUT, help="results file")
+    parser = arguments(
+        __doc__, OUT, ROUNDS, "CI: 2,000 rows, a 1 MB checkpoint, one round", "interleaved rounds per comparison"
+    )
     args = parser.parse_args(argv)
     rows, checkpoint_mb = (2_000, 1) if args.smoke else (ROWS, CHECKPOINT_MB)
     rounds = 1 if args.smoke else args.rounds

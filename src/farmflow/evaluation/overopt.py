@@ -121,6 +121,26 @@ def curve_markdown(rows: Sequence[dict], title: str = "Over-optimization") -> st
     return "\n".join(lines) + "\n"
 
 
+def label_pressures(ax, line: Sequence[dict], y: str, prefix: str = "") -> None:
+    """Label each point of a curve (x: proxy reward, y: the row's `y`) with its pressure (n, step...)."""
+    for r in line:
+        at = (r["proxy_reward"], r[y])
+        ax.annotate(f"{prefix}{r['pressure']:g}", at, textcoords="offset points", xytext=(3, 3), fontsize=6)
+
+
+def draw_win_rates(ax, line: Sequence[dict], prefix: str = "", **style) -> None:
+    """One curve: win rate (± its standard error; no bar where it is unknown) against the proxy reward, each point
+    labelled by its pressure; `style` goes to matplotlib (marker, colour, line style, label)."""
+    ax.errorbar(
+        [r["proxy_reward"] for r in line],
+        [r["win_rate"] for r in line],
+        yerr=[0 if math.isnan(r["standard_error"]) else r["standard_error"] for r in line],
+        capsize=2,
+        **style,
+    )
+    label_pressures(ax, line, "win_rate", prefix)
+
+
 def plot_curves(rows: Sequence[dict], path: str, title: str = "Over-optimization") -> None:
     """Two panels against the proxy reward: win rate (± SE) per labeller and annotator, and gold reward per labeller
     (PNG).
@@ -152,29 +172,20 @@ def plot_curves(rows: Sequence[dict], path: str, title: str = "Over-optimization
             picked = list({r["label"]: r for r in picked if not math.isnan(r["mean_gold"])}.values())
         return sorted(picked, key=lambda r: r["pressure"])
 
-    def annotate(ax, line: list[dict], y: str) -> None:
-        for r in line:
-            ax.annotate(
-                f"{r['pressure']:g}", (r["proxy_reward"], r[y]), textcoords="offset points", xytext=(3, 3), fontsize=6
-            )
-
     for li, labeller in enumerate(labellers):
         for fi, family in enumerate(families):
             for annotator in annotators:
                 line = line_of(labeller, family, annotator)
                 if not line:
                     continue
-                left.errorbar(
-                    [r["proxy_reward"] for r in line],
-                    [r["win_rate"] for r in line],
-                    yerr=[0 if math.isnan(r["standard_error"]) else r["standard_error"] for r in line],
+                draw_win_rates(
+                    left,
+                    line,
                     marker=markers[fi % len(markers)],
                     color=f"C{li}",
                     linestyle="-" if annotator == labeller else "--",
-                    capsize=2,
                     label=f"RM on {labeller} · {family} · judged by {annotator}",
                 )
-                annotate(left, line, "win_rate")
             line = line_of(labeller, family)
             if line:
                 right.plot(
@@ -184,7 +195,7 @@ def plot_curves(rows: Sequence[dict], path: str, title: str = "Over-optimization
                     color=f"C{li}",
                     label=f"RM on {labeller} · {family}",
                 )
-                annotate(right, line, "mean_gold")
+                label_pressures(right, line, "mean_gold")
     left.set_xlabel("proxy reward (its reward model, mean over eval outputs)")
     left.set_ylabel("simulated win rate vs reference (%)")
     left.legend(fontsize=6)

@@ -8,6 +8,7 @@ from typing import Sequence
 
 from farmflow.evaluation.cost import label_points
 from farmflow.evaluation.leaderboard import FAMILY_COLOURS, method_family
+from farmflow.evaluation.overopt import draw_win_rates
 
 
 def _agg():
@@ -81,24 +82,8 @@ def plot_overoptimization(curve: Sequence[dict], path: str, title: str = "Over-o
                 )
                 if not line:
                     continue
-                ax.errorbar(
-                    [r["proxy_reward"] for r in line],
-                    [r["win_rate"] for r in line],
-                    yerr=[0 if math.isnan(r["standard_error"]) else r["standard_error"] for r in line],
-                    ls=style[0],
-                    marker=style[1],
-                    color=f"C{j}",
-                    capsize=2,
-                    label=f"{family}, judged by {judge}",
-                )
-                for r in line:
-                    ax.annotate(
-                        f"{style[2]}{r['pressure']:g}",
-                        (r["proxy_reward"], r["win_rate"]),
-                        xytext=(3, 3),
-                        textcoords="offset points",
-                        fontsize=6,
-                    )
+                label = f"{family}, judged by {judge}"
+                draw_win_rates(ax, line, style[2], ls=style[0], marker=style[1], color=f"C{j}", label=label)
             gold = sorted(
                 {r["label"]: r for r in curve if r["labeller"] == labeller and r["family"] == family}.values(),
                 key=lambda r: r["pressure"],
