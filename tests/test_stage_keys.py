@@ -177,6 +177,7 @@ PINNED_KEYS = {
     "best_of_n": "best_of_n-089e62724ce4d3b86f96a9d071890ff1",
     "best_of_n_prefix": "best_of_n_prefix-6f61d74af9757d7d0aa2dfa7cbec91f7",
     "best_of_n_rescore": "best_of_n_rescore-15fd10d6c8660a859ab1c810eeb34ad4",
+    "write": "write-e548bd863a56e0d3c6f20690cbcbac5d",
     "evaluate": "evaluate-e612e33421a02fbe4efb81b8fe1d2e5f",
     "feedme": "feedme-254393a6e02b4540884ae8e5d0ce73b2",
     "reward_conditioning": "reward_conditioning-9d5456ed27b8b61ded9e773afbcd5b91",
@@ -229,6 +230,10 @@ def _pinned_cases() -> dict:
         "best_of_n": (bon, {"data": data, "policy": sft, "reward": reward}),
         "best_of_n_prefix": ({"n": 2}, {"best_of_n": _ref("best_of_n"), "reward": reward}),
         "best_of_n_rescore": ({}, {"best_of_n": _ref("best_of_n"), "reward": reward}),
+        "write": (
+            {"writer": "reference", "error_rate": 0.0, "generator": "writer: reference (error 0)", "seed": 0},
+            {"data": data},
+        ),
         "evaluate": (cfg.evaluation.annotator, {"outputs": outputs, "data": data}),
         "feedme": (cfg.feedme, {"preferences": pref, "sft": sft}),
         "reward_conditioning": (cfg.reward_conditioning, {"preferences": pref, "sft": sft}),

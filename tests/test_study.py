@@ -16,8 +16,10 @@ from farmflow.evaluation.study import (
     gold_differences,
     human_like_annotator,
     is_method,
+    is_writer,
     overoptimization_findings,
     study_rows,
+    writers,
 )
 
 
@@ -82,6 +84,62 @@ def test_study_rows_rank_methods_under_both_arms():
 def test_baselines_stay_out_of_the_methods_ranking():
     assert is_method("dpo") and is_method("sft") and is_method("best_of_16")
     assert not is_method("untrained") and not is_method("sft (4 epochs)")
+    assert not is_method("writer: reference (error 0)") and is_writer("writer: reference (error 0)")
+    assert not is_writer("sft (4 epochs)") and not is_writer("untrained")
+
+
+def test_the_rankings_compare_methods_pipeline_systems_and_all_systems():
+    from farmflow.flows.study import ranked_sets
+
+    names = ["dpo", "sft", "untrained", "sft (4 epochs)", "writer: reference (error 0)"]
+    sets = ranked_sets(names)
+    assert {k: v[0] for k, v in sets.items()} == {
+        "": ["dpo", "sft"],
+        ", pipeline systems": ["dpo", "sft", "untrained", "sft (4 epochs)"],
+        ", all systems": names,
+    }
+    assert (
+        sets[", all systems"][1] == "5 systems: the methods and untrained, sft (4 epochs), writer: reference (error 0)"
+    )
+    # without writers the pipeline's systems are all systems: one set, not two equal ones
+    assert list(ranked_sets(names[:4])) == ["", ", pipeline systems"]
+    assert list(ranked_sets(["dpo", "sft"])) == [""]
+
+
+def test_the_writers_are_the_farms_reference_policy_demonstrator_and_a_flawless_reference():
+    from farmflow.config import DataConfig
+
+    assert writers(DataConfig(reference_error_rate=0.9, demo_error_rate=0.2)) == {
+        "writer: reference (error 0.9)": ("reference", 0.9),
+        "writer: demonstrator (error 0.2)": ("demonstrator", 0.2),
+        "writer: reference (error 0)": ("reference", 0.0),
+    }
+
+
+def test_the_write_stage_answers_every_eval_row_then_is_cached(tmp_path):
+    from farmflow.config import DataConfig
+    from farmflow.data import gold_reward, split_rows
+    from farmflow.storage import open_store
+    from farmflow.tasks import data_task, write_task
+
+    store_uri = str(tmp_path / "store")
+    data = data_task.fn(store_uri, DataConfig(sft_size=2, pref_size=2, unlabeled_size=0, val_size=2, eval_size=30))
+    eval_rows = split_rows(open_store(store_uri).read_table(data), "eval")
+    config = {"writer": "reference", "error_rate": 0.0, "generator": "writer: reference (error 0)", "seed": 7}
+    tasks.EXECUTED.clear()
+    ref = write_task.fn(store_uri, config, data=data)
+    rows = open_store(store_uri).read_table(ref).to_pylist()
+    assert [r["id"] for r in rows] == [r["id"] for r in eval_rows]
+    assert {r["generator"] for r in rows} == {"writer: reference (error 0)"}
+    # without mistakes every answer earns full gold, and the stage says so
+    assert [gold_reward(r["task"], r["output"]) for r in rows] == [1.0] * 30 and ref.metrics["mean_gold"] == 1.0
+    assert write_task.fn(store_uri, config, data=data) == ref and sum(tasks.EXECUTED.values()) == 1
+    flawed = write_task.fn(store_uri, config | {"error_rate": 0.9}, data=data)
+    assert flawed.key != ref.key and flawed.metrics["mean_gold"] < 0.8
+    # another seed: other draws of the same policy
+    other = write_task.fn(store_uri, config | {"error_rate": 0.9, "seed": 8}, data=data)
+    outs = [[r["output"] for r in open_store(store_uri).read_table(x).to_pylist()] for x in (flawed, other)]
+    assert outs[0] != outs[1]
 
 
 def test_overoptimization_is_present_only_when_the_peak_beats_the_end():
@@ -116,20 +174,30 @@ def test_study_flow_on_micro_writes_its_table_plots_and_artifacts_then_is_cached
     folder = summary["artifacts"]["study"]
     table = pq.read_table(f"{folder}/data.parquet")
     assert table.schema.names == SCHEMAS["validation_study"].names
+    assert micro_config.data.reference_error_rate == 0.35
     assert sorted(table.column("method").to_pylist()) == [
         "best_of_4",
         "sft",
         "sft (0.25 epochs)",
         "sft (0.5 epochs)",
         "untrained",
+        "writer: demonstrator (error 0.2)",
+        "writer: reference (error 0)",
+        "writer: reference (error 0.35)",
     ]
     findings = {f["quantity"]: f for f in summary["findings"]}
     assert findings["Spearman (sim, human-like)"]["detail"].startswith("2 methods;")
-    assert findings["Spearman (sim, gold), all systems"]["detail"].startswith(
+    assert findings["Spearman (sim, gold), pipeline systems"]["detail"].startswith(
         "5 systems: the methods and untrained, sft (0.25 epochs), sft (0.5 epochs);"
     )
+    assert findings["Spearman (sim, human-like), all systems"]["detail"].startswith(
+        "8 systems: the methods and untrained, sft (0.25 epochs), sft (0.5 epochs), writer: reference (error 0.35), "
+        "writer: demonstrator (error 0.2), writer: reference (error 0);"
+    )
+    rows = {r["method"]: r for r in table.to_pylist()}
+    assert rows["writer: reference (error 0)"]["mean_gold"] == 1.0  # the flawless writer
     board = pq.read_table(f"{summary['artifacts']['leaderboard']}/data.parquet").column("method").to_pylist()
-    assert sorted(board) == ["best_of_4", "sft", "untrained"]  # the shortened SFTs are the study's, not the board's
+    assert sorted(board) == ["best_of_4", "sft", "untrained"]  # the shortened SFTs and writers are the study's
     assert findings["human-like agreement (two judgements of one pair)"]["value"] == pytest.approx(0.657, abs=0.01)
     for name in ("Spearman (sim, human-like)", "Pearson (sim, human-like)", "prompts to resolve 2 points"):
         assert name in findings, name

@@ -14,6 +14,7 @@ from farmflow.data.synthetic import (
     sample_task,
     task_from_json,
     task_to_json,
+    write,
 )
 
 ARITH = {"a": 37, "b": 48, "op": "+"}
@@ -136,6 +137,16 @@ def test_policies(family, policy):
         assert 0.1 < sum(flawed) / len(flawed) < 0.9
     outputs = [policy(t, rng, 0.5) for t in tasks(family)]
     assert all(0 < len(o) < 120 for o in outputs)
+
+
+def test_a_writer_by_name_is_that_policy_drawn_from_its_seed():
+    task = tasks("sort")[0]
+    assert write(task, "reference", 0.5, "s/1") == reference_output(task, random.Random("s/1"), 0.5)
+    assert write(task, "demonstrator", 0.5, "s/1") == demonstrate(task, random.Random("s/1"), 0.5)
+    draws = {write(task, "demonstrator", 1.0, f"s/{i}") for i in range(20)}
+    assert len(draws) > 1  # seeds draw different answers
+    with pytest.raises(ValueError, match=r"unknown writer 'gpt4'; known: \['demonstrator', 'reference'\]"):
+        write(task, "gpt4", 0.0, "s")
 
 
 def test_reference_gets_steadily_worse_with_error_rate():

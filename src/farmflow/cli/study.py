@@ -31,6 +31,11 @@ def validate(
         help="Epochs of an SFT baseline stopped early, for the all-systems ranking (repeat; default: a quarter and "
         "half of the preset's sft.epochs; 0: none).",
     ),
+    writers: bool = typer.Option(
+        True,
+        "--writers/--no-writers",
+        help="Also rank the farm's writers beside the pipeline (the paper's API models).",
+    ),
     set_: list[str] = typer.Option([], "--set", help="Override a field (section.field=value)."),
     store: Optional[str] = typer.Option(None, help=STORE_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
@@ -64,6 +69,7 @@ def validate(
         ppo_every=ppo_every,
         agreement=agreement,
         sft_epochs=[e for e in sft_epochs if e] if sft_epochs else None,
+        writers=writers,
     )
     wall = time.perf_counter() - start
     if as_json:

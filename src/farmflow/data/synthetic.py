@@ -68,7 +68,14 @@ from farmflow.data.synthetic_tasks import (
     task_from_json,
     task_to_json,
 )
-from farmflow.data.synthetic_writers import MAX_REFERENCE_MISTAKES, correct_output, demonstrate, reference_output
+from farmflow.data.synthetic_writers import (
+    MAX_REFERENCE_MISTAKES,
+    WRITERS,
+    correct_output,
+    demonstrate,
+    reference_output,
+    write,
+)
 
 # Bump when task generation, the policies or the gold reward change: it is part of the data
 # stage's key, and every other stage key chains from the data key.
@@ -236,6 +243,7 @@ __all__ = [
     "SORT_PROMPTS",
     "VERSION",
     "VOCAB",
+    "WRITERS",
     "Task",
     "correct_output",
     "demonstrate",
@@ -245,4 +253,5 @@ __all__ = [
     "sample_task",
     "task_from_json",
     "task_to_json",
+    "write",
 ]

@@ -191,3 +191,15 @@ def reference_output(task: Task, rng: random.Random, error_rate: float) -> str:
             break
         content = _mistake(task, content, rng)
     return _reference_text(task, content)
+
+
+WRITERS = {"reference": reference_output, "demonstrator": demonstrate}
+"""The farm's fixed policies by name: what SFT imitates and what evaluation compares against. Outside the pipeline
+they stand for the systems the paper ranks beside its methods without training them (Davinci003, ChatGPT, GPT-4)."""
+
+
+def write(task: Task, writer: str, error_rate: float, seed: str) -> str:
+    """`writer`'s answer to `task` at `error_rate`, deterministic in `seed` (a string: one draw per task and seed)."""
+    if writer not in WRITERS:
+        raise ValueError(f"unknown writer {writer!r}; known: {sorted(WRITERS)}")
+    return WRITERS[writer](task, random.Random(seed), error_rate)

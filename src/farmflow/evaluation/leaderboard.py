@@ -42,7 +42,7 @@ FAMILY_COLOURS = {"baseline": "#9e9e9e", "sft": "#4c72b0", "reward model": "#dd8
 def method_family(method: str) -> str:
     """Colour group of a method in plots: baseline, sft, or what it learns from (`farmflow.config.METHODS`): the
     reward model or the preferences. `method` is a leaderboard name: best-of-n's carries its n (``best_of_16``)."""
-    if method in ("untrained", "reference") or method.startswith("sft ("):  # an SFT stopped early (the study's)
+    if method in ("untrained", "reference") or method.startswith(("sft (", "writer: ")):  # the study's baselines
         return "baseline"
     if method == "sft":
         return "sft"

@@ -8,10 +8,11 @@
   (`agreement`); `calibrate_sharpness` solves for the sharpness on the study's own evaluation pairs.
 * **Rankings.** Every system's win rate under the simulated evaluator (p_sim^eval) and under the human-like arm, and
   Spearman and Pearson between the two with bootstrap intervals over prompts (`bootstrap.ranking_agreement`), over
-  two sets: the *methods* (SFT and what is trained from it: the stricter test, since on a small farm several
-  methods lie within a few hundredths of gold of each other) and *all systems*, the methods plus the baselines of
-  lesser quality (the untrained model, SFT stopped after fewer epochs), as in the paper's Fig. 3, whose 0.98 spans
-  systems from LLaMA 7B to GPT-4.
+  three sets: the *methods* (SFT and what is trained from it: the stricter test, since on a small farm several
+  methods lie within a few hundredths of gold of each other); the *pipeline's systems*, the methods plus the
+  baselines of lesser quality (the untrained model, SFT stopped after fewer epochs); and *all systems*, those plus
+  the farm's writers evaluated as systems (`writers`), as the paper's Fig. 3, whose 0.98 spans systems from LLaMA 7B
+  to GPT-4, ranks its methods beside API models.
 * **Over-optimization.** A curve (best-of-n over n) is *over-optimized* under a judge when its best point beats its
   highest-pressure point with a paired 95% interval that excludes 0 (`overoptimization_findings`).
 * **How many prompts.** The half-width of the paired difference to SFT shrinks as 1/√n; `bootstrap.eval_size_for`
@@ -25,7 +26,7 @@ from typing import Sequence
 
 import numpy as np
 
-from farmflow.config import AnnotatorConfig, OracleAnnotatorConfig
+from farmflow.config import AnnotatorConfig, DataConfig, OracleAnnotatorConfig
 from farmflow.evaluation.bootstrap import N_BOOT, bootstrap_mean, eval_size_for, paired_bootstrap, rankdata
 from farmflow.evaluation.leaderboard import method_family
 from farmflow.evaluation.replicates import aligned
@@ -37,11 +38,31 @@ LEFT_OUT = ("untrained",)
 """Baselines always left out of the methods' ranking (their own ranks are NaN)."""
 SHORT_SFT = "sft ({epochs:g} epochs)"
 """The name of an SFT baseline stopped after fewer epochs than the preset's."""
+WRITER = "writer: {writer} (error {error_rate:g})"
+"""The name of one of the farm's writers evaluated as a system (`writers`)."""
 
 
 def is_method(name: str) -> bool:
-    """Whether a system takes part in the methods' ranking: not a baseline (the untrained model, a shortened SFT)."""
-    return name not in LEFT_OUT and not name.startswith("sft (")
+    """Whether a system takes part in the methods' ranking: not a baseline (the untrained model, a shortened SFT, a
+    writer)."""
+    return name not in LEFT_OUT and not name.startswith(("sft (", "writer: "))
+
+
+def is_writer(name: str) -> bool:
+    """Whether a system is one of the farm's writers, outside the pipeline (`writers`)."""
+    return name.startswith("writer: ")
+
+
+def writers(data: DataConfig) -> dict[str, tuple[str, float]]:
+    """The farm's writers the study ranks beside the pipeline's systems: name → (writer, error rate).
+
+    The paper's Fig. 3 ranks its methods beside API models nobody trained in the farm (Davinci003, ChatGPT, GPT-4).
+    Their counterparts here are the farm's fixed policies: the reference policy as it writes the reference outputs
+    (the Davinci003 of this world: about 50% against its own outputs), the demonstrator that wrote the SFT data, and
+    the reference policy without mistakes (every answer right; a stronger model than any method reaches).
+    """
+    chosen = (("reference", data.reference_error_rate), ("demonstrator", data.demo_error_rate), ("reference", 0.0))
+    return {WRITER.format(writer=w, error_rate=e): (w, e) for w, e in chosen}
 
 
 def human_like_annotator(sharpness: float, seed: int = 0) -> AnnotatorConfig:

@@ -22,7 +22,8 @@ def _agg():
 
 def plot_rankings(rows: Sequence[dict], summary: Sequence[dict], path: str, title: str = "Validation study") -> None:
     """Each system's win rate under the human-like arm (x) and the simulated arm (y), 95% intervals on both, with the
-    Spearman and Pearson correlations (methods; all systems) and their intervals in the title (paper Fig. 3)."""
+    Spearman and Pearson correlations (methods; pipeline systems; all systems) and their intervals in the title (paper
+    Fig. 3)."""
     plt = _agg()
     fig, ax = plt.subplots(figsize=(6.4, 5.8), dpi=120)
     for r in rows:
@@ -43,7 +44,7 @@ def plot_rankings(rows: Sequence[dict], summary: Sequence[dict], path: str, titl
     ax.set_ylabel("simulated (p_sim^eval) win rate vs reference (%)")
     found = {s["quantity"]: s for s in summary}
     lines = [title]
-    for suffix, over in (("", "methods"), (", all systems", "all systems")):
+    for suffix, over in (("", "methods"), (", pipeline systems", "pipeline systems"), (", all systems", "all systems")):
         parts = [
             f"{name} {found[q]['value']:.2f} [{found[q]['low']:.2f}, {found[q]['high']:.2f}]"
             for name in ("Spearman", "Pearson")

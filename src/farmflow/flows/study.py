@@ -5,7 +5,9 @@ humans do, and does over-optimization show? (AlpacaFarm Fig. 3, Fig. 5, Table 2;
    unless ``evaluation.replicate_sft`` is False), each judged by the simulated evaluator p_sim^eval; the leaderboard
    with intervals and each method's paired difference to SFT. Beside them, baselines of lesser quality for the
    all-systems ranking (the paper's Fig. 3 spans LLaMA 7B to GPT-4): SFT stopped after a quarter and half of its
-   epochs (`short_sft_outputs`; ``sft_epochs``), the way the paper sets SFT on 10k demonstrations beside 52k.
+   epochs (`short_sft_outputs`; ``sft_epochs``), the way the paper sets SFT on 10k demonstrations beside 52k; and,
+   as the paper ranks its methods beside API models, the farm's writers (the reference policy, the demonstrator, the
+   reference policy without mistakes; `farmflow.evaluation.study.writers`), each a `write` stage.
 2. The human-like arm: a gold-based annotator whose sharpness makes two of its judgements agree as often as two
    humans (65.7%), calibrated on replicate 0's evaluation pairs; it judges the same outputs (`evaluate` stages).
 3. Over-optimization (the over-optimization flow's pieces): for each labeller (p_sim^ann, greedy) a reward model on
@@ -42,10 +44,12 @@ from farmflow.evaluation.study import (
     gold_differences,
     human_like_annotator,
     is_method,
+    is_writer,
     overoptimization_findings,
     resolution_rows,
     study_markdown,
     study_rows,
+    writers,
 )
 from farmflow.evaluation.study_plots import plot_overoptimization, plot_rankings
 from farmflow.flows.form import MethodName, PresetName, prefect_run_name, run_config, with_form_doc
@@ -55,7 +59,7 @@ from farmflow.flows.replicates import replicate_board_task, replicate_config, re
 from farmflow.flows.runner import StageRunner
 from farmflow.storage import ArtifactRef, open_store, stage_key
 from farmflow.storage.schemas import SCHEMAS
-from farmflow.tasks import evaluate_task, sft_task
+from farmflow.tasks import evaluate_task, sft_task, write_task
 from farmflow.tasks.analysis import overoptimization_task
 
 STUDY_NS = (1, 2, 4, 8, 16, 64)
@@ -104,11 +108,7 @@ def study_task(
                 "detail": f"sharpness {calibration['sharpness']:g}; paper: humans 65.7%",
             },
         ]
-        methods = [m for m in sim_rows if is_method(m)]
-        systems = {"": (methods, f"{len(methods)} methods")}
-        if len(sim_rows) > len(methods):
-            baselines = ", ".join(m for m in sim_rows if not is_method(m))
-            systems[", all systems"] = (list(sim_rows), f"{len(sim_rows)} systems: the methods and {baselines}")
+        systems = ranked_sets(list(sim_rows))
         for suffix, (ranked, described) in systems.items():
             for other, scores in (("human-like", h), ("gold", g)):
                 c = ranking_agreement([s[m] for m in ranked], [scores[m] for m in ranked], n_boot)
@@ -158,6 +158,19 @@ def study_task(
     return ref
 
 
+def ranked_sets(systems: list[str]) -> dict[str, tuple[list[str], str]]:
+    """The sets the arms' rankings are compared over: finding-name suffix → (systems, description). The methods; the
+    pipeline's systems (the methods and its baselines) when there are baselines; all systems when there are writers."""
+    methods = [m for m in systems if is_method(m)]
+    pipeline = [m for m in systems if not is_writer(m)]
+    sets = {"": (methods, f"{len(methods)} methods")}
+    for suffix, chosen in ((", pipeline systems", pipeline), (", all systems", systems)):
+        if len(chosen) > len(methods) and chosen not in [c for c, _ in sets.values()]:
+            others = ", ".join(m for m in chosen if not is_method(m))
+            sets[suffix] = (chosen, f"{len(chosen)} systems: the methods and {others}")
+    return sets
+
+
 def curve_points(store, curve_rows: list[dict]) -> dict[tuple[str, str, str], list[dict]]:
     """(labeller, family, judge) → its points with their evaluation rows; judge 'gold' once per labeller and family."""
     curves: dict[tuple[str, str, str], list[dict]] = {}
@@ -203,6 +216,12 @@ def short_sft_outputs(up: Upstream, epochs: float, tag: str = "") -> tuple[str, 
     return name, generate_outputs(up, policy, name)
 
 
+def writer_outputs(up: Upstream, name: str, writer: str, error_rate: float, tag: str = "") -> ArtifactRef:
+    """The evaluation-set answers of one of the farm's writers, drawn with the replicate's generation seed."""
+    config = {"writer": writer, "error_rate": error_rate, "generator": name, "seed": up.cfg.generation.seed}
+    return up.run(write_task, config, f"write {name}{tag}", data=up.data)
+
+
 def run_study(
     cfg: FarmConfig,
     methods: list[str] | tuple[str, ...],
@@ -212,9 +231,11 @@ def run_study(
     target_agreement: float = HUMAN_AGREEMENT,
     n_boot: int = N_BOOT,
     sft_epochs: tuple[float, ...] | None = None,
+    with_writers: bool = True,
 ) -> dict[str, Any]:
     """The study (module doc) on one farm config; returns a JSON-able summary (findings, rows, artifacts, stages).
-    `sft_epochs`: the shortened SFT baselines (None: `default_sft_epochs`; empty: none)."""
+    `sft_epochs`: the shortened SFT baselines (None: `default_sft_epochs`; empty: none). `with_writers`: also rank the
+    farm's writers (`writers`)."""
     if cfg.data.source != "synthetic":
         raise ValueError(
             f"the validation study needs the synthetic farm's gold reward; data.source is {cfg.data.source!r}"
@@ -228,10 +249,16 @@ def run_study(
         up, done = replicate_evaluations(run, cfg, methods, r)
         data = data or up.data
         tag = f" [replicate {r}]" if r else ""
-        for e in short:
-            name, o = short_sft_outputs(up, e, tag)
-            judged = run(evaluate_task, up.cfg.evaluation.annotator, f"evaluate {name}{tag}", outputs=o, data=data)
-            done[name] = (o, judged)
+        extra = dict(short_sft_outputs(up, e, tag) for e in short)
+        if with_writers:
+            extra |= {
+                name: writer_outputs(up, name, writer, rate, tag) for name, (writer, rate) in writers(cfg.data).items()
+            }
+        for name, o in extra.items():
+            done[name] = (
+                o,
+                run(evaluate_task, up.cfg.evaluation.annotator, f"evaluate {name}{tag}", outputs=o, data=data),
+            )
         outputs.append({m: o for m, (o, _) in done.items()})
         sim.append({m: ev for m, (_, ev) in done.items()})
     calib_rows = [row for m, ev in sim[0].items() if is_method(m) for row in run.store.read_table(ev).to_pylist()]
@@ -247,7 +274,7 @@ def run_study(
             }
         )
     shortened = {SHORT_SFT.format(epochs=e) for e in short}  # the study's baselines, not the leaderboard's
-    methods_only = [{m: ev for m, ev in evs.items() if m not in shortened} for evs in sim]
+    methods_only = [{m: ev for m, ev in evs.items() if m not in shortened and not is_writer(m)} for evs in sim]
     board = replicate_board_task(
         run.store_uri, methods_only, f"Leaderboard: {cfg.name}, {replicates} replicate(s)", n_boot
     )
@@ -281,6 +308,7 @@ def run_study(
     ppo_every: Also PPO's curves: a snapshot every this many PPO steps, each a point (None: best-of-n only).
     agreement: Human-human agreement the human-like arm is calibrated to (paper: 0.657).
     sft_epochs: Epochs of the shortened SFT baselines (all-systems ranking; None: a quarter and half of sft.epochs).
+    writers: Also rank the farm's writers as systems beside the pipeline's (the paper's API models).
 """)
 def study_flow(
     preset: PresetName | None = None,
@@ -293,6 +321,7 @@ def study_flow(
     ppo_every: int | None = None,
     agreement: float = HUMAN_AGREEMENT,
     sft_epochs: list[float] | None = None,
+    writers: bool = True,
     overrides: list[str] | None = None,
     advanced: FarmConfig | None = None,
 ) -> dict[str, Any]:
@@ -302,4 +331,5 @@ def study_flow(
     chosen = list(methods) if methods else list(METHODS)
     k = replicates or cfg.evaluation.replicates
     short = None if sft_epochs is None else tuple(sft_epochs)
-    return run_study(cfg, chosen, k, tuple(STUDY_NS if ns is None else ns), ppo_every, agreement, sft_epochs=short)
+    ns_ = tuple(STUDY_NS if ns is None else ns)
+    return run_study(cfg, chosen, k, ns_, ppo_every, agreement, sft_epochs=short, with_writers=writers)

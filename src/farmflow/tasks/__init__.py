@@ -37,6 +37,7 @@ from farmflow.tasks.pipeline import (
     sample_pairs_task,
     sft_task,
     train_reward_task,
+    write_task,
 )
 from farmflow.tasks.registry import STAGES, Stage, generate_config
 from farmflow.tasks.stage import stage_task
@@ -62,6 +63,7 @@ __all__ = [
     "feedme_task",
     "generate_config",
     "generate_task",
+    "write_task",
     "heldout_accuracies",
     "leaderboard_task",
     "log",

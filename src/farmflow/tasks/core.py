@@ -35,6 +35,7 @@ TASKS: dict[str, Task] = {
         preferences.human_preferences_task,
         preferences.subsample_preferences_task,
         pipeline.generate_task,
+        pipeline.write_task,
         pipeline.evaluate_task,
         methods.best_of_n_task,
         methods.best_of_n_prefix_task,

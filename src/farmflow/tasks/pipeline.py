@@ -21,7 +21,7 @@ from farmflow.config import (
     SampleConfig,
     SFTConfig,
 )
-from farmflow.data import alpaca, build_synthetic_farm, prompts_of, split_digests, split_rows
+from farmflow.data import alpaca, build_synthetic_farm, prompts_of, split_digests, split_rows, synthetic
 from farmflow.evaluation import evaluate_outputs
 from farmflow.evaluation.reward_report import report_rows
 from farmflow.generation import sample_texts
@@ -224,6 +224,26 @@ def generate_task(run: StageRun, config: dict, data: ArtifactRef, policy: Artifa
             progress=bar.update,
         )
     return Table(outputs_table(rows, [o[0] for o in outs], config["generator"]), "outputs")
+
+
+@stage_task(STAGES["write"])
+def write_task(run: StageRun, config: dict, data: ArtifactRef) -> Table:
+    """One answer per evaluation instruction from a writer of the synthetic farm (a fixed policy, no model).
+
+    config: {"writer": a name of `synthetic.WRITERS`, "error_rate": its mistake rate, "generator": the name in the
+    outputs table, "seed": one draw per row and seed}.
+    """
+    rows = split_rows(run.store.read_table(data), "eval")
+    seed, writer, rate = config["seed"], config["writer"], float(config["error_rate"])
+    outs, gold = [], []
+    for r in rows:
+        if not r["task"]:
+            raise ValueError(f"eval row {r['id']!r} has no synthetic task: the farm's writers need the synthetic farm")
+        task = synthetic.task_from_json(r["task"])
+        outs.append(synthetic.write(task, writer, rate, f"{seed}/{writer}/{rate}/{r['id']}"))
+        gold.append(synthetic.gold_reward(task.family, task.params, outs[-1]))
+    table = outputs_table(rows, outs, config["generator"])
+    return Table(table, "outputs", {"mean_gold": sum(gold) / max(len(gold), 1)})
 
 
 @stage_task(STAGES["evaluate"])

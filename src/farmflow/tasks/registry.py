@@ -185,6 +185,13 @@ STAGES: dict[str, Stage] = {
             gpu=True,
         ),
         Stage(
+            "write",
+            f"1+synthetic{synthetic.VERSION}",
+            ("data",),
+            reads=lambda c: {"data": ("eval",)},
+            summary="mean gold {mean_gold:.3f}",
+        ),
+        Stage(
             "evaluate",
             EVAL_VERSION,
             ("outputs", "data"),
