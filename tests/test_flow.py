@@ -118,11 +118,13 @@ def test_a_change_to_one_split_reruns_only_the_stages_that_read_it(micro_config,
     assert executed == {"data": 1, "sample_pairs": 1, "annotate": 1, "train_reward": 1, "best_of_n": 1, "evaluate": 1}
     _, executed = _run(load_config("synthetic-micro", [*overrides, "data.sft_size=30"]))
     assert executed["sft"] == 1 and "base_model" not in executed  # a pretrained base model reads no data
-    # the synthetic farm's own tokenizer is trained on every split's text: a new evaluation set is a new base model
+    # the synthetic farm's own tokenizer is trained on the SFT split alone: a new evaluation set retrains nothing,
+    # a new SFT split is a new base model
     _, executed = _run(micro_config)
-    _, executed = _run(
-        load_config("synthetic-micro", [f"store.uri={micro_config.store.uri}", f"data.eval_size={eval_size}"])
-    )
+    store_uri = f"store.uri={micro_config.store.uri}"
+    _, executed = _run(load_config("synthetic-micro", [store_uri, f"data.eval_size={eval_size}"]))
+    assert executed == {"generate": 2, "best_of_n": 1, "evaluate": 3}  # the data artifact is the run's above
+    _, executed = _run(load_config("synthetic-micro", [store_uri, "data.sft_size=30"]))
     assert executed["base_model"] == 1 and executed["sft"] == 1
 
 

@@ -58,12 +58,13 @@ def data_task(run: StageRun, config: DataConfig) -> Table:
 
 @stage_task(STAGES["base_model"])
 def base_model_task(run: StageRun, config: ModelConfig, data: ArtifactRef) -> Model:
-    """A pretrained causal LM (model.pretrained), or a tokenizer trained on the farm's text and a random tiny Llama."""
+    """A pretrained causal LM (model.pretrained), or a tokenizer trained on the SFT split's text (instructions and
+    demonstrations: what the model learns first; never the evaluation set's) and a random tiny Llama."""
     if config.pretrained:
         model, tokenizer = load_pretrained(config)
     else:
-        rows = run.store.read_table(data).to_pylist()
-        tokenizer = train_tokenizer(prompts_of(rows) + [r["output"] for r in rows if r["output"]], config.vocab_size)
+        rows = split_rows(run.store.read_table(data), "sft")
+        tokenizer = train_tokenizer(prompts_of(rows) + [r["output"] for r in rows], config.vocab_size)
         model = build_policy(config, tokenizer)
     return Model(model, tokenizer, {"parameters": float(sum(p.numel() for p in model.parameters()))})
 

@@ -138,7 +138,7 @@ STAGES: dict[str, Stage] = {
             "base_model",
             "1",
             ("data",),
-            reads=lambda c: {"data": () if config_get(c, "pretrained") else None},
+            reads=lambda c: {"data": () if config_get(c, "pretrained") else ("sft",)},
             summary="{parameters:.0f} parameters",
         ),
         Stage(
