@@ -39,6 +39,7 @@ from farmflow.evaluation.replicates import aligned
 from farmflow.evaluation.study import (
     HUMAN,
     HUMAN_AGREEMENT,
+    LEFT_OUT,
     SHORT_SFT,
     calibrate_sharpness,
     gold_differences,
@@ -273,8 +274,8 @@ def run_study(
                 for m, o in outputs[r].items()
             }
         )
-    shortened = {SHORT_SFT.format(epochs=e) for e in short}  # the study's baselines, not the leaderboard's
-    methods_only = [{m: ev for m, ev in evs.items() if m not in shortened and not is_writer(m)} for evs in sim]
+    # the leaderboard's systems: the methods and the untrained model, not the study's shortened SFTs and writers
+    methods_only = [{m: ev for m, ev in evs.items() if is_method(m) or m in LEFT_OUT} for evs in sim]
     board = replicate_board_task(
         run.store_uri, methods_only, f"Leaderboard: {cfg.name}, {replicates} replicate(s)", n_boot
     )

@@ -189,7 +189,6 @@ STAGES: dict[str, Stage] = {
             f"1+synthetic{synthetic.VERSION}",
             ("data",),
             reads=lambda c: {"data": ("eval",)},
-            summary="mean gold {mean_gold:.3f}",
         ),
         Stage(
             "evaluate",
