@@ -17,26 +17,37 @@ from farmflow.evaluation.study import (
     human_like_annotator,
     is_method,
     is_writer,
+    majority,
     overoptimization_findings,
+    simulated_agreement,
     study_rows,
     writers,
 )
 
 
-def test_two_judgements_agree_as_computed_by_hand():
-    # q = sigmoid(s·Δ); agreement q² + (1 − q)². Δ = 0.1, s = ln 3 / 0.1: q = 3/4, agreement 9/16 + 1/16 = 0.625
+def test_leave_one_out_agreement_as_computed_by_hand():
+    # q = sigmoid(s·Δ) = 3/4 at Δ = 0.1, s = ln 3 / 0.1. The mode of three judgements prefers the better output with
+    # m = q³ + 3q²(1 − q) = 27/64 + 27/64 = 27/32; a held-out judgement agrees with it with qm + (1 − q)(1 − m)
+    # = 81/128 + 5/128 = 86/128
     s = math.log(3) / 0.1
-    assert agreement(np.array([0.1, -0.1]), s) == pytest.approx(0.625)
+    assert majority(np.array([0.75]))[0] == pytest.approx(27 / 32)
+    assert agreement(np.array([0.1, -0.1]), s) == pytest.approx(86 / 128)
+    # against a single other judgement it is two judgements agreeing: q² + (1 − q)² = 9/16 + 1/16
+    assert agreement(np.array([0.1, -0.1]), s, others=1) == pytest.approx(0.625)
+    # a tied mode of two others is broken by a coin: m = q² + q(1 − q) = q
+    assert majority(np.array([0.75]), others=2)[0] == pytest.approx(0.75)
     assert agreement(np.array([math.nan]), 1.0) == 1.0  # the same output twice: always a tie
     assert agreement(np.array([0.0]), 50.0) == 0.5  # equal gold: a coin flip
 
 
 def test_calibrated_sharpness_gives_the_human_agreement():
-    # every pair Δ = 0.1: q = (1 + sqrt(2·0.657 − 1)) / 2 = 0.7802, s = logit(q) / 0.1 = 12.67
+    # every pair Δ = 0.1. With t = 2q − 1 the leave-one-out agreement is 1/2 + (3t² − t⁴)/4, so agreement 0.657 has
+    # t² = (3 − √(9 − 16·0.157)) / 2 = 0.22642, q = 0.73792, s = logit(q) / 0.1 = 10.35
     s, reached = calibrate_sharpness(np.full(50, 0.1), 0.657)
-    q = (1 + math.sqrt(2 * 0.657 - 1)) / 2
+    q = (1 + math.sqrt((3 - math.sqrt(9 - 16 * 0.157)) / 2)) / 2
+    assert q == pytest.approx(0.73792, abs=1e-5)
     assert s == pytest.approx(math.log(q / (1 - q)) / 0.1, rel=5e-3)  # 3 significant digits
-    assert reached == pytest.approx(0.657, abs=1e-3)
+    assert reached == agreement(np.full(50, 0.1), s) == pytest.approx(0.657, abs=2e-3)  # 10.4, not 10.35
     # half the pairs of equal gold cap agreement at (1 + 0.5) / 2 = 0.75: below 0.657 is still reachable, 0.8 is not
     capped = np.array([0.1] * 10 + [0.0] * 10)
     assert calibrate_sharpness(capped, 0.7)[1] == pytest.approx(0.7, abs=1e-3)
@@ -45,6 +56,20 @@ def test_calibrated_sharpness_gives_the_human_agreement():
     judge = human_like_annotator(s, seed=3)
     assert judge.label_noise == 0 and judge.seed == 3 and len(judge.pool) == 1
     assert (judge.pool[0].length_bias, judge.pool[0].list_bias, judge.pool[0].position_bias) == (0, 0, 0)
+
+
+def test_simulated_labels_scored_against_the_human_like_mode():
+    # sharpness ln 3 / 0.1: on a pair 0.1 better on the second the human-like mode prefers it with m = 27/32
+    s = math.log(3) / 0.1
+    rows = [
+        {"id": "a", "output_1": "x", "output_2": "y", "gold_1": 0.5, "gold_2": 0.6, "preference": 2.0},  # 27/32
+        {"id": "b", "output_1": "x", "output_2": "y", "gold_1": 0.5, "gold_2": 0.6, "preference": 1.0},  # 5/32
+        {"id": "c", "output_1": "x", "output_2": "y", "gold_1": 0.5, "gold_2": 0.6, "preference": 1.5},  # 1/2
+        {"id": "d", "output_1": "x", "output_2": "x", "gold_1": 0.5, "gold_2": 0.5, "preference": 1.5},  # tie, tie
+        {"id": "e", "output_1": "x", "output_2": "y", "gold_1": 0.5, "gold_2": 0.6, "preference": None},  # left out
+    ]
+    assert simulated_agreement(rows, s) == pytest.approx((27 / 32 + 5 / 32 + 0.5 + 1.0) / 4)
+    assert simulated_agreement(rows[:1], 1e4) == pytest.approx(1.0)  # a sure mode, a label that matches it
 
 
 def test_gold_differences_need_gold():
@@ -199,7 +224,10 @@ def test_study_flow_on_micro_writes_its_table_plots_and_artifacts_then_is_cached
     assert rows["writer: reference (error 0)"]["mean_gold"] == 1.0  # the flawless writer
     board = pq.read_table(f"{summary['artifacts']['leaderboard']}/data.parquet").column("method").to_pylist()
     assert sorted(board) == ["best_of_4", "sft", "untrained"]  # the shortened SFTs and writers are the study's
-    assert findings["human-like agreement (two judgements of one pair)"]["value"] == pytest.approx(0.657, abs=0.01)
+    assert findings["human-like agreement (a judgement vs the mode of three others)"]["value"] == pytest.approx(
+        0.657, abs=0.01
+    )
+    assert 0.5 <= findings["p_sim^eval agreement with the human-like mode"]["value"] <= 1.0
     for name in ("Spearman (sim, human-like)", "Pearson (sim, human-like)", "prompts to resolve 2 points"):
         assert name in findings, name
     curves = [f for q, f in findings.items() if q.startswith("over-optimization")]

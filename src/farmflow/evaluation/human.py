@@ -30,7 +30,7 @@ from farmflow.evaluation.analysis import preference_rates as label_rates
 from farmflow.evaluation.stats import win_rate_stats
 
 HUMAN = "human:"
-PAPER_HUMAN_HUMAN = 0.66  # AlpacaFarm (Dubois et al., 2023): a human vs the majority of four other humans
+PAPER_HUMAN_HUMAN = 0.66  # AlpacaFarm (Dubois et al., 2023): a human vs the mode of the three other humans of a pair
 BOOTSTRAP = 1000
 
 

@@ -2,10 +2,12 @@
 
 * **A human-like arm.** The paper validates its simulator against human win rates. The synthetic farm's stand-in for
   humans judges by the gold reward alone, with noise: one oracle annotator with no length, list or position bias whose
-  sharpness is set so that two independent judgements of the same pair agree as often as two crowdworkers did
-  (65.7% in the paper; `HUMAN_AGREEMENT`). For a pair whose gold rewards differ by Δ it prefers the better output with
-  probability q = sigmoid(sharpness·Δ), so two of its judgements agree with probability q² + (1 − q)²
-  (`agreement`); `calibrate_sharpness` solves for the sharpness on the study's own evaluation pairs.
+  sharpness is set so that it agrees with its own majority as often as crowdworkers agreed with theirs (65.7%,
+  `HUMAN_AGREEMENT`). That figure is AlpacaEval's leave-one-out agreement on the cross-annotation set, four human
+  labels per pair: one label predicting the mode of the other three, averaged over the four and the pairs. For a
+  pair whose gold rewards differ by Δ the annotator prefers the better output with probability q = sigmoid(sharpness·Δ);
+  the mode of three judgements does with m = q³ + 3q²(1 − q), so a held-out judgement agrees with it with probability
+  qm + (1 − q)(1 − m) (`agreement`); `calibrate_sharpness` solves for the sharpness on the study's own evaluation pairs.
 * **Rankings.** Every system's win rate under the simulated evaluator (p_sim^eval) and under the human-like arm, and
   Spearman and Pearson between the two with bootstrap intervals over prompts (`bootstrap.ranking_agreement`), over
   three sets: the *methods* (SFT and what is trained from it: the stricter test, since on a small farm several
@@ -30,9 +32,13 @@ from farmflow.config import AnnotatorConfig, DataConfig, OracleAnnotatorConfig
 from farmflow.evaluation.bootstrap import N_BOOT, bootstrap_mean, eval_size_for, paired_bootstrap, rankdata
 from farmflow.evaluation.leaderboard import method_family
 from farmflow.evaluation.replicates import aligned
+from farmflow.evaluation.stats import parse_preference
 
 HUMAN_AGREEMENT = 0.657
-"""Human-human agreement on AlpacaFarm's pairwise preferences (paper §3.3: 65.7%)."""
+"""Human-human agreement on AlpacaFarm's pairwise preferences (65.7%): one crowdworker's label against the mode of the
+other `HUMAN_OTHERS` labels of the same pair."""
+HUMAN_OTHERS = 3
+"""Labels a held-out one is compared with: the cross-annotation set has four human labels per pair."""
 HUMAN = "human-like"
 LEFT_OUT = ("untrained",)
 """Baselines always left out of the methods' ranking (their own ranks are NaN)."""
@@ -85,12 +91,29 @@ def gold_differences(rows: Sequence[dict]) -> np.ndarray:
     return np.array(out, dtype=float)
 
 
-def agreement(diffs: np.ndarray, sharpness: float) -> float:
-    """Mean probability that two independent judgements by the human-like annotator agree on pairs with gold
-    differences `diffs` (NaN: identical outputs, a sure tie: agreement 1)."""
+def majority(q: np.ndarray, others: int = HUMAN_OTHERS) -> np.ndarray:
+    """Probability that the mode of `others` independent judgements prefers what each one does with probability `q`
+    (a tied mode, possible when `others` is even, is broken by a fair coin as AlpacaEval does)."""
+    q = np.asarray(q, dtype=float)
+    out = np.zeros_like(q)
+    for k in range(others + 1):
+        weight = 1.0 if 2 * k > others else 0.5 if 2 * k == others else 0.0
+        out += weight * math.comb(others, k) * q**k * (1 - q) ** (others - k)
+    return out
+
+
+def prefers_second(diffs: np.ndarray, sharpness: float) -> np.ndarray:
+    """q = sigmoid(sharpness·Δ): the probability that one human-like judgement prefers output_2 (NaN Δ: 0.5)."""
+    return 1.0 / (1.0 + np.exp(-np.clip(sharpness * np.nan_to_num(np.asarray(diffs, dtype=float)), -500, 500)))
+
+
+def agreement(diffs: np.ndarray, sharpness: float, others: int = HUMAN_OTHERS) -> float:
+    """Mean leave-one-out agreement of the human-like annotator on pairs with gold differences `diffs`: the
+    probability that one judgement matches the mode of `others` more (NaN: identical outputs, a sure tie: 1)."""
     d = np.asarray(diffs, dtype=float)
-    q = 1.0 / (1.0 + np.exp(-np.clip(sharpness * np.nan_to_num(d), -500, 500)))
-    agree = np.where(np.isnan(d), 1.0, q**2 + (1 - q) ** 2)
+    q = prefers_second(d, sharpness)
+    m = majority(q, others)
+    agree = np.where(np.isnan(d), 1.0, q * m + (1 - q) * (1 - m))
     return float(agree.mean())
 
 
@@ -106,6 +129,21 @@ def calibrate_sharpness(diffs: np.ndarray, target: float = HUMAN_AGREEMENT) -> t
         lo, hi = (mid, hi) if agreement(diffs, math.exp(mid)) < target else (lo, mid)
     s = float(f"{math.exp((lo + hi) / 2):.3g}")
     return s, agreement(diffs, s)
+
+
+def simulated_agreement(rows: Sequence[dict], sharpness: float, others: int = HUMAN_OTHERS) -> float:
+    """Expected agreement of the labels in evaluation `rows` with the mode of `others` human-like judgements of the
+    same pairs, as AlpacaEval scores an automatic annotator against the crowdworkers' mode (a tie label counts half;
+    unreadable labels are left out)."""
+    d = gold_differences(rows)
+    prefs = [parse_preference(r.get("preference")) for r in rows]
+    keep = np.array([p is not None for p in prefs])
+    if not keep.any():
+        return math.nan
+    p2, d = np.array([p - 1.0 for p in prefs if p is not None]), d[keep]
+    m = majority(prefers_second(d, sharpness), others)
+    agree = np.where(np.isnan(d), (p2 == 0.5).astype(float), p2 * m + (1 - p2) * (1 - m))
+    return float(agree.mean())
 
 
 def study_rows(

@@ -8,8 +8,9 @@ humans do, and does over-optimization show? (AlpacaFarm Fig. 3, Fig. 5, Table 2;
    epochs (`short_sft_outputs`; ``sft_epochs``), the way the paper sets SFT on 10k demonstrations beside 52k; and,
    as the paper ranks its methods beside API models, the farm's writers (the reference policy, the demonstrator, the
    reference policy without mistakes; `farmflow.evaluation.study.writers`), each a `write` stage.
-2. The human-like arm: a gold-based annotator whose sharpness makes two of its judgements agree as often as two
-   humans (65.7%), calibrated on replicate 0's evaluation pairs; it judges the same outputs (`evaluate` stages).
+2. The human-like arm: a gold-based annotator whose sharpness makes one of its judgements agree with the mode of three
+   others as often as a crowdworker with the other three (65.7%), calibrated on replicate 0's evaluation pairs; it
+   judges the same outputs (`evaluate` stages).
 3. Over-optimization (the over-optimization flow's pieces): for each labeller (p_sim^ann, greedy) a reward model on
    its labels, best-of-n for each n (and PPO snapshots with `ppo_every`), every point judged by p_sim^ann, greedy and
    the human-like arm; the gold reward comes with every evaluation.
@@ -48,6 +49,7 @@ from farmflow.evaluation.study import (
     is_writer,
     overoptimization_findings,
     resolution_rows,
+    simulated_agreement,
     study_markdown,
     study_rows,
     writers,
@@ -65,7 +67,7 @@ from farmflow.tasks.analysis import overoptimization_task
 
 STUDY_NS = (1, 2, 4, 8, 16, 64)
 LABELLERS = ("p_sim^ann", "greedy")
-VERSION = "2"
+VERSION = "3"
 
 
 def _tables(store, refs: list[dict[str, ArtifactRef]]) -> dict[str, list[list[dict]]]:
@@ -100,13 +102,21 @@ def study_task(
         _, s = aligned(sim_rows)
         _, h = aligned(human_rows)
         _, g = aligned(sim_rows, "gold_2")
+        calib = [row for m, runs in sim_rows.items() if is_method(m) for row in runs[0]]
         summary = [
             {
-                "quantity": "human-like agreement (two judgements of one pair)",
+                "quantity": "human-like agreement (a judgement vs the mode of three others)",
                 "value": calibration["agreement"],
                 "low": float("nan"),
                 "high": float("nan"),
-                "detail": f"sharpness {calibration['sharpness']:g}; paper: humans 65.7%",
+                "detail": f"sharpness {calibration['sharpness']:g}; AlpacaEval: humans 65.7%",
+            },
+            {
+                "quantity": "p_sim^eval agreement with the human-like mode",
+                "value": simulated_agreement(calib, calibration["sharpness"]),
+                "low": float("nan"),
+                "high": float("nan"),
+                "detail": f"{len(calib)} method pairs of replicate 0; AlpacaEval: alpaca_farm_greedy_gpt4 66.4%",
             },
         ]
         systems = ranked_sets(list(sim_rows))
