@@ -34,7 +34,9 @@ from prefect.cache_policies import NO_CACHE
 from prefect.context import TaskRunContext
 
 from farmflow.config import METHODS, FarmConfig
+from farmflow.evaluation.analysis import normalize
 from farmflow.evaluation.bootstrap import N_BOOT, ranking_agreement
+from farmflow.evaluation.human import preference_rates
 from farmflow.evaluation.overopt import GREEDY_ORACLE
 from farmflow.evaluation.replicates import aligned
 from farmflow.evaluation.study import (
@@ -119,6 +121,19 @@ def study_task(
                 "detail": f"{len(calib)} method pairs of replicate 0; AlpacaEval: alpaca_farm_greedy_gpt4 66.4%",
             },
         ]
+        human_calib = [row for m, runs in human_rows.items() if is_method(m) for row in runs[0]]
+        for arm, arm_rows in (("p_sim^eval", calib), ("human-like", human_calib)):
+            rates = preference_rates(normalize(arm_rows))
+            for what, field, humans in (("longer output", "length_pref", 64), ("list", "list_pref", 61)):
+                summary.append(
+                    {
+                        "quantity": f"{what} preferred by {arm}",
+                        "value": rates[field],
+                        "low": float("nan"),
+                        "high": float("nan"),
+                        "detail": f"decisive labels of method pairs that differ; AlpacaEval: humans {humans}%",
+                    }
+                )
         systems = ranked_sets(list(sim_rows))
         for suffix, (ranked, described) in systems.items():
             for other, scores in (("human-like", h), ("gold", g)):
