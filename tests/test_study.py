@@ -230,7 +230,7 @@ def test_study_flow_on_micro_writes_its_table_plots_and_artifacts_then_is_cached
     assert 0.5 <= findings["p_sim^eval agreement with the human-like mode"]["value"] <= 1.0
     for arm in ("p_sim^eval", "human-like"):
         assert 0.0 <= findings[f"longer output preferred by {arm}"]["value"] <= 1.0
-    for name in ("Spearman (sim, human-like)", "Pearson (sim, human-like)", "prompts to resolve 2 points"):
+    for name in ("Spearman (sim, human-like)", "Spearman (human-like, gold)", "prompts to resolve 2 points"):
         assert name in findings, name
     curves = [f for q, f in findings.items() if q.startswith("over-optimization")]
     assert len(curves) == 2 * 4  # two labellers' reward models × judges p_sim^ann, greedy, human-like and gold

@@ -136,12 +136,18 @@ def study_task(
                 )
         systems = ranked_sets(list(sim_rows))
         for suffix, (ranked, described) in systems.items():
-            for other, scores in (("human-like", h), ("gold", g)):
-                c = ranking_agreement([s[m] for m in ranked], [scores[m] for m in ranked], n_boot)
+            # (human-like, gold): how well the human-like arm ranks by quality itself, what (sim, human-like) reaches
+            # when the simulator ranks exactly as gold does
+            for (a, x), (b, y) in (
+                (("sim", s), ("human-like", h)),
+                (("sim", s), ("gold", g)),
+                (("human-like", h), ("gold", g)),
+            ):
+                c = ranking_agreement([x[m] for m in ranked], [y[m] for m in ranked], n_boot)
                 for name in ("Spearman", "Pearson"):
                     summary.append(
                         {
-                            "quantity": f"{name} (sim, {other}){suffix}",
+                            "quantity": f"{name} ({a}, {b}){suffix}",
                             "value": c[name.lower()],
                             "low": c[f"{name.lower()}_low"],
                             "high": c[f"{name.lower()}_high"],
