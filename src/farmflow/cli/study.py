@@ -24,7 +24,10 @@ def validate(
     methods: list[str] = typer.Option([], "--method", help="Methods to study (repeat or comma-separate); default all."),
     n: list[int] = typer.Option([], "--n", help="Best-of-n counts of the over-optimization curves (default 1..64)."),
     ppo_every: Optional[int] = typer.Option(None, "--ppo-every", help="Also PPO's curves: a snapshot every N steps."),
-    agreement: float = typer.Option(0.657, help="Human-human agreement of the human-like arm (paper: 0.657)."),
+    agreement: float = typer.Option(
+        0.657,
+        help="Leave-one-out agreement of the human-like arm: a judgement vs the mode of three others (humans: 0.657).",
+    ),
     sft_epochs: list[float] = typer.Option(
         [],
         "--sft-epochs",

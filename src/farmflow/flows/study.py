@@ -9,7 +9,7 @@ humans do, and does over-optimization show? (AlpacaFarm Fig. 3, Fig. 5, Table 2;
    as the paper ranks its methods beside API models, the farm's writers (the reference policy, the demonstrator, the
    reference policy without mistakes; `farmflow.evaluation.study.writers`), each a `write` stage.
 2. The human-like arm: a gold-based annotator whose sharpness makes one of its judgements agree with the mode of three
-   others as often as a crowdworker with the other three (65.7%), calibrated on replicate 0's evaluation pairs; it
+   others as often as a crowdworker with the other three (65.7%), calibrated on replicate 0's method pairs; it
    judges the same outputs (`evaluate` stages).
 3. Over-optimization (the over-optimization flow's pieces): for each labeller (p_sim^ann, greedy) a reward model on
    its labels, best-of-n for each n (and PPO snapshots with `ppo_every`), every point judged by p_sim^ann, greedy and
@@ -338,7 +338,8 @@ def run_study(
     replicates: Seeds of the whole experiment (None: evaluation.replicates).
     ns: Best-of-n sample counts of the over-optimization curves (default 1, 2, 4, 8, 16, 64; empty: no curves).
     ppo_every: Also PPO's curves: a snapshot every this many PPO steps, each a point (None: best-of-n only).
-    agreement: Human-human agreement the human-like arm is calibrated to (paper: 0.657).
+    agreement: Leave-one-out agreement the human-like arm is calibrated to: one judgement vs the mode of three others
+        (humans on AlpacaEval's cross-annotations: 0.657).
     sft_epochs: Epochs of the shortened SFT baselines (all-systems ranking; None: a quarter and half of sft.epochs).
     writers: Also rank the farm's writers as systems beside the pipeline's (the paper's API models).
 """)
