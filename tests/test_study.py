@@ -19,6 +19,7 @@ from farmflow.evaluation.study import (
     is_writer,
     majority,
     overoptimization_findings,
+    resolution_rows,
     simulated_agreement,
     study_rows,
     writers,
@@ -168,6 +169,37 @@ def test_the_write_stage_answers_every_eval_row_then_is_cached(tmp_path):
     assert outs[0] != outs[1]
 
 
+def test_what_the_evaluation_set_resolves_under_each_arm():
+    # 400 prompts. SE from the 95% interval: (high − low) / 3.92. Paired half-widths to SFT: simulated 2 and 4 (median
+    # 3: 400·(3/2)² = 900 prompts for 2 points), human-like 4 and 6 (median 5: 400·(5/2)² = 2,500)
+    def row(method, sim, human, sim_half, human_half):
+        nan = math.nan
+        return {
+            "method": method,
+            "n": 400,
+            "sim_low": 50 - sim,
+            "sim_high": 50 + sim,
+            "human_low": 50 - human,
+            "human_high": 50 + human,
+            "sim_diff_to_sft": 0.0 if sim_half else nan,
+            "sim_diff_low": -sim_half if sim_half else nan,
+            "sim_diff_high": sim_half if sim_half else nan,
+            "human_diff_to_sft": 0.0 if human_half else nan,
+            "human_diff_low": -human_half if human_half else nan,
+            "human_diff_high": human_half if human_half else nan,
+        }
+
+    rows = [row("sft", 3.92, 7.84, 0, 0), row("dpo", 3.92, 7.84, 2, 4), row("ppo", 3.92, 7.84, 4, 6)]
+    found = {f["quantity"]: f for f in resolution_rows(rows)}
+    assert found["win rate SE (points)"]["value"] == pytest.approx(2.0)
+    assert found["win rate SE (points), human-like"]["value"] == pytest.approx(4.0)
+    assert found["resolvable difference to SFT (points)"]["value"] == pytest.approx(3.0)
+    assert found["resolvable difference to SFT (points), human-like"]["value"] == pytest.approx(5.0)
+    assert found["prompts to resolve 2 points"]["value"] == 900
+    assert (found["prompts to resolve 2 points"]["low"], found["prompts to resolve 2 points"]["high"]) == (400, 1600)
+    assert found["prompts to resolve 2 points, human-like"]["value"] == 2500
+
+
 def test_overoptimization_is_present_only_when_the_peak_beats_the_end():
     n = 60
     peaked = [
@@ -230,7 +262,12 @@ def test_study_flow_on_micro_writes_its_table_plots_and_artifacts_then_is_cached
     assert 0.5 <= findings["p_sim^eval agreement with the human-like mode"]["value"] <= 1.0
     for arm in ("p_sim^eval", "human-like"):
         assert 0.0 <= findings[f"longer output preferred by {arm}"]["value"] <= 1.0
-    for name in ("Spearman (sim, human-like)", "Spearman (human-like, gold)", "prompts to resolve 2 points"):
+    for name in (
+        "Spearman (sim, human-like)",
+        "Spearman (human-like, gold)",
+        "prompts to resolve 2 points",
+        "prompts to resolve 2 points, human-like",
+    ):
         assert name in findings, name
     curves = [f for q, f in findings.items() if q.startswith("over-optimization")]
     assert len(curves) == 2 * 4  # two labellers' reward models × judges p_sim^ann, greedy, human-like and gold

@@ -195,38 +195,43 @@ def study_rows(
 
 
 def resolution_rows(rows: Sequence[dict], target: float = 2.0) -> list[dict]:
-    """``study_summary`` rows on what the evaluation set resolves: the median SE of a win rate (from its 95% interval),
-    the median half-width of a paired difference to SFT, and the prompts needed to resolve `target` points."""
+    """``study_summary`` rows on what the evaluation set resolves, under each arm (the human-like arm's names end in
+    ", human-like"): the median SE of a win rate (from its 95% interval), the median half-width of a paired difference
+    to SFT, and the prompts needed to resolve `target` points."""
     n = max(int(r["n"]) for r in rows)
-    se = [(r["sim_high"] - r["sim_low"]) / (2 * 1.96) for r in rows]
-    half = [(r["sim_diff_high"] - r["sim_diff_low"]) / 2 for r in rows if not math.isnan(r["sim_diff_to_sft"])]
-    out = [
-        {
-            "quantity": "win rate SE (points)",
-            "value": float(np.median(se)),
-            "low": math.nan,
-            "high": math.nan,
-            "detail": f"{n} prompts",
-        },
-    ]
-    if half:
-        h = float(np.median(half))
-        out += [
-            {
-                "quantity": "resolvable difference to SFT (points)",
-                "value": h,
-                "low": float(min(half)),
-                "high": float(max(half)),
-                "detail": f"median half-width of the paired 95% intervals at {n} prompts",
-            },
-            {
-                "quantity": f"prompts to resolve {target:g} points",
-                "value": float(eval_size_for(target, n, h)),
-                "low": float(eval_size_for(target, n, min(half))),
-                "high": float(eval_size_for(target, n, max(half))),
-                "detail": "half-width ∝ 1/√n, from the median (low/high: the tightest/widest method)",
-            },
+    out = []
+    for arm, suffix in (("sim", ""), ("human", f", {HUMAN}")):
+        se = [(r[f"{arm}_high"] - r[f"{arm}_low"]) / (2 * 1.96) for r in rows]
+        half = [
+            (r[f"{arm}_diff_high"] - r[f"{arm}_diff_low"]) / 2 for r in rows if not math.isnan(r[f"{arm}_diff_to_sft"])
         ]
+        out.append(
+            {
+                "quantity": f"win rate SE (points){suffix}",
+                "value": float(np.median(se)),
+                "low": math.nan,
+                "high": math.nan,
+                "detail": f"{n} prompts",
+            }
+        )
+        if half:
+            h = float(np.median(half))
+            out += [
+                {
+                    "quantity": f"resolvable difference to SFT (points){suffix}",
+                    "value": h,
+                    "low": float(min(half)),
+                    "high": float(max(half)),
+                    "detail": f"median half-width of the paired 95% intervals at {n} prompts",
+                },
+                {
+                    "quantity": f"prompts to resolve {target:g} points{suffix}",
+                    "value": float(eval_size_for(target, n, h)),
+                    "low": float(eval_size_for(target, n, min(half))),
+                    "high": float(eval_size_for(target, n, max(half))),
+                    "detail": "half-width ∝ 1/√n, from the median (low/high: the tightest/widest method)",
+                },
+            ]
     return out
 
 

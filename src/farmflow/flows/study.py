@@ -69,7 +69,7 @@ from farmflow.tasks.analysis import overoptimization_task
 
 STUDY_NS = (1, 2, 4, 8, 16, 64)
 LABELLERS = ("p_sim^ann", "greedy")
-VERSION = "4"
+VERSION = "5"
 
 
 def _tables(store, refs: list[dict[str, ArtifactRef]]) -> dict[str, list[list[dict]]]:
