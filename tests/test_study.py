@@ -22,6 +22,7 @@ from farmflow.evaluation.study import (
     resolution_rows,
     simulated_agreement,
     study_rows,
+    study_summary,
     writers,
 )
 
@@ -107,6 +108,56 @@ def test_study_rows_rank_methods_under_both_arms():
     assert rows["sft"]["sim_resolved"] == "" and rows["dpo"]["mean_gold"] == pytest.approx(0.7)
 
 
+def test_study_summary_compares_both_arms_with_gold():
+    # three methods on 20 prompts, the reference "ref" scoring 0.5. Gold orders dpo (0.9) > sft (0.7) > ppo (0.6); the
+    # simulator follows gold, the human-like arm reverses it
+    def rows(gold, prefs, output):
+        return [
+            {
+                "id": f"p{i}",
+                "instruction": f"q{i}",
+                "input": "",
+                "output_1": "ref",
+                "output_2": output,
+                "gold_1": 0.5,
+                "gold_2": gold,
+                "preference": p,
+            }
+            for i, p in enumerate(prefs)
+        ]
+
+    gold = {"dpo": 0.9, "sft": 0.7, "ppo": 0.6}
+    sim = {
+        m: [rows(g, [2.0] * (10 + 3 * k) + [1.0] * (10 - 3 * k), f"{m} answer")]
+        for k, (m, g) in zip((2, 1, 0), gold.items())
+    }
+    human = {
+        m: [rows(g, [2.0] * (10 + 3 * k) + [1.0] * (10 - 3 * k), f"{m} answer")]
+        for k, (m, g) in zip((0, 1, 2), gold.items())
+    }
+    sharpness = math.log(3) / 0.1  # q = 3/4 at Δ = 0.1: the mode of three prefers the better output with 27/32
+    found = {
+        f["quantity"]: f
+        for f in study_summary(
+            sim, human, study_rows(sim, human, n_boot=200), {"sharpness": sharpness, "agreement": 0.7}
+        )
+    }
+    assert found["Spearman (sim, gold)"]["value"] == pytest.approx(1.0)
+    assert found["Spearman (human-like, gold)"]["value"] == pytest.approx(-1.0)
+    assert found["Spearman (sim, human-like)"]["value"] == pytest.approx(-1.0)
+    assert found["human-like agreement (a judgement vs the mode of three others)"]["value"] == 0.7
+    # output_2 is 0.1–0.4 of gold better on every pair: the human-like mode prefers it with m(Δ), so a label for
+    # output_2 agrees with it with m and one for output_1 with 1 − m
+    m = {x: majority(np.array([1 / (1 + math.exp(-sharpness * (g - 0.5)))]))[0] for x, g in gold.items()}
+    expected = np.mean([m[x] if r["preference"] == 2.0 else 1 - m[x] for x, runs in sim.items() for r in runs[0]])
+    assert found["p_sim^eval agreement with the human-like mode"]["value"] == pytest.approx(expected)
+    # every method answer ("dpo answer") is longer than "ref": the longer output's share is that of labels for
+    # output_2, 16 + 13 + 10 of 60 under either arm
+    assert found["longer output preferred by p_sim^eval"]["value"] == pytest.approx(39 / 60)
+    assert found["longer output preferred by human-like"]["value"] == pytest.approx(39 / 60)
+    assert "Spearman (sim, human-like), pipeline systems" not in found  # no baselines, no second set
+
+
 def test_baselines_stay_out_of_the_methods_ranking():
     assert is_method("dpo") and is_method("sft") and is_method("best_of_16")
     assert not is_method("untrained") and not is_method("sft (4 epochs)")
@@ -115,7 +166,7 @@ def test_baselines_stay_out_of_the_methods_ranking():
 
 
 def test_the_rankings_compare_methods_pipeline_systems_and_all_systems():
-    from farmflow.flows.study import ranked_sets
+    from farmflow.evaluation.study import ranked_sets
 
     names = ["dpo", "sft", "untrained", "sft (4 epochs)", "writer: reference (error 0)"]
     sets = ranked_sets(names)

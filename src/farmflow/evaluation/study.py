@@ -29,7 +29,16 @@ from typing import Sequence
 import numpy as np
 
 from farmflow.config import AnnotatorConfig, DataConfig, OracleAnnotatorConfig
-from farmflow.evaluation.bootstrap import N_BOOT, bootstrap_mean, eval_size_for, paired_bootstrap, rankdata
+from farmflow.evaluation.analysis import normalize
+from farmflow.evaluation.bootstrap import (
+    N_BOOT,
+    bootstrap_mean,
+    eval_size_for,
+    paired_bootstrap,
+    rankdata,
+    ranking_agreement,
+)
+from farmflow.evaluation.human import preference_rates
 from farmflow.evaluation.leaderboard import method_family
 from farmflow.evaluation.replicates import aligned
 from farmflow.evaluation.stats import parse_preference
@@ -233,6 +242,82 @@ def resolution_rows(rows: Sequence[dict], target: float = 2.0) -> list[dict]:
                 },
             ]
     return out
+
+
+def ranked_sets(systems: list[str]) -> dict[str, tuple[list[str], str]]:
+    """The sets the arms' rankings are compared over: finding-name suffix → (systems, description). The methods; the
+    pipeline's systems (the methods and its baselines) when there are baselines; all systems when there are writers."""
+    methods = [m for m in systems if is_method(m)]
+    pipeline = [m for m in systems if not is_writer(m)]
+    sets = {"": (methods, f"{len(methods)} methods")}
+    for suffix, chosen in ((", pipeline systems", pipeline), (", all systems", systems)):
+        if len(chosen) > len(methods) and chosen not in [c for c, _ in sets.values()]:
+            others = ", ".join(m for m in chosen if not is_method(m))
+            sets[suffix] = (chosen, f"{len(chosen)} systems: the methods and {others}")
+    return sets
+
+
+def _finding(quantity: str, value: float, detail: str, low: float = math.nan, high: float = math.nan) -> dict:
+    return {"quantity": quantity, "value": value, "low": low, "high": high, "detail": detail}
+
+
+def study_summary(
+    sim: dict[str, Sequence[Sequence[dict]]],
+    human: dict[str, Sequence[Sequence[dict]]],
+    rows: Sequence[dict],
+    calibration: dict,
+    n_boot: int = N_BOOT,
+) -> list[dict]:
+    """``study_summary`` rows but over-optimization's: the human-like arm's calibration and p_sim^eval's agreement with
+    its mode, both arms' length and list preferences, Spearman and Pearson between sim, human-like and gold over each
+    of `ranked_sets`, and what the evaluation set resolves (`resolution_rows` of `rows`, the `study_rows`).
+
+    `sim[system][r]` / `human[system][r]`: replicate r's evaluation rows; `calibration`: {"sharpness", "agreement"}."""
+    sharpness = calibration["sharpness"]
+    pairs = {
+        arm: [row for m, runs in evs.items() if is_method(m) for row in runs[0]]
+        for arm, evs in (("p_sim^eval", sim), (HUMAN, human))
+    }
+    summary = [
+        _finding(
+            "human-like agreement (a judgement vs the mode of three others)",
+            calibration["agreement"],
+            f"sharpness {sharpness:g}; AlpacaEval: humans 65.7%",
+        ),
+        _finding(
+            "p_sim^eval agreement with the human-like mode",
+            simulated_agreement(pairs["p_sim^eval"], sharpness),
+            f"{len(pairs['p_sim^eval'])} method pairs of replicate 0; AlpacaEval: alpaca_farm_greedy_gpt4 66.4%",
+        ),
+    ]
+    for arm, arm_rows in pairs.items():
+        rates = preference_rates(normalize(arm_rows))
+        for what, field, humans in (("longer output", "length_pref", 64), ("list", "list_pref", 61)):
+            summary.append(
+                _finding(
+                    f"{what} preferred by {arm}",
+                    rates[field],
+                    f"decisive labels of method pairs that differ; AlpacaEval: humans {humans}%",
+                )
+            )
+    scores = {"sim": aligned(sim)[1], HUMAN: aligned(human)[1], "gold": aligned(sim, "gold_2")[1]}
+    for suffix, (ranked, described) in ranked_sets(list(sim)).items():
+        # (human-like, gold): how well the human-like arm ranks by quality itself, what (sim, human-like) reaches
+        # when the simulator ranks exactly as gold does
+        for a, b in (("sim", HUMAN), ("sim", "gold"), (HUMAN, "gold")):
+            c = ranking_agreement([scores[a][m] for m in ranked], [scores[b][m] for m in ranked], n_boot)
+            for name in ("Spearman", "Pearson"):
+                key = name.lower()
+                summary.append(
+                    _finding(
+                        f"{name} ({a}, {b}){suffix}",
+                        c[key],
+                        f"{described}; bootstrap over prompts",
+                        c[f"{key}_low"],
+                        c[f"{key}_high"],
+                    )
+                )
+    return summary + resolution_rows(rows)
 
 
 def overoptimization_findings(curves: dict[tuple[str, str, str], list[dict]], n_boot: int = N_BOOT) -> list[dict]:

@@ -34,11 +34,8 @@ from prefect.cache_policies import NO_CACHE
 from prefect.context import TaskRunContext
 
 from farmflow.config import METHODS, FarmConfig
-from farmflow.evaluation.analysis import normalize
-from farmflow.evaluation.bootstrap import N_BOOT, ranking_agreement
-from farmflow.evaluation.human import preference_rates
+from farmflow.evaluation.bootstrap import N_BOOT
 from farmflow.evaluation.overopt import GREEDY_ORACLE
-from farmflow.evaluation.replicates import aligned
 from farmflow.evaluation.study import (
     HUMAN,
     HUMAN_AGREEMENT,
@@ -48,12 +45,10 @@ from farmflow.evaluation.study import (
     gold_differences,
     human_like_annotator,
     is_method,
-    is_writer,
     overoptimization_findings,
-    resolution_rows,
-    simulated_agreement,
     study_markdown,
     study_rows,
+    study_summary,
     writers,
 )
 from farmflow.evaluation.study_plots import plot_overoptimization, plot_rankings
@@ -101,60 +96,7 @@ def study_task(
     if ref is None:
         sim_rows, human_rows = _tables(store, sim), _tables(store, human)
         rows = study_rows(sim_rows, human_rows, n_boot=n_boot)
-        _, s = aligned(sim_rows)
-        _, h = aligned(human_rows)
-        _, g = aligned(sim_rows, "gold_2")
-        calib = [row for m, runs in sim_rows.items() if is_method(m) for row in runs[0]]
-        summary = [
-            {
-                "quantity": "human-like agreement (a judgement vs the mode of three others)",
-                "value": calibration["agreement"],
-                "low": float("nan"),
-                "high": float("nan"),
-                "detail": f"sharpness {calibration['sharpness']:g}; AlpacaEval: humans 65.7%",
-            },
-            {
-                "quantity": "p_sim^eval agreement with the human-like mode",
-                "value": simulated_agreement(calib, calibration["sharpness"]),
-                "low": float("nan"),
-                "high": float("nan"),
-                "detail": f"{len(calib)} method pairs of replicate 0; AlpacaEval: alpaca_farm_greedy_gpt4 66.4%",
-            },
-        ]
-        human_calib = [row for m, runs in human_rows.items() if is_method(m) for row in runs[0]]
-        for arm, arm_rows in (("p_sim^eval", calib), ("human-like", human_calib)):
-            rates = preference_rates(normalize(arm_rows))
-            for what, field, humans in (("longer output", "length_pref", 64), ("list", "list_pref", 61)):
-                summary.append(
-                    {
-                        "quantity": f"{what} preferred by {arm}",
-                        "value": rates[field],
-                        "low": float("nan"),
-                        "high": float("nan"),
-                        "detail": f"decisive labels of method pairs that differ; AlpacaEval: humans {humans}%",
-                    }
-                )
-        systems = ranked_sets(list(sim_rows))
-        for suffix, (ranked, described) in systems.items():
-            # (human-like, gold): how well the human-like arm ranks by quality itself, what (sim, human-like) reaches
-            # when the simulator ranks exactly as gold does
-            for (a, x), (b, y) in (
-                (("sim", s), ("human-like", h)),
-                (("sim", s), ("gold", g)),
-                (("human-like", h), ("gold", g)),
-            ):
-                c = ranking_agreement([x[m] for m in ranked], [y[m] for m in ranked], n_boot)
-                for name in ("Spearman", "Pearson"):
-                    summary.append(
-                        {
-                            "quantity": f"{name} ({a}, {b}){suffix}",
-                            "value": c[name.lower()],
-                            "low": c[f"{name.lower()}_low"],
-                            "high": c[f"{name.lower()}_high"],
-                            "detail": f"{described}; bootstrap over prompts",
-                        }
-                    )
-        summary += resolution_rows(rows)
+        summary = study_summary(sim_rows, human_rows, rows, calibration, n_boot)
         curve_rows = store.read_table(curve).to_pylist() if curve else []
         if curve_rows:
             summary += overoptimization_findings(curve_points(store, curve_rows), n_boot)
@@ -188,19 +130,6 @@ def study_task(
             description=title,
         )
     return ref
-
-
-def ranked_sets(systems: list[str]) -> dict[str, tuple[list[str], str]]:
-    """The sets the arms' rankings are compared over: finding-name suffix → (systems, description). The methods; the
-    pipeline's systems (the methods and its baselines) when there are baselines; all systems when there are writers."""
-    methods = [m for m in systems if is_method(m)]
-    pipeline = [m for m in systems if not is_writer(m)]
-    sets = {"": (methods, f"{len(methods)} methods")}
-    for suffix, chosen in ((", pipeline systems", pipeline), (", all systems", systems)):
-        if len(chosen) > len(methods) and chosen not in [c for c, _ in sets.values()]:
-            others = ", ".join(m for m in chosen if not is_method(m))
-            sets[suffix] = (chosen, f"{len(chosen)} systems: the methods and {others}")
-    return sets
 
 
 def curve_points(store, curve_rows: list[dict]) -> dict[tuple[str, str, str], list[dict]]:
