@@ -269,6 +269,39 @@ def test_overoptimization_is_present_only_when_the_peak_beats_the_end():
     assert found[1]["detail"].startswith("absent (best at 16, last 16)") and found[1]["value"] == 0.0
 
 
+def test_the_fig5_contrast_is_p_sim_anns_fall_minus_greedys():
+    # judged by one judge on 8 prompts. p_sim^ann's curve peaks at n = 4 with every label for output_2 and ends with
+    # 2 of 8: a fall of 75 points. Greedy's peaks at n = 1 with 6 of 8 and ends with 4 of 8: a fall of 25 points. The
+    # contrast, paired per prompt: 75 − 25 = 50 points
+    n = 8
+    ann = [
+        {"pressure": 1, "rows": _rows([1.0] * n)},
+        {"pressure": 4, "rows": _rows([2.0] * n)},
+        {"pressure": 16, "rows": _rows([2.0] * 2 + [1.0] * 6)},
+    ]
+    greedy = [
+        {"pressure": 1, "rows": _rows([2.0] * 6 + [1.0] * 2)},
+        {"pressure": 4, "rows": _rows([2.0] * 5 + [1.0] * 3)},
+        {"pressure": 16, "rows": _rows([2.0] * 4 + [1.0] * 4)},
+    ]
+    curves = {("p_sim^ann", "best_of_n", "j"): ann, ("greedy", "best_of_n", "j"): greedy}
+    found = {f["quantity"]: f for f in overoptimization_findings(curves, n_boot=300)}
+    assert found["over-optimization: best_of_n, reward model on p_sim^ann labels, judged by j"]["value"] == 75.0
+    assert found["over-optimization: best_of_n, reward model on greedy labels, judged by j"]["value"] == 25.0
+    contrast = found["over-optimization contrast: best_of_n, judged by j"]
+    assert contrast["value"] == pytest.approx(50.0)
+    assert contrast["low"] <= 50.0 <= contrast["high"]
+    assert contrast["detail"].startswith(("resolved", "not resolved"))
+    assert contrast["detail"].endswith("p_sim^ann's fall minus greedy's")
+    # identical curves: the contrast is exactly 0 in every bootstrap draw
+    same = overoptimization_findings({("p_sim^ann", "ppo", "j"): ann, ("greedy", "ppo", "j"): ann}, n_boot=300)
+    c = {f["quantity"]: f for f in same}["over-optimization contrast: ppo, judged by j"]
+    assert (c["value"], c["low"], c["high"]) == (0.0, 0.0, 0.0) and c["detail"].startswith("not resolved")
+    # a lone labeller has no contrast
+    alone = overoptimization_findings({("p_sim^ann", "ppo", "j"): ann}, n_boot=300)
+    assert [f["quantity"] for f in alone] == ["over-optimization: ppo, reward model on p_sim^ann labels, judged by j"]
+
+
 @pytest.mark.usefixtures("prefect_harness", "one_torch_thread")
 @pytest.mark.slow
 def test_study_flow_on_micro_writes_its_table_plots_and_artifacts_then_is_cached(micro_config):
@@ -320,8 +353,10 @@ def test_study_flow_on_micro_writes_its_table_plots_and_artifacts_then_is_cached
         "prompts to resolve 2 points, human-like",
     ):
         assert name in findings, name
-    curves = [f for q, f in findings.items() if q.startswith("over-optimization")]
+    curves = [f for q, f in findings.items() if q.startswith("over-optimization:")]
     assert len(curves) == 2 * 4  # two labellers' reward models × judges p_sim^ann, greedy, human-like and gold
+    contrasts = [f for q, f in findings.items() if q.startswith("over-optimization contrast:")]
+    assert len(contrasts) == 4  # one per judge (best-of-n only on micro)
     assert all(f["detail"].split()[0] in ("present", "absent") for f in curves)
     for png in ("rankings.png", "overoptimization.png"):
         assert open(f"{folder}/{png}", "rb").read(4) == b"\x89PNG"

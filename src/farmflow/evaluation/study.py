@@ -40,6 +40,7 @@ from farmflow.evaluation.bootstrap import (
 )
 from farmflow.evaluation.human import preference_rates
 from farmflow.evaluation.leaderboard import method_family
+from farmflow.evaluation.overopt import LABELLERS
 from farmflow.evaluation.replicates import aligned
 from farmflow.evaluation.stats import parse_preference
 
@@ -321,12 +322,15 @@ def study_summary(
 
 
 def overoptimization_findings(curves: dict[tuple[str, str, str], list[dict]], n_boot: int = N_BOOT) -> list[dict]:
-    """``study_summary`` rows, one per curve: is it over-optimized under its judge?
+    """``study_summary`` rows, one per curve: is it over-optimized under its judge? And, per family and judge, the
+    paper's contrast (Fig. 5): does the curve on p_sim^ann's reward model fall further than the one on greedy's?
 
     `curves[(labeller, family, judge)]`: the curve's points, each {"pressure", "scores": evaluation rows}. The judge
     'gold' scores by the gold reward (×100). value: the best point's mean minus the highest-pressure point's (points),
-    with its paired 95% interval; 'present' when the best point is not the last and the interval excludes 0."""
-    out = []
+    with its paired 95% interval; 'present' when the best point is not the last and the interval excludes 0. The
+    contrast: p_sim^ann's fall minus greedy's, each from its own best point, paired on the prompts of all four points;
+    'resolved' when its interval excludes 0."""
+    out, falls = [], {}
     for (labeller, family, judge), points in curves.items():
         points = sorted(points, key=lambda p: p["pressure"])
         field = "gold_2" if judge == "gold" else "preference"
@@ -336,14 +340,31 @@ def overoptimization_findings(curves: dict[tuple[str, str, str], list[dict]], n_
         d = paired_bootstrap(scores[str(best)], scores[str(last)], n_boot, seed=len(out))
         present = best != last and bool(d["excludes_zero"])
         out.append(
-            {
-                "quantity": f"over-optimization: {family}, reward model on {labeller} labels, judged by {judge}",
-                "value": 100 * d["estimate"],
-                "low": 100 * d["low"],
-                "high": 100 * d["high"],
-                "detail": f"{'present' if present else 'absent'} (best at {points[best]['pressure']:g}, "
+            _finding(
+                f"over-optimization: {family}, reward model on {labeller} labels, judged by {judge}",
+                100 * d["estimate"],
+                f"{'present' if present else 'absent'} (best at {points[best]['pressure']:g}, "
                 f"last {points[last]['pressure']:g})",
-            }
+                100 * d["low"],
+                100 * d["high"],
+            )
+        )
+        falls[labeller, family, judge] = (points[best]["rows"], points[last]["rows"])
+    for (labeller, family, judge), (best_rows, last_rows) in falls.items():
+        other = falls.get((LABELLERS[1], family, judge))
+        if labeller != LABELLERS[0] or other is None:
+            continue
+        field = "gold_2" if judge == "gold" else "preference"
+        _, s = aligned({"a": [best_rows], "b": [last_rows], "c": [other[0]], "d": [other[1]]}, field)
+        d = paired_bootstrap(s["a"] - s["b"], s["c"] - s["d"], n_boot, seed=len(out))
+        out.append(
+            _finding(
+                f"over-optimization contrast: {family}, judged by {judge}",
+                100 * d["estimate"],
+                f"{'resolved' if d['excludes_zero'] else 'not resolved'}: {LABELLERS[0]}'s fall minus {LABELLERS[1]}'s",
+                100 * d["low"],
+                100 * d["high"],
+            )
         )
     return out
 

@@ -29,7 +29,7 @@ from typing import Any
 from prefect import flow
 
 from farmflow.config import FarmConfig
-from farmflow.evaluation.overopt import GREEDY_ORACLE, CurvePoint
+from farmflow.evaluation.overopt import GREEDY_ORACLE, LABELLERS, CurvePoint
 from farmflow.flows.form import PresetName, prefect_run_name, run_config, with_form_doc
 from farmflow.flows.pipeline import Upstream, best_of_n_outputs, generate_outputs
 from farmflow.flows.runner import StageRunner
@@ -38,8 +38,6 @@ from farmflow.tasks import best_of_n_prefix_task, best_of_n_rescore_task, evalua
 from farmflow.tasks.analysis import overoptimization_task, proxy_reward_task
 
 DEFAULT_NS = (1, 2, 4, 8, 16)
-DEFAULT_LABELLERS = ("p_sim^ann", "greedy")
-"""Paper Fig. 5: the noisy pool and the single low-variance annotator, each labelling and judging its own curve."""
 
 
 def evaluating_annotators(
@@ -212,7 +210,7 @@ def overoptimization_flow(
     """
     cfg = run_config(preset, advanced, overrides, seed, eval_size, pref_size)
     chosen = list(
-        evaluating_annotators(cfg, tuple(dict.fromkeys(labellers or DEFAULT_LABELLERS)))
+        evaluating_annotators(cfg, tuple(dict.fromkeys(labellers or LABELLERS)))
     )  # unknown names fail here, before any stage
     evaluators = evaluating_annotators(cfg, tuple(annotators)) if annotators else None
     run = StageRunner(cfg.store.location, cfg.execution, cfg.name)  # its execution settings, like every other flow

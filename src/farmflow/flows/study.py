@@ -15,7 +15,8 @@ humans do, and does over-optimization show? (AlpacaFarm Fig. 3, Fig. 5, Table 2;
    its labels, best-of-n for each n (and PPO snapshots with `ppo_every`), every point judged by p_sim^ann, greedy and
    the human-like arm; the gold reward comes with every evaluation.
 4. `study_task`: the ``validation_study`` table (one row per method), ``study_summary.parquet`` (Spearman and Pearson
-   between the arms with bootstrap intervals, what the evaluation set resolves, over-optimization per curve),
+   between the arms with bootstrap intervals, what the evaluation set resolves, over-optimization per curve and the
+   contrast of p_sim^ann's fall with greedy's per judge),
    ``study.md``, ``rankings.png``, ``overoptimization.png``; Prefect markdown and table artifacts.
 
 Every stage is cached by its key: a rerun executes nothing, a larger K runs only the new replicates.
@@ -35,7 +36,7 @@ from prefect.context import TaskRunContext
 
 from farmflow.config import METHODS, FarmConfig
 from farmflow.evaluation.bootstrap import N_BOOT
-from farmflow.evaluation.overopt import GREEDY_ORACLE
+from farmflow.evaluation.overopt import GREEDY_ORACLE, LABELLERS
 from farmflow.evaluation.study import (
     HUMAN,
     HUMAN_AGREEMENT,
@@ -63,8 +64,7 @@ from farmflow.tasks import evaluate_task, sft_task, write_task
 from farmflow.tasks.analysis import overoptimization_task
 
 STUDY_NS = (1, 2, 4, 8, 16, 64)
-LABELLERS = ("p_sim^ann", "greedy")
-VERSION = "5"
+VERSION = "6"
 
 
 def _tables(store, refs: list[dict[str, ArtifactRef]]) -> dict[str, list[list[dict]]]:
