@@ -43,10 +43,10 @@ def greedy_oracle(seed: int = 0) -> AnnotatorConfig:
 
 
 GREEDY_ORACLE = greedy_oracle()
+"""The named single greedy annotator (p_sim^GPT-4's analogue in the synthetic farm)."""
 LABELLERS = ("p_sim^ann", "greedy")
 """Paper Fig. 5: the noisy pool (over-optimizes) and the single low-variance annotator (does not), each labelling and
 judging its own curve."""
-"""The named single greedy annotator (p_sim^GPT-4's analogue in the synthetic farm)."""
 
 
 class CurvePoint(BaseModel):

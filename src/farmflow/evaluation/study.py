@@ -349,12 +349,11 @@ def overoptimization_findings(curves: dict[tuple[str, str, str], list[dict]], n_
                 100 * d["high"],
             )
         )
-        falls[labeller, family, judge] = (points[best]["rows"], points[last]["rows"])
-    for (labeller, family, judge), (best_rows, last_rows) in falls.items():
+        falls[labeller, family, judge] = (points[best]["rows"], points[last]["rows"], field)
+    for (labeller, family, judge), (best_rows, last_rows, field) in falls.items():
         other = falls.get((LABELLERS[1], family, judge))
         if labeller != LABELLERS[0] or other is None:
             continue
-        field = "gold_2" if judge == "gold" else "preference"
         _, s = aligned({"a": [best_rows], "b": [last_rows], "c": [other[0]], "d": [other[1]]}, field)
         d = paired_bootstrap(s["a"] - s["b"], s["c"] - s["d"], n_boot, seed=len(out))
         out.append(
