@@ -297,6 +297,12 @@ def test_the_fig5_contrast_is_p_sim_anns_fall_minus_greedys():
     same = overoptimization_findings({("p_sim^ann", "ppo", "j"): ann, ("greedy", "ppo", "j"): ann}, n_boot=300)
     c = {f["quantity"]: f for f in same}["over-optimization contrast: ppo, judged by j"]
     assert (c["value"], c["low"], c["high"]) == (0.0, 0.0, 0.0) and c["detail"].startswith("not resolved")
+    # the paper's setup: each curve judged by its own labeller (no judge scores both, so no per-judge contrast)
+    own = {("p_sim^ann", "best_of_n", "p_sim^ann"): ann, ("greedy", "best_of_n", "greedy"): greedy}
+    contrasts = [f for f in overoptimization_findings(own, n_boot=300) if "contrast" in f["quantity"]]
+    assert [(f["quantity"], f["value"]) for f in contrasts] == [
+        ("over-optimization contrast: best_of_n, each judged by its labeller", pytest.approx(50.0))
+    ]
     # a lone labeller has no contrast
     alone = overoptimization_findings({("p_sim^ann", "ppo", "j"): ann}, n_boot=300)
     assert [f["quantity"] for f in alone] == ["over-optimization: ppo, reward model on p_sim^ann labels, judged by j"]
@@ -356,7 +362,7 @@ def test_study_flow_on_micro_writes_its_table_plots_and_artifacts_then_is_cached
     curves = [f for q, f in findings.items() if q.startswith("over-optimization:")]
     assert len(curves) == 2 * 4  # two labellers' reward models × judges p_sim^ann, greedy, human-like and gold
     contrasts = [f for q, f in findings.items() if q.startswith("over-optimization contrast:")]
-    assert len(contrasts) == 4  # one per judge (best-of-n only on micro)
+    assert len(contrasts) == 5  # one per judge and one with each judged by its labeller (best-of-n only on micro)
     assert all(f["detail"].split()[0] in ("present", "absent") for f in curves)
     for png in ("rankings.png", "overoptimization.png"):
         assert open(f"{folder}/{png}", "rb").read(4) == b"\x89PNG"

@@ -329,7 +329,8 @@ def overoptimization_findings(curves: dict[tuple[str, str, str], list[dict]], n_
     'gold' scores by the gold reward (×100). value: the best point's mean minus the highest-pressure point's (points),
     with its paired 95% interval; 'present' when the best point is not the last and the interval excludes 0. The
     contrast: p_sim^ann's fall minus greedy's, each from its own best point, paired on the prompts of all four points;
-    'resolved' when its interval excludes 0."""
+    'resolved' when its interval excludes 0. Besides the contrast under each judge, the paper's own setup: p_sim^ann's
+    curve judged by p_sim^ann against greedy's judged by greedy."""
     out, falls = [], {}
     for (labeller, family, judge), points in curves.items():
         points = sorted(points, key=lambda p: p["pressure"])
@@ -350,17 +351,23 @@ def overoptimization_findings(curves: dict[tuple[str, str, str], list[dict]], n_
             )
         )
         falls[labeller, family, judge] = (points[best]["rows"], points[last]["rows"], field)
-    for (labeller, family, judge), (best_rows, last_rows, field) in falls.items():
-        other = falls.get((LABELLERS[1], family, judge))
-        if labeller != LABELLERS[0] or other is None:
+    first, second = LABELLERS
+    # per judge: both reward models' curves judged alike; and the paper's own setup, each curve judged by its labeller
+    contrasts = [(family, judge, judge, f"judged by {judge}") for (lab, family, judge) in falls if lab == first]
+    contrasts += [
+        (family, first, second, "each judged by its labeller") for (lab, family, j) in falls if lab == j == first
+    ]
+    for family, judge_a, judge_b, how in contrasts:
+        if (second, family, judge_b) not in falls:
             continue
-        _, s = aligned({"a": [best_rows], "b": [last_rows], "c": [other[0]], "d": [other[1]]}, field)
+        (best_a, last_a, field), (best_b, last_b, _) = falls[first, family, judge_a], falls[second, family, judge_b]
+        _, s = aligned({"a": [best_a], "b": [last_a], "c": [best_b], "d": [last_b]}, field)
         d = paired_bootstrap(s["a"] - s["b"], s["c"] - s["d"], n_boot, seed=len(out))
         out.append(
             _finding(
-                f"over-optimization contrast: {family}, judged by {judge}",
+                f"over-optimization contrast: {family}, {how}",
                 100 * d["estimate"],
-                f"{'resolved' if d['excludes_zero'] else 'not resolved'}: {LABELLERS[0]}'s fall minus {LABELLERS[1]}'s",
+                f"{'resolved' if d['excludes_zero'] else 'not resolved'}: {first}'s fall minus {second}'s",
                 100 * d["low"],
                 100 * d["high"],
             )

@@ -64,7 +64,7 @@ from farmflow.tasks import evaluate_task, sft_task, write_task
 from farmflow.tasks.analysis import overoptimization_task
 
 STUDY_NS = (1, 2, 4, 8, 16, 64)
-VERSION = "6"
+VERSION = "7"
 
 
 def _tables(store, refs: list[dict[str, ArtifactRef]]) -> dict[str, list[list[dict]]]:
