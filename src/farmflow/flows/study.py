@@ -16,7 +16,7 @@ humans do, and does over-optimization show? (AlpacaFarm Fig. 3, Fig. 5, Table 2;
    the human-like arm; the gold reward comes with every evaluation.
 4. `study_task`: the ``validation_study`` table (one row per method), ``study_summary.parquet`` (Spearman and Pearson
    between the arms with bootstrap intervals, what the evaluation set resolves, over-optimization per curve and the
-   contrast of p_sim^ann's fall with greedy's per judge),
+   contrast of p_sim^ann's fall with greedy's per judge and with each curve judged by its labeller, as in the paper),
    ``study.md``, ``rankings.png``, ``overoptimization.png``; Prefect markdown and table artifacts.
 
 Every stage is cached by its key: a rerun executes nothing, a larger K runs only the new replicates.
