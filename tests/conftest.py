@@ -13,27 +13,22 @@ os.environ.setdefault("FARMFLOW_LOG_DIR", tempfile.mkdtemp(prefix="farmflow-logs
 
 import pytest  # noqa: E402
 
-# The files that take longest (1 to 6 minutes each on 2 cores, from `pytest --durations=0`), longest first, then the
-# rest in pytest's order. `make test`'s two xdist workers take one file at a time in this order
-# (`--no-loadscope-reorder`: xdist would otherwise put the files with the most tests first, leaving these for last
-# and one worker idle while the other finishes them), so the two end together.
+# The files that take longest (2 to 6 minutes each on 2 cores), first in the collection order, so a serial run starts
+# them first. `make test`'s two xdist workers take one file at a time, the files with the most tests first; among
+# files with as many tests they keep this order.
 LONGEST_FIRST = (
     "test_orchestration_distributed.py",
-    "test_schedule.py",
+    "test_smol_e2e.py",
     "test_flow.py",
+    "test_schedule.py",
     "test_cli_output.py",
+    "test_shutdown.py",
     "test_s3_store.py",
     "test_launch.py",
-    "test_smol_e2e.py",
+    "test_bench_harness.py",
     "test_leases.py",
     "test_rl_distributed.py",
-    "test_overoptimization.py",
-    "test_ppo.py",
-    "test_bench_harness.py",
-    "test_method_flows.py",
-    "test_api_annotators.py",
-    "test_shutdown.py",
-    "test_model_cache.py",
+    "test_cli_server.py",
 )
 
 
