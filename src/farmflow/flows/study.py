@@ -36,7 +36,7 @@ from prefect.context import TaskRunContext
 
 from farmflow.config import METHODS, FarmConfig
 from farmflow.evaluation.bootstrap import N_BOOT
-from farmflow.evaluation.overopt import GREEDY_ORACLE, LABELLERS
+from farmflow.evaluation.overopt import LABELLERS
 from farmflow.evaluation.study import (
     HUMAN,
     HUMAN_AGREEMENT,
@@ -54,7 +54,13 @@ from farmflow.evaluation.study import (
 )
 from farmflow.evaluation.study_plots import plot_overoptimization, plot_rankings
 from farmflow.flows.form import MethodName, PresetName, prefect_run_name, run_config, with_form_doc
-from farmflow.flows.overoptimization import best_of_n_points, labelled_upstream, point_configs, ppo_points
+from farmflow.flows.overoptimization import (
+    best_of_n_points,
+    evaluating_annotators,
+    labelled_upstream,
+    point_configs,
+    ppo_points,
+)
 from farmflow.flows.pipeline import Upstream, generate_outputs
 from farmflow.flows.replicates import replicate_board_task, replicate_config, replicate_evaluations
 from farmflow.flows.runner import StageRunner
@@ -241,10 +247,9 @@ def run_study(
     )
     curve = None
     if ns:
-        judges = {
-            "p_sim^ann": cfg.annotation,
-            "greedy": GREEDY_ORACLE,
-            HUMAN: human_like_annotator(sharpness, seed=cfg.evaluation.annotator.seed),
+        # the labellers judge too (each curve is also judged by its own labeller, as in the paper), and the human arm
+        judges = evaluating_annotators(cfg, LABELLERS) | {
+            HUMAN: human_like_annotator(sharpness, seed=cfg.evaluation.annotator.seed)
         }
         curve = overoptimization_curve(run, cfg, judges, tuple(ns), ppo_every)
     title = f"Validation study: {cfg.name}, {replicates} replicate(s)"
