@@ -57,6 +57,15 @@ def micro_config(tmp_path):
 from s3_server import s3_server, s3_uri  # noqa: E402,F401 - a real S3 server (moto) on 127.0.0.1
 
 
+@pytest.fixture(scope="session")
+def postgres():
+    """A private PostgreSQL cluster on 127.0.0.1 (tests/postgres.py), started on first use (~2 s)."""
+    from postgres import postgres_cluster
+
+    with postgres_cluster() as cluster:
+        yield cluster
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """Tiny tensors: one torch thread is faster, and much faster on a busy 2-core machine."""

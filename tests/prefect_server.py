@@ -1,4 +1,5 @@
-"""A real `prefect server start` for tests: its own PREFECT_HOME and SQLite database, on 127.0.0.1, a free port."""
+"""A real `prefect server start` for tests: its own PREFECT_HOME and SQLite database (or a database URL given), on
+127.0.0.1, a free port."""
 
 from __future__ import annotations
 
@@ -58,8 +59,10 @@ def prefect_server(home: Path, **settings: str) -> Iterator[tuple[str, dict, Pat
     log)."""
     port = loopback.free_port()
     api_url = f"http://127.0.0.1:{port}/api"
+    own_database = "PREFECT_SERVER_DATABASE_CONNECTION_URL" in settings  # the server migrates it as it starts
+    home.mkdir(parents=True, exist_ok=True)
     env = os.environ | {
-        "PREFECT_HOME": str(migrated_home(home)),
+        "PREFECT_HOME": str(home if own_database else migrated_home(home)),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PREFECT_API_URL": api_url,
         "PREFECT_LOGGING_LEVEL": "INFO",

@@ -1,4 +1,4 @@
-"""Distributed mode for real, all on 127.0.0.1: a Prefect server (the session's), `farmflow deploy`, a CPU and a GPU
+"""Distributed mode for real, all on 127.0.0.1: a Prefect server on PostgreSQL, `farmflow deploy`, a CPU and a GPU
 process worker, a triggered `compare` run of the micro preset with execution.mode=distributed, then a second trigger
 with one changed method parameter. Every GPU stage must run as its own flow run on the GPU pool (a separate process:
 nothing executes in this test process), and the second run must send only the changed method's stages there.
@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 from farmflow import tasks
 from farmflow.storage import LocalStore
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_harness")]
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_on_postgres")]
 
 CPU, GPU = "it-cpu", "it-gpu"
 FIRST = {
@@ -34,6 +34,23 @@ FIRST = {
     "proxy_reward best_of_4",
 }
 SECOND = {"best_of_n", "proxy_reward best_of_3"}
+
+
+@pytest.fixture(scope="module")
+def prefect_on_postgres(postgres, tmp_path_factory):
+    """A Prefect server on PostgreSQL, what a shared server runs on (docs/orchestration.md): two workers and their
+    flow-run processes write to it at once, which a SQLite database answers with "database is locked"."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect_server import prefect_server
+
+    url = postgres.database("distributed")
+    with prefect_server(tmp_path_factory.mktemp("prefect-postgres"), PREFECT_SERVER_DATABASE_CONNECTION_URL=url) as (
+        api_url,
+        _,
+        _,
+    ):
+        with temporary_settings(updates={PREFECT_API_URL: api_url}):
+            yield api_url
 
 
 def _start_worker(pool: str, api_url: str, log: Path) -> subprocess.Popen:
@@ -225,7 +242,7 @@ def test_a_vanished_gpu_worker_is_marked_crashed_and_its_stage_retried(tmp_path)
 
     parent = threading.Thread(
         target=contextvars.copy_context().run, args=(wait_for_sft,), daemon=True
-    )  # the harness's API settings
+    )  # the module server's API settings
     logs = [tmp_path / "gpu-a.log", tmp_path / "gpu-b.log"]
     first_worker = _start_worker(pool, api_url, logs[0])
     second_worker = None

@@ -226,13 +226,14 @@ def test_sigterm_reaches_a_launched_training_child_which_checkpoints(tmp_path):
 
     store = tmp_path / "store"
     args = ["run", "best-of-n", "--preset", "synthetic-micro", "--store", str(store)]
-    args += ["--set", "execution.launcher=process", "--set", "sft.epochs=40"]  # 320 steps, ~7 s
+    # 3200 steps (~70 s): the stop comes at the first progress line, long before SFT could finish on a busy machine
+    args += ["--set", "execution.launcher=process", "--set", "sft.epochs=400"]
     env = {"FARMFLOW_PROGRESS_EVERY_S": "1", "PREFECT_LOGGING_LEVEL": "INFO"}  # the child's progress, relayed
     proc = _farmflow(args, tmp_path, env=env)
     lines: list[str] = []
     threading.Thread(target=lambda: [lines.append(line) for line in proc.stderr], daemon=True).start()
     deadline, child = time.monotonic() + 300, None
-    while not any(re.search(r"sft: [1-9]\d*/320 steps", line) for line in lines):
+    while not any(re.search(r"sft: [1-9]\d*/3200 steps", line) for line in lines):
         assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)[-3000:]
         child = child or next(
             (c for c in _children(proc.pid) if b"farmflow.tasks.child" in Path(f"/proc/{c}/cmdline").read_bytes()),
@@ -244,7 +245,9 @@ def test_sigterm_reaches_a_launched_training_child_which_checkpoints(tmp_path):
     assert proc.wait(60) == 128 + signal.SIGTERM, "".join(lines)[-3000:]
     time.sleep(0.5)  # the reader thread's last lines
     (error,) = [line for line in lines if line.startswith("error: ")]
-    step = int(re.search(r"stopped by SIGTERM; sft: stopped after step (\d+) \(checkpoint at step \1", error)[1])
-    assert 0 < step < 320 and not _alive(child), "the launched child outlived the stopped run"
+    stopped = re.search(r"stopped by SIGTERM; sft: stopped after step (\d+) \(checkpoint at step \1", error)
+    assert stopped, error
+    step = int(stopped[1])
+    assert 0 < step < 3200 and not _alive(child), "the launched child outlived the stopped run"
     (key,) = [p.name for p in (store / "_checkpoints" / "sft").iterdir()]
     assert LocalStore(store).latest_checkpoint("sft", key)[0] == step
