@@ -23,8 +23,17 @@ from farmflow import loopback
 USER = "farmflow"
 
 
+def _find(name: str) -> str | None:
+    return shutil.which(name) or next(iter(sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"), reverse=True)), None)
+
+
+def installed() -> bool:
+    """Whether PostgreSQL's server binaries are on this machine."""
+    return _find("initdb") is not None and _find("pg_ctl") is not None
+
+
 def _bin(name: str) -> str:
-    found = shutil.which(name) or next(iter(sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"), reverse=True)), None)
+    found = _find(name)
     if found is None:
         raise RuntimeError(f"PostgreSQL's {name} not found: install Debian's postgresql package (.ci/run does)")
     return found

@@ -93,6 +93,48 @@ def test_a_crashing_child_is_one_clear_error(tmp_path, cfg):
     assert not list((Path(uri) / ".staging").iterdir())
 
 
+@pytest.mark.slow  # a child process that imports torch, transformers and prefect (~15 s)
+def test_a_stop_reaches_the_training_child_and_what_it_saved_is_noted_while_the_deadline_waits(
+    tmp_path, cfg, monkeypatch
+):
+    """A stop while a launched child trains: the child checkpoints and stops, and the parent notes what it saved before
+    it lets its stop deadline pass (`shutdown.saving`); a deadline passing in between would exit the process with a
+    message that does not say what was saved."""
+    import re
+    import signal
+
+    from farmflow import shutdown
+    from farmflow.tasks import launch
+
+    uri = str(tmp_path / "store")
+    data, base = _upstream(uri, cfg)
+    relayed, held, note = launch.log, [], shutdown.note
+
+    def relay_then_stop(fmt, *args):  # the child's first progress line: it is training; stop as SIGTERM does
+        relayed(fmt, *args)
+        if re.match(r"sft: \d+/\d+ steps", fmt % args):
+            shutdown.request(signal.SIGTERM)
+
+    monkeypatch.setattr(launch, "log", relay_then_stop)
+    monkeypatch.setattr(shutdown, "note", lambda line: (held.append(shutdown._State.saving), note(line)))
+    monkeypatch.setenv("FARMFLOW_PROGRESS_EVERY_S", "0.000001")  # a progress line at every step
+    shutdown.reset()
+    try:
+        with launching(ExecutionConfig(launcher="process")), pytest.raises(shutdown.Stopped) as stopped:
+            sft = cfg.sft.model_copy(update={"epochs": 400})  # 3200 steps: the stop comes long before the end
+            tasks.sft_task.fn(uri, sft, data=data, base=base, checkpoints=cfg.checkpoints)
+        notes = shutdown.notes()
+    finally:
+        shutdown.reset()
+    said = re.fullmatch(
+        r"sft: stopped after step (\d+) \(checkpoint at step \1, a rerun resumes there\)", str(stopped.value)
+    )
+    assert said and notes == [str(stopped.value)] and held == [1], (str(stopped.value), held)
+    (key,) = [p.name for p in (Path(uri) / "_checkpoints" / "sft").iterdir()]
+    assert open_store(uri).latest_checkpoint("sft", key)[0] == int(said[1]) < 3200
+    assert [r.stage for r in open_store(uri).list()] == ["data", "base_model"]  # the stopped stage committed nothing
+
+
 def test_inline_and_non_gpu_stages_never_start_a_child(tmp_path, cfg):
     uri = str(tmp_path / "store")
     with launching(ExecutionConfig(launcher="process", accelerate_config="/nonexistent.yaml")):

@@ -36,9 +36,7 @@ import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable
-
-import openai
+from typing import TYPE_CHECKING, Callable
 
 import farmflow.annotators.budget as budget
 import farmflow.annotators.cache as cache
@@ -48,6 +46,9 @@ import farmflow.annotators.prompts as prompts
 from farmflow.annotators.ratelimit import make_limiter
 from farmflow.config import AnnotatorConfig, ApiAnnotatorConfig
 from farmflow.progress import log
+
+if TYPE_CHECKING:
+    import openai
 
 
 class AnnotationError(RuntimeError):
@@ -132,6 +133,8 @@ class _Run:
 
     def client(self, base_url: str) -> openai.AsyncOpenAI:
         if base_url not in self.clients:
+            import openai  # here, not at the top: every stage process imports this module, few ask an API (~1 s)
+
             http = openai.DefaultAsyncHttpxClient(event_hooks={"response": [failures.no_retry_on_client_errors]})
             self.clients[base_url] = openai.AsyncOpenAI(
                 base_url=base_url,

@@ -21,9 +21,10 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import openai
-from openai.types.chat import ChatCompletion
+if TYPE_CHECKING:
+    import openai
 
 BODY_CHARS = 300
 """The most characters of a server's response body an error message shows."""
@@ -99,6 +100,8 @@ def describe(
     err: BaseException, *, secret: str, base_url: str, annotator: str, model: str, key_source: str, timeout_s: float
 ) -> Failure:
     """The `Failure` behind any exception raised by one request (SDK errors and anything else)."""
+    import openai  # loaded already: the error came from it (imported here, as in `api`, to keep imports cheap)
+
     where = f"endpoint {scrub(base_url, secret)}, annotator {annotator!r}, model {model!r}"
     if isinstance(err, openai.APITimeoutError):
         return Failure("timeout", f"timeout: no answer within {timeout_s:g}s ({_retried(err)})")
@@ -143,6 +146,8 @@ def describe(
 
 def read_reply(resp: object, base_url: str, secret: str) -> tuple[str, list[tuple[str, float]] | None]:
     """A reply's text and, when it has them, the first token's top log-probabilities; `BadReply` if it has none."""
+    from openai.types.chat import ChatCompletion
+
     if not isinstance(resp, ChatCompletion):  # e.g. HTTP 200 with a web page: base_url is not an API
         raise BadReply(
             f"bad_response: not a chat completion from {scrub(base_url, secret)} "

@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -122,13 +123,15 @@ def run_in_child(
             PARENT_ENV: str(os.getpid())
         }  # the child (each process under accelerate) exits when this one is gone
         env |= training_metrics.tracker_env(execution)  # its training metrics go to the same trackers
-        with open(log_path, "wb") as f, open(log_path, "rb") as child_log:
+        with open(log_path, "wb") as f, open(log_path, "rb") as child_log, ExitStack() as stopping:
             proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
             relay = _Relay(child_log)
             try:
                 while proc.poll() is None:
                     relay.forward()
                     if shutdown.requested() is not None:
+                        # this process's stop deadline waits until the child has stopped and what it saved is noted
+                        stopping.enter_context(shutdown.saving())
                         stop_child(proc, shutdown.requested())
                     time.sleep(0.5)
             except BaseException:  # interrupted or cancelled here: the child goes too (as subprocess.run does)
@@ -137,13 +140,14 @@ def run_in_child(
                 raise
             relay.forward(final=True)
             code = proc.returncode
-        if code != 0:
-            tail, errors = _tail(log_path), sorted(out.glob("error-*.txt"))  # error-<rank>.txt: what the stage raised
-            cause = errors[0].read_text() if errors else ""
-            if shutdown.requested() is not None:  # the child stopped as asked: say what it saved, as inline
+            errors = sorted(out.glob("error-*.txt"))  # error-<rank>.txt: what the stage raised
+            cause = errors[0].read_text() if errors and code != 0 else ""
+            if code != 0 and shutdown.requested() is not None:  # the child stopped as asked: what it saved, as inline
                 saved = cause.removeprefix("Stopped: ") if cause.startswith("Stopped: ") else f"{stage}: stopped"
                 shutdown.note(saved)
                 raise shutdown.Stopped(saved)
+        if code != 0:
+            tail = _tail(log_path)
             if cause and cause not in tail:  # several processes: the launcher's own report ends the log
                 tail += f"\n{cause}"
             raise StageLaunchError(f"stage {stage}: {how} exited with code {code}; the last lines of its log:\n{tail}")
@@ -162,16 +166,15 @@ def run_in_child(
 
 
 def stop_child(proc: subprocess.Popen, signum: int) -> None:
-    """Pass this process's stop signal on to a stage's child and wait for it to exit: a training child checkpoints
-    and stops (`farmflow.shutdown`), and meanwhile this process's stop deadline waits (`shutdown.saving`), up to
-    `shutdown.MAX_GRACE_S`. Under ``accelerate launch`` the launcher passes the signal on to every worker."""
+    """Pass this process's stop signal on to a stage's child and wait for it to exit, up to `shutdown.MAX_GRACE_S`:
+    a training child checkpoints and stops (`farmflow.shutdown`); the caller holds this process's stop deadline
+    (`shutdown.saving`) meanwhile. Under ``accelerate launch`` the launcher passes the signal on to every worker."""
     proc.send_signal(signum)
-    with shutdown.saving():
-        try:
-            proc.wait(timeout=shutdown.MAX_GRACE_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    try:
+        proc.wait(timeout=shutdown.MAX_GRACE_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 RELAY = "[farmflow] "
