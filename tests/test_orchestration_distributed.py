@@ -256,7 +256,7 @@ def test_a_vanished_gpu_worker_is_marked_crashed_and_its_stage_retried(tmp_path)
                     flow_run_filter=FlowRunFilter(deployment_id=FlowRunFilterDeploymentId(any_=[stage.id]))
                 )
 
-            earlier = {r.id for r in all_runs()}  # the session's server keeps other tests' stage runs
+            earlier = {r.id for r in all_runs()}  # the module's server keeps the other test's stage runs
             runs = lambda: [r for r in all_runs() if r.id not in earlier]  # noqa: E731
             parent.start()
             deadline = time.monotonic() + 180
@@ -291,7 +291,7 @@ def test_a_vanished_gpu_worker_is_marked_crashed_and_its_stage_retried(tmp_path)
         ref, cached = result[0]
         assert not cached and ref.stage == "sft" and LocalStore(store).exists(ref) and ref.metrics["steps"] == 1200
     finally:
-        ensure_unresponsive_automation(None)  # the session's server is shared: no 45 s automation left for other tests
+        ensure_unresponsive_automation(None)  # the module's server is shared: no 45 s automation left for other tests
         for w in (first_worker, second_worker):
             if w is not None:
                 _stop(w)
