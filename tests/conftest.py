@@ -13,26 +13,22 @@ os.environ.setdefault("FARMFLOW_LOG_DIR", tempfile.mkdtemp(prefix="farmflow-logs
 
 import pytest  # noqa: E402
 
-# The files that take longest (2 to 9 minutes each on 2 cores), first in the collection order: `make test`'s three
-# xdist workers take whole files in this order (--no-loadscope-reorder), so the long files, most of them waiting on
-# servers, workers and child processes, start at once, and the many short CPU-bound files fill the cores beside them
-# and end the run, rather than one long file left running alone at the end.
+# The files that take longest (2 to 6 minutes each on 2 cores), first in the collection order, so a serial run starts
+# them first. `make test`'s two xdist workers take one file at a time, the files with the most tests first; among
+# files with as many tests they keep this order.
 LONGEST_FIRST = (
     "test_orchestration_distributed.py",
     "test_smol_e2e.py",
-    "test_s3_store.py",
-    "test_schedule.py",
     "test_flow.py",
+    "test_schedule.py",
     "test_cli_output.py",
+    "test_shutdown.py",
+    "test_s3_store.py",
     "test_launch.py",
-    "test_overoptimization.py",
+    "test_bench_harness.py",
     "test_leases.py",
     "test_rl_distributed.py",
-    "test_bench_harness.py",
-    "test_shutdown.py",
-    "test_model_cache.py",
-    "test_method_flows.py",
-    "test_ppo.py",
+    "test_cli_server.py",
 )
 
 
