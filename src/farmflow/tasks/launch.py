@@ -140,8 +140,8 @@ def run_in_child(
                 raise
             relay.forward(final=True)
             code = proc.returncode
-            errors = sorted(out.glob("error-*.txt"))  # error-<rank>.txt: what the stage raised
-            cause = errors[0].read_text() if errors and code != 0 else ""
+            errors = sorted(out.glob("error-*.txt")) if code != 0 else []  # error-<rank>.txt: what the stage raised
+            cause = errors[0].read_text() if errors else ""
             if code != 0 and shutdown.requested() is not None:  # the child stopped as asked: what it saved, as inline
                 saved = cause.removeprefix("Stopped: ") if cause.startswith("Stopped: ") else f"{stage}: stopped"
                 shutdown.note(saved)
