@@ -38,7 +38,7 @@ lint: install  ## ruff: lint rules and formatting (configured in pyproject.toml)
 	$(VENV)/bin/ruff format --check .
 
 test: install  ## the whole suite, slow end-to-end tests included
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15
 
 bench: install  ## performance benchmarks; results in bench/results/
 	$(PY) -m bench.sampling  # SmolLM2-135M-Instruct from the model cache (farmflow models get smollm2-135m-instruct)

@@ -13,28 +13,30 @@ os.environ.setdefault("FARMFLOW_LOG_DIR", tempfile.mkdtemp(prefix="farmflow-logs
 
 import pytest  # noqa: E402
 
-# The files that take longest (2 to 6 minutes each on 2 cores), first in the collection order, so a serial run starts
-# them first. `make test`'s two xdist workers take one file at a time, the files with the most tests first; among
-# files with as many tests they keep this order.
-LONGEST_FIRST = (
+# `make test` hands whole files to two xdist workers (--dist loadfile) in this order (--no-loadscope-reorder): the
+# long files first, so that none is left running alone at the end. xdist gives a worker its next file while the
+# current one still has two tests to go, so a short file is followed on the same worker by the one after it: the
+# distributed-mode tests (7-9 min on 2 cores) are followed by the SmolLM2 run (4 min) and then the schedule tests
+# (6 min), one after another rather than side by side (each starts servers and many processes of its own), while the
+# other worker takes the next long files (3-4 min each). The remaining files follow, those with the most tests first.
+LONG_FILES_FIRST = (
     "test_orchestration_distributed.py",
-    "test_smol_e2e.py",
-    "test_flow.py",
-    "test_schedule.py",
     "test_cli_output.py",
-    "test_shutdown.py",
+    "test_smol_e2e.py",
+    "test_schedule.py",
+    "test_flow.py",
     "test_s3_store.py",
     "test_launch.py",
-    "test_bench_harness.py",
-    "test_leases.py",
-    "test_rl_distributed.py",
-    "test_cli_server.py",
 )
 
 
 def pytest_collection_modifyitems(items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's tests stay together, in order
+    rank = {name: i for i, name in enumerate(LONG_FILES_FIRST)}
+    count: dict = {}
+    for item in items:
+        count[item.path] = count.get(item.path, 0) + 1
+    # stable: a file's tests stay together, in their order
+    items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), -count[item.path], str(item.path)))
 
 
 @pytest.fixture(scope="session")

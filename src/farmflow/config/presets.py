@@ -177,7 +177,9 @@ SHARED_DATA = "../shared/data"
 data.instructions_path / data.eval_path to point elsewhere)."""
 
 
-def _smol(name: str, sizes: dict, max_seq_len: int, new_tokens: int, batch: int, n: int, rl_batch: int) -> FarmConfig:
+def _smol(
+    name: str, sizes: dict, max_seq_len: int, new_tokens: int, batch: int, n: int, rl_batch: int, ppo_epochs: int = 2
+) -> FarmConfig:
     """A real farm on 2 CPU cores: real Alpaca instructions, SmolLM2-135M-Instruct as the policy and as an in-process
     judge (`annotation.kind: hf`), evaluation against Davinci003's reference outputs. Every method, small batches.
 
@@ -215,7 +217,7 @@ def _smol(name: str, sizes: dict, max_seq_len: int, new_tokens: int, batch: int,
             "reward_conditioning": {"train": train},
             "dpo": {"epochs": 1, "batch_size": batch, "lr": 5e-6},
             "expert_iteration": {"n": n, "max_prompts": sizes["unlabeled_size"], "train": train},
-            "ppo": rl,
+            "ppo": rl | {"ppo_epochs": ppo_epochs},
             "quark": rl | {"num_quantiles": 2},
             "generation": {"temperature": 0.7, "max_new_tokens": new_tokens, "batch_size": 16},
             "evaluation": {"annotator": judge},
@@ -238,15 +240,17 @@ def _smol_cpu() -> FarmConfig:
 
 
 def _smol_micro() -> FarmConfig:
-    """The smol-cpu path at toy sizes, for tests: a few minutes once the model is in the cache."""
+    """The smol-cpu path at toy sizes, for tests: a few minutes once the model is in the cache (PPO: one step of 4
+    rollouts with one pass over them, the stage's whole path at a fraction of its cost)."""
     return _smol(
         "smol-micro",
-        {"sft_size": 8, "pref_size": 8, "unlabeled_size": 8, "val_size": 4, "eval_size": 6},
+        {"sft_size": 8, "pref_size": 8, "unlabeled_size": 4, "val_size": 4, "eval_size": 6},
         max_seq_len=192,
         new_tokens=16,
         batch=8,
         n=2,
-        rl_batch=8,
+        rl_batch=4,
+        ppo_epochs=1,
     )
 
 
