@@ -25,10 +25,15 @@ from farmflow.cli import app
 from farmflow.cli.errors import FAMILIES, FarmflowGroup
 
 CLI = "from farmflow.cli import main; main()"
+# the same, saying on exit whether the run imported torch or transformers (stderr, one line)
+CLI_SAYING_IMPORTS = (
+    "import atexit, sys; atexit.register(lambda: print('imported:', sorted(m for m in ('torch', 'transformers') "
+    "if m in sys.modules), file=sys.stderr)); " + CLI
+)
 STAMP = re.compile(r"^\d\d:\d\d:\d\d\.\d{3} \| ")  # Prefect's console prefix
 
 
-def farmflow(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+def farmflow(*args: str, cwd: Path, timeout: float = 600, code: str = CLI) -> subprocess.CompletedProcess:
     env = python_env(
         PREFECT_HOME=str(migrated_home(cwd / "prefect")),
         PREFECT_LOGGING_LEVEL="INFO",
@@ -37,7 +42,7 @@ def farmflow(*args: str, cwd: Path, timeout: float = 600) -> subprocess.Complete
     env.pop("PREFECT_API_URL", None)
     env.pop("FARMFLOW_DEBUG", None)
     return subprocess.run(
-        [sys.executable, "-c", CLI, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-c", code, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
     )
 
 
@@ -48,7 +53,7 @@ def farm(tmp_path_factory):
     args = ["run", "compare", "--preset", "synthetic-micro", "--method", "best-of-n", "--store", str(root / "store")]
     first = farmflow(*args, cwd=root)
     assert first.returncode == 0, first.stderr[-3000:]
-    cached = farmflow(*args, cwd=root)
+    cached = farmflow(*args, cwd=root, code=CLI_SAYING_IMPORTS)
     assert cached.returncode == 0, cached.stderr[-3000:]
     return root, first, cached
 
@@ -64,6 +69,14 @@ def test_a_cached_run_logs_each_line_once(farm):
     assert sum("evaluate best_of_4" in line for line in lines) == 2  # under p_sim^eval, and [p_sim^ann]'s
     log = Path(re.search(r"; log (\S+\.log)", cached.stdout).group(1))
     assert log.read_text().count("Finished in state Cached") >= 10  # the file keeps every line
+
+
+def test_a_fully_cached_run_loads_no_model_code(farm):
+    """Stage keys come from the registry without importing torch (method versions are read from their source), and
+    a stage imports its model code when it runs: a run whose stages are all cached never imports torch or
+    transformers (seconds of every such run)."""
+    _, _, cached = farm
+    assert "imported: []" in cached.stderr.splitlines(), cached.stderr[-2000:]
 
 
 def test_a_run_in_a_pipe_prints_whole_tables_with_brackets_as_written(farm):

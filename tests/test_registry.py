@@ -93,3 +93,38 @@ def test_a_stage_function_that_fails_commits_nothing(tmp_path):
     with pytest.raises(KeyError, match="mark"):
         shout_task.fn(uri, {"n": 1}, data=data)
     assert open_store(uri).get("shout", SHOUT.key({"n": 1}, {"data": data})) is None
+
+
+def test_versions_read_from_the_source_are_the_modules_own():
+    """The registry reads each method module's VERSION from its source (importing it would import torch): the
+    stage versions are exactly what importing the modules gives."""
+    import importlib
+
+    from farmflow.config import METHODS
+    from farmflow.models.sampling import SAMPLER_VERSION
+    from farmflow.tasks.registry import SAMPLED, declared_version, method_version
+
+    assert SAMPLED == f"+sampler{SAMPLER_VERSION}"
+    for name in ("sft", "reward", "best_of_n", "dpo", "expert_iteration", "ppo", "quark", *METHODS):
+        module = importlib.import_module(f"farmflow.methods.{name}")
+        assert method_version(name) == module.VERSION, name
+        if name in STAGES and name != "reward":
+            assert STAGES[name].version in (module.VERSION, module.VERSION + SAMPLED), name
+    assert STAGES["train_reward"].version == importlib.import_module("farmflow.methods.reward").VERSION
+    with pytest.raises(LookupError, match=r"methods/rl\.py assigns no VERSION"):
+        declared_version("farmflow.methods.rl")
+
+
+def test_importing_the_flows_and_tasks_loads_no_model_code():
+    """torch and transformers are imported by the stages that load a model, when they run (a cached run needs
+    neither; tests/test_cli_output.py runs one)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, farmflow.flows, farmflow.tasks, farmflow.deployments; "
+        "print(sorted(m for m in ('torch', 'transformers', 'accelerate') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"

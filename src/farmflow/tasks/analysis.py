@@ -33,8 +33,6 @@ from farmflow.evaluation.leaderboard import annotator_label, reference_label
 from farmflow.evaluation.overopt import curve_markdown, curve_rows, plot_curves
 from farmflow.evaluation.reward_report import report_markdown, report_rows
 from farmflow.labeling.labels import simulated_labels
-from farmflow.methods.dpo import reference_logps
-from farmflow.models import load_policy, load_reward, score
 from farmflow.progress import progress
 from farmflow.storage import ArtifactRef, canonical_json, open_store, stage_key
 from farmflow.storage.schemas import SCHEMAS
@@ -56,6 +54,8 @@ def proxy_reward_task(
     if chosen_by == reward.key and all(r["score"] is not None for r in rows):
         scores = [r["score"] for r in rows]  # best-of-n already scored them with this reward model
     else:
+        from farmflow.models import load_reward, score
+
         model, tokenizer = load_reward(run.store.model_dir(reward))
         with progress("proxy_reward", len(rows), unit="output") as bar:
             outs, prompts = [r["output"] for r in rows], prompts_of(rows)
@@ -128,6 +128,9 @@ def reward_report_task(
     rows = split_rows(run.store.read_table(preferences), "val")
     if not rows:
         raise ValueError(f"reward_report: preferences {preferences.key} have no val pairs to measure on")
+    from farmflow.methods.dpo import reference_logps
+    from farmflow.models import load_policy, load_reward, score
+
     prompts, out_1, out_2 = prompts_of(rows), [r["output_1"] for r in rows], [r["output_2"] for r in rows]
     model, tokenizer = load_reward(run.store.model_dir(reward))
     with progress("reward_report: score", 2 * len(rows), unit="output") as bar:

@@ -24,9 +24,6 @@ from prefect import Task
 from farmflow.config import METHODS, BestOfNConfig, CheckpointConfig, DPOConfig, Method, SFTConfig
 from farmflow.data import prompts_of, split_rows
 from farmflow.generation import scored_candidates_vllm
-from farmflow.methods import best_of_n as bon
-from farmflow.methods import dpo, expert_iteration
-from farmflow.models import load_policy, load_reward, score
 from farmflow.progress import progress
 from farmflow.storage import ArtifactRef
 from farmflow.storage.schemas import SCHEMAS
@@ -77,9 +74,12 @@ def best_of_n_task(
             run.store.model_dir(policy), run.store.model_dir(reward), prompts_of(rows), **args
         )
     else:
+        from farmflow.methods.best_of_n import scored_candidates
+        from farmflow.models import load_policy, load_reward
+
         model, tokenizer = load_policy(run.store.model_dir(policy))
         reward_model, reward_tokenizer = load_reward(run.store.model_dir(reward))
-        candidates, rewards = bon.scored_candidates(
+        candidates, rewards = scored_candidates(
             model, tokenizer, reward_model, reward_tokenizer, prompts_of(rows), **args
         )
     every = [{"id": r["id"], "sample": j, "output": o} for r, c in zip(rows, candidates) for j, o in enumerate(c)]
@@ -106,8 +106,10 @@ def read_candidates(run: StageRun, best_of_n: ArtifactRef) -> tuple[list[dict], 
 def scored_outputs(rows: list[dict], every: list[dict], big: int, n: int, rewards: list[float] | None = None) -> Table:
     """Best-of-n among each row's first n of `big` candidates; with all of them (n = big) the candidates are kept, with
     `rewards` when given (new scores), else their own."""
+    from farmflow.methods.best_of_n import pick_best
+
     rewards = [c["reward"] for c in every] if rewards is None else rewards
-    outs, scores = bon.pick_best(
+    outs, scores = pick_best(
         [[c["output"] for c in every[i * big : (i + 1) * big]] for i in range(len(rows))], rewards, n=n
     )
     extra = (
@@ -161,6 +163,8 @@ def best_of_n_rescore_task(
     the SFT model and the sampling settings). Keeps the candidates with the new rewards, so
     `best_of_n_prefix` works on it. config: {}. `batch_size` is an option (memory only).
     """
+    from farmflow.models import load_reward, score
+
     rows, every, big = read_candidates(run, best_of_n)
     model, tokenizer = load_reward(run.store.model_dir(reward))
     prompts = prompts_of(rows)
@@ -179,8 +183,9 @@ def best_of_n_rescore_task(
 # --------------------------------------------------------------------- from preferences
 def trained_on_pairs_task(method: Method) -> Task:
     """The stage task of a method `METHODS` wires alone (`Method.train`): its ``train`` function fine-tunes the SFT
-    model on the PREF pairs, ``train(model, tokenizer, pairs, config, max_len, checkpointer) -> metrics``."""
-    train = getattr(importlib.import_module(f"farmflow.methods.{method.name}"), method.train)
+    model on the PREF pairs, ``train(model, tokenizer, pairs, config, max_len, checkpointer) -> metrics``; the method
+    module (and torch) is imported when the stage runs."""
+    train_name = f"farmflow.methods.{method.name}.{method.train}"
 
     def stage(
         run: StageRun,
@@ -189,6 +194,9 @@ def trained_on_pairs_task(method: Method) -> Task:
         sft: ArtifactRef,
         checkpoints: CheckpointConfig | None = None,
     ) -> Model:
+        from farmflow.models import load_policy
+
+        train = getattr(importlib.import_module(f"farmflow.methods.{method.name}"), method.train)
         model, tokenizer = load_policy(run.store.model_dir(sft))
         metrics = train(
             model,
@@ -201,7 +209,7 @@ def trained_on_pairs_task(method: Method) -> Task:
         return Model(model, tokenizer, metrics)
 
     stage.__name__ = stage.__qualname__ = f"{method.name}_task"
-    stage.__doc__ = f"{method.title}: fine-tune the SFT model on the PREF pairs ({train.__module__}.{train.__name__})."
+    stage.__doc__ = f"{method.title}: fine-tune the SFT model on the PREF pairs ({train_name})."
     stage.__annotations__["config"] = method.section  # a GPU worker validates the JSON config into it
     return stage_task(STAGES[method.name])(stage)
 
@@ -221,9 +229,12 @@ def reference_logps_task(
     config: {} (the output depends only on the inputs). `batch_size` (pairs per forward
     pass) is an option: memory only, not part of the key.
     """
+    from farmflow.methods.dpo import reference_logps
+    from farmflow.models import load_policy
+
     rows = train_pairs(run, preferences)
     model, tokenizer = load_policy(run.store.model_dir(sft))
-    l1, l2 = dpo.reference_logps(
+    l1, l2 = reference_logps(
         model,
         tokenizer,
         prompts_of(rows),
@@ -245,6 +256,9 @@ def dpo_task(
     checkpoints: CheckpointConfig | None = None,
 ) -> Model:
     """DPO from the SFT model on the PREF pairs, against the stored reference log-probs."""
+    from farmflow.methods.dpo import train_dpo
+    from farmflow.models import load_policy
+
     rows = train_pairs(run, preferences)
     ref = {r["id"]: r for r in run.store.read_table(reference).to_pylist()}
     missing = [r["id"] for r in rows if r["id"] not in ref]
@@ -253,7 +267,7 @@ def dpo_task(
             f"dpo: reference log-probs {reference.key[:12]} lack {len(missing)} pair(s), e.g. {missing[0]!r}"
         )
     model, tokenizer = load_policy(run.store.model_dir(sft))
-    metrics = dpo.train_dpo(
+    metrics = train_dpo(
         model,
         tokenizer,
         prompts_of(rows),
@@ -278,9 +292,12 @@ def expert_iteration_task(
     checkpoints: CheckpointConfig | None = None,
 ) -> Model:
     """Fine-tune from the SFT initialization on best-of-n selections (an ``outputs`` table of the unlabeled split)."""
+    from farmflow.methods.expert_iteration import train_expert_iteration
+    from farmflow.models import load_policy
+
     rows = run.store.read_table(selections).to_pylist()
     model, tokenizer = load_policy(run.store.model_dir(sft))
-    metrics = expert_iteration.train_expert_iteration(
+    metrics = train_expert_iteration(
         model,
         tokenizer,
         prompts_of(rows),

@@ -25,18 +25,6 @@ from farmflow.data import alpaca, build_synthetic_farm, prompts_of, split_digest
 from farmflow.evaluation import evaluate_outputs
 from farmflow.evaluation.reward_report import report_rows
 from farmflow.generation import sample_texts
-from farmflow.methods import reward as rm
-from farmflow.methods import reward_conditioning as rc
-from farmflow.methods import sft
-from farmflow.models import (
-    build_policy,
-    load_policy,
-    load_pretrained,
-    load_tokenizer,
-    reward_from_policy,
-    score,
-    train_tokenizer,
-)
 from farmflow.progress import progress
 from farmflow.storage import ArtifactRef
 from farmflow.storage.schemas import SCHEMAS
@@ -60,6 +48,8 @@ def data_task(run: StageRun, config: DataConfig) -> Table:
 def base_model_task(run: StageRun, config: ModelConfig, data: ArtifactRef) -> Model:
     """A pretrained causal LM (model.pretrained), or a tokenizer trained on the SFT split's text (instructions and
     demonstrations: what the model learns first; never the evaluation set's) and a random tiny Llama."""
+    from farmflow.models import build_policy, load_pretrained, train_tokenizer
+
     if config.pretrained:
         model, tokenizer = load_pretrained(config)
     else:
@@ -74,9 +64,12 @@ def sft_task(
     run: StageRun, config: SFTConfig, data: ArtifactRef, base: ArtifactRef, checkpoints: CheckpointConfig | None = None
 ) -> Model:
     """Supervised fine-tuning of the base model on the SFT split's demonstrations (resumable)."""
+    from farmflow.methods.sft import train_sft
+    from farmflow.models import load_policy
+
     rows = split_rows(run.store.read_table(data), "sft")
     model, tokenizer = load_policy(run.store.model_dir(base))
-    metrics = sft.train_sft(
+    metrics = train_sft(
         model,
         tokenizer,
         prompts_of(rows),
@@ -142,12 +135,15 @@ def train_reward_task(
     checkpoints: CheckpointConfig | None = None,
 ) -> Model:
     """Bradley–Terry reward model from the SFT model, trained on PREF, measured on val (resumable)."""
+    from farmflow.methods.reward import train_reward
+    from farmflow.models import load_tokenizer, reward_from_policy, score
+
     table = run.store.read_table(preferences)
     train, held = split_rows(table, "pref"), split_rows(table, "val")
     model = reward_from_policy(run.store.model_dir(sft), seed=config.seed)
     tokenizer = load_tokenizer(run.store.model_dir(sft))
     col = lambda rows, k: [r[k] for r in rows]  # noqa: E731
-    metrics = rm.train_reward(
+    metrics = train_reward(
         model,
         tokenizer,
         prompts_of(train),
@@ -207,9 +203,11 @@ def generate_task(run: StageRun, config: dict, data: ArtifactRef, policy: Artifa
     `control` is a control token appended to every prompt (reward conditioning's good token).
     `sample.backend` picks the sampler (`farmflow.generation`); it is not part of the key.
     """
+    from farmflow.methods.reward_conditioning import conditioned_prompts
+
     cfg = config["sample"]
     rows = split_rows(run.store.read_table(data), "eval")
-    prompts = rc.conditioned_prompts(prompts_of(rows), config.get("control", ""))
+    prompts = conditioned_prompts(prompts_of(rows), config.get("control", ""))
     with progress(f"generate {config['generator']}", len(rows), unit="prompt") as bar:
         outs = sample_texts(
             cfg.backend,

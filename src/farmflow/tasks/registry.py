@@ -7,22 +7,42 @@ stage's work with ``@stage_task(STAGES["sft"])`` (`farmflow.tasks.stage`), and `
 resulting Prefect tasks by name. Nothing is registered by importing a module.
 
 A stage key is ``stage_key(name, version, key_config(config), keyed_inputs)``: bump a stage's version whenever its code
-changes what it produces (most versions live in the method module, e.g. `farmflow.methods.dpo.VERSION`).
+changes what it produces (most versions live in the method module, e.g. `farmflow.methods.dpo.VERSION`). Those are
+read from the modules' source (`declared_version`), not imported: a method module imports torch, and a run whose
+stages are all cached computes every stage's key and loads no model, so it need not pay torch's import (seconds).
 """
 
 from __future__ import annotations
 
-import importlib
+import ast
+import functools
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Literal
 
+import farmflow
 from farmflow.config import METHODS, Method, SampleConfig
 from farmflow.data import synthetic
 from farmflow.evaluation import VERSION as EVAL_VERSION
-from farmflow.methods import best_of_n, dpo, expert_iteration, ppo, quark, reward, sft
-from farmflow.models import SAMPLER_VERSION
 from farmflow.storage import ArtifactRef, part_key, stage_key
 from farmflow.tasks.keys import config_get, key_config
+
+
+@functools.cache
+def declared_version(module: str, name: str = "VERSION") -> str:
+    """The string constant `name` that `module` (a farmflow module, e.g. ``farmflow.methods.dpo``) assigns at its top
+    level, read from its source without importing it or its package."""
+    source = Path(farmflow.__file__).parent.joinpath(*module.split(".")[1:]).with_suffix(".py")
+    for node in ast.parse(source.read_text(), str(source)).body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise LookupError(f"{source} assigns no {name} at its top level")
+
+
+def method_version(method: str) -> str:
+    """A method module's ``VERSION`` (`farmflow.methods.<method>`)."""
+    return declared_version(f"farmflow.methods.{method}")
+
 
 Reads = Callable[[Any], dict[str, "tuple[str, ...] | None"]]
 
@@ -83,7 +103,7 @@ SNAPSHOT_STAGE = "ppo_snapshot"
 
 
 def snapshot_key(ppo_key: str, step: int) -> str:
-    return stage_key(SNAPSHOT_STAGE, ppo.VERSION, {"step": step}, {"ppo": ppo_key})
+    return stage_key(SNAPSHOT_STAGE, method_version("ppo"), {"step": step}, {"ppo": ppo_key})
 
 
 def snapshots_complete(store: Any, ref: ArtifactRef, config: Any) -> bool:
@@ -109,7 +129,8 @@ def _annotate_summary(m: dict[str, float]) -> str:
     return line
 
 
-SAMPLED = f"+sampler{SAMPLER_VERSION}"  # stages that sample: their outputs change with the sampler's random streams
+# stages that sample: their outputs change with the sampler's random streams
+SAMPLED = "+sampler" + declared_version("farmflow.models.sampling", "SAMPLER_VERSION")
 LOSS = "loss {train_loss_first:.3f} -> {train_loss_last:.3f}"
 RL = "{steps:.0f} steps, reward {reward_first:.3f} -> {reward_last:.3f}, KL {kl_first:.2f} -> {kl_last:.2f}"
 UNLABELED = {"data": ("unlabeled",)}
@@ -118,10 +139,9 @@ UNLABELED = {"data": ("unlabeled",)}
 def trained_on_pairs(method: Method) -> Stage:
     """The stage of a method the `METHODS` table wires alone (`Method.train`): SFT model + preferences → policy, its
     version the method module's ``VERSION``."""
-    module = importlib.import_module(f"farmflow.methods.{method.name}")
     return Stage(
         method.name,
-        module.VERSION,
+        method_version(method.name),
         ("preferences", "sft"),
         gpu=method.gpu,
         processes="all",
@@ -143,7 +163,7 @@ STAGES: dict[str, Stage] = {
         ),
         Stage(
             "sft",
-            sft.VERSION,
+            method_version("sft"),
             ("data", "base"),
             reads=lambda c: {"data": ("sft",)},
             gpu=True,
@@ -168,7 +188,7 @@ STAGES: dict[str, Stage] = {
         Stage("subsample_preferences", "1", ("preferences",), summary="{pref_pairs:.0f} PREF pairs"),
         Stage(
             "train_reward",
-            reward.VERSION,
+            method_version("reward"),
             ("preferences", "sft"),
             gpu=True,
             processes="all",
@@ -201,7 +221,7 @@ STAGES: dict[str, Stage] = {
         *(trained_on_pairs(m) for m in METHODS.values() if m.train),
         Stage(
             "best_of_n",
-            best_of_n.VERSION + SAMPLED,
+            method_version("best_of_n") + SAMPLED,
             ("data", "policy", "reward"),
             reads=lambda c: {"data": (config_get(c, "split", "eval"),)},
             gpu=True,
@@ -209,10 +229,10 @@ STAGES: dict[str, Stage] = {
         ),
         Stage("best_of_n_prefix", "1", ("best_of_n", "reward"), summary="mean reward {mean_reward:.3f}"),
         Stage("best_of_n_rescore", "1", ("best_of_n", "reward"), gpu=True, summary="mean reward {mean_reward:.3f}"),
-        Stage("reference_logps", dpo.VERSION, ("preferences", "sft"), gpu=True),
+        Stage("reference_logps", method_version("dpo"), ("preferences", "sft"), gpu=True),
         Stage(
             "dpo",
-            dpo.VERSION,
+            method_version("dpo"),
             ("preferences", "sft", "reference"),
             gpu=True,
             processes="all",
@@ -221,7 +241,7 @@ STAGES: dict[str, Stage] = {
         ),
         Stage(
             "expert_iteration",
-            expert_iteration.VERSION,
+            method_version("expert_iteration"),
             ("sft", "selections"),
             gpu=True,
             processes="all",
@@ -229,7 +249,7 @@ STAGES: dict[str, Stage] = {
         ),
         Stage(
             "ppo",
-            ppo.VERSION + SAMPLED,
+            method_version("ppo") + SAMPLED,
             ("data", "sft", "reward"),
             reads=lambda c: UNLABELED,
             complete=snapshots_complete,
@@ -239,7 +259,7 @@ STAGES: dict[str, Stage] = {
         ),
         Stage(
             "quark",
-            quark.VERSION + SAMPLED,
+            method_version("quark") + SAMPLED,
             ("data", "sft", "reward"),
             reads=lambda c: UNLABELED,
             gpu=True,

@@ -15,15 +15,16 @@ of the stage key: it only says how often the loop saves a resumable state.
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 from farmflow.config import CheckpointConfig, PPOConfig, QuarkConfig
 from farmflow.data import prompts_of, split_rows
-from farmflow.methods import ppo, quark
-from farmflow.methods.rl import RewardFn, reward_model_fn
-from farmflow.models import load_policy, load_reward, save, value_from_reward
 from farmflow.storage import ArtifactRef, open_store
 from farmflow.tasks.registry import SNAPSHOT_STAGE, STAGES, snapshot_key, snapshots_complete  # noqa: F401 (re-exported)
 from farmflow.tasks.stage import Model, StageRun, stage_task
+
+if TYPE_CHECKING:
+    from farmflow.methods.rl import RewardFn
 
 HISTORY_FILE = "history.json"
 
@@ -39,6 +40,9 @@ def unlabeled_prompts(run: StageRun, data: ArtifactRef) -> list[str]:
 
 
 def reward_fn(run: StageRun, reward: ArtifactRef) -> RewardFn:
+    from farmflow.methods.rl import reward_model_fn
+    from farmflow.models import load_reward
+
     reward_model, reward_tokenizer = load_reward(run.store.model_dir(reward))
     return reward_model_fn(reward_model.requires_grad_(False), reward_tokenizer)
 
@@ -70,6 +74,9 @@ def ppo_task(
     checkpoints: CheckpointConfig | None = None,
 ) -> Model:
     """PPO from the SFT policy against the reward model, on the unlabeled split's prompts."""
+    from farmflow.methods.ppo import train_ppo
+    from farmflow.models import load_policy, save, value_from_reward
+
     prompts = unlabeled_prompts(run, data)
     policy, tokenizer = load_policy(run.store.model_dir(sft))
     ref_policy, _ = load_policy(run.store.model_dir(sft))
@@ -85,7 +92,7 @@ def ppo_task(
                 save(model, tokenizer, folder)
                 m["step"] = float(step)
 
-    summary, history = ppo.train_ppo(
+    summary, history = train_ppo(
         policy,
         ref_policy,
         value_model,
@@ -109,10 +116,13 @@ def quark_task(
     checkpoints: CheckpointConfig | None = None,
 ) -> Model:
     """Quark (top-quantile variant) from the SFT policy with the reward model, on the unlabeled split's prompts."""
+    from farmflow.methods.quark import train_quark
+    from farmflow.models import load_policy
+
     prompts = unlabeled_prompts(run, data)
     policy, tokenizer = load_policy(run.store.model_dir(sft))
     ref_policy, _ = load_policy(run.store.model_dir(sft))
-    summary, history = quark.train_quark(
+    summary, history = train_quark(
         policy, ref_policy, reward_fn(run, reward), tokenizer, prompts, config, run.checkpointer(checkpoints)
     )
     return Model(policy, tokenizer, summary, extra_files={HISTORY_FILE: json.dumps(history, indent=1)})

@@ -32,18 +32,20 @@ from collections import Counter, defaultdict
 from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import pyarrow as pa
 from prefect import task
 
 import farmflow.tasks.launch as launch
 from farmflow import curves, training_metrics
-from farmflow.models.checkpoint import Checkpointer
 from farmflow.progress import log
 from farmflow.storage import ArtifactRef, open_store
 from farmflow.storage.leases import Leases, single_flight
 from farmflow.tasks.registry import Stage
+
+if TYPE_CHECKING:
+    from farmflow.models.checkpoint import Checkpointer
 
 EXECUTED: Counter[str] = Counter()
 """Per stage, how often its computation actually ran in this process (tests count these)."""
@@ -102,6 +104,8 @@ class StageRun:
 
     def checkpointer(self, checkpoints: Any = None) -> Checkpointer:
         """The store-backed `Checkpointer` of this run (`checkpoints`: a CheckpointConfig, or None = off)."""
+        from farmflow.models.checkpoint import Checkpointer  # torch: imported by the stages that train
+
         if checkpoints is None:
             self.ckpt = Checkpointer(None, self.stage, self.key)
         else:
