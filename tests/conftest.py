@@ -16,9 +16,10 @@ import pytest  # noqa: E402
 # `make test` hands whole files to two xdist workers (--dist loadfile) in this order (--no-loadscope-reorder): the
 # long files first, so that none is left running alone at the end. xdist gives a worker its next file while the
 # current one still has two tests to go, so a short file is followed on the same worker by the one after it: the
-# distributed-mode tests (7-9 min on 2 cores) are followed by the SmolLM2 run (4 min) and then the schedule tests
-# (6 min), one after another rather than side by side (each starts servers and many processes of its own), while the
-# other worker takes the next long files (3-4 min each). The remaining files follow, those with the most tests first.
+# distributed-mode tests (5-13 min on 2 cores, most of it waiting on heartbeats and flow-run processes) are followed
+# by the SmolLM2 run (4-6 min) and then the schedule tests (4-6 min), one after another rather than side by side (each
+# starts servers and many processes of its own), while the other worker takes the next long files (2-4 min each).
+# The remaining files follow, those with the most tests first.
 LONG_FILES_FIRST = (
     "test_orchestration_distributed.py",
     "test_cli_output.py",
