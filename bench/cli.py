@@ -8,7 +8,7 @@ stage a cache hit (one un-timed run fills the store first); each run is a subpro
 * temporary: no PREFECT_API_URL, the default: each run starts Prefect's temporary server and stops it at exit
   (its database already created by the filling run).
 * imports: `python -c` importing what a cached run imports (`IMPORTS`: the flows, and the leaderboard's libraries,
-  `farmflow.cli.runs.WHILE_THE_API_STARTS`; no torch: stages import model code when they run), the part of a run no
+  `farmflow.evaluation.LEADERBOARD_LIBRARIES`; no torch: stages import model code when they run), the part of a run no
   server saves; server − imports is what a run costs beyond its imports (goal: at most 3 s).
 
 Runs are interleaved by `bench.harness.interleave` (server, temporary, imports, then reversed; --rounds rounds
@@ -66,8 +66,8 @@ def farmflow_run(store: Path, env: dict, cached: bool = True) -> tuple[float, fl
     return wall, summary["wall_seconds"]
 
 
-IMPORTS = "import farmflow.flows; from importlib import import_module as i; from farmflow.cli.runs import " + (
-    "WHILE_THE_API_STARTS as m; [i(n) for n in m]"
+IMPORTS = (
+    "import farmflow.flows; from farmflow.evaluation import LEADERBOARD_LIBRARIES as m; [__import__(x) for x in m]"
 )
 
 

@@ -55,17 +55,13 @@ def methods_of(methods: list[str]) -> Optional[list[str]]:
     return chosen or None
 
 
-WHILE_THE_API_STARTS = ("sklearn.linear_model", "sklearn.model_selection", "matplotlib.pyplot")
-"""What every run's leaderboard imports (the length-controlled win rate's GLM, the plots), imported while the
-temporary API starts: there it costs no wall time."""
-
-
 def start_temporary_api() -> Callable[[], Any]:
     """Start the temporary Prefect API that a flow run without PREFECT_API_URL starts, in a
     background thread, so its start (a server process, ~8 s) overlaps the imports of the flows
-    and of what the leaderboard uses (`WHILE_THE_API_STARTS`). Returns a function that waits
-    until it is up; it does nothing when an API URL is set or temporary servers are off. If the
-    start fails here, the flow run starts the server itself and reports the error."""
+    and of what the leaderboard uses (`farmflow.evaluation.LEADERBOARD_LIBRARIES`). Returns a
+    function that waits until it is up; it does nothing when an API URL is set or temporary
+    servers are off. If the start fails here, the flow run starts the server itself and reports
+    the error."""
     import importlib
     import threading
 
@@ -88,7 +84,9 @@ def start_temporary_api() -> Callable[[], Any]:
     thread.start()
 
     def ready() -> None:
-        for module in WHILE_THE_API_STARTS:
+        from farmflow.evaluation import LEADERBOARD_LIBRARIES
+
+        for module in LEADERBOARD_LIBRARIES:
             importlib.import_module(module)
         thread.join()
 

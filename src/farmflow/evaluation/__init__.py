@@ -33,6 +33,10 @@ from farmflow.storage.schemas import SCHEMAS
 # 3: LC win rate in the metrics; 4: gold_standard_error; 5: LC without the run's own labels; 6: AlpacaEval 2's GLM
 VERSION = "6"
 
+LEADERBOARD_LIBRARIES = ("sklearn.linear_model", "sklearn.model_selection", "matplotlib.pyplot")
+"""What building a leaderboard imports when it runs (the length-controlled win rate's GLM, `glm_lc`; the plots), which
+every run does: the CLI imports them while Prefect's temporary API starts, where they cost no wall time."""
+
 
 def evaluate_outputs(
     outputs: Sequence[dict],
@@ -98,6 +102,7 @@ def evaluate_outputs(
 
 
 __all__ = [
+    "LEADERBOARD_LIBRARIES",
     "VERSION",
     "alpaca_eval_winrate",
     "annotator_label",
