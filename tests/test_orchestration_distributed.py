@@ -194,9 +194,10 @@ def test_a_vanished_gpu_worker_is_marked_crashed_and_its_stage_retried(tmp_path)
     """A GPU machine that vanishes does not leave its flow run Running and the flow waiting forever.
 
     `farmflow deploy` registers Prefect's zombie-run automation (heartbeats, a proactive
-    trigger): the GPU worker and its flow-run process are SIGKILLed mid-SFT, the run is marked
-    Crashed about `unresponsive_after_s` after its last heartbeat, and `run_remote` (the flow's
-    side) retries the stage on a new worker.
+    trigger): the GPU worker and its flow-run process are SIGKILLed mid-SFT, once it has sent a
+    heartbeat and written a checkpoint to the store; the run is marked Crashed about
+    `unresponsive_after_s` after its last heartbeat, and `run_remote` (the flow's side) retries the
+    stage on a new worker, which resumes SFT from that checkpoint.
     """
     import contextvars
     import threading
@@ -209,8 +210,10 @@ def test_a_vanished_gpu_worker_is_marked_crashed_and_its_stage_retried(tmp_path)
 
     from farmflow.cli import app
     from farmflow.config import load_config
+    from farmflow.config.execution import CheckpointConfig
     from farmflow.deployments import UNRESPONSIVE, ensure_unresponsive_automation
     from farmflow.flows.distributed import run_remote
+    from farmflow.flows.remote import stage_key_of
 
     store, pool = str(tmp_path / "store"), "it-gpu-vanish"
     overrides = [
@@ -221,7 +224,7 @@ def test_a_vanished_gpu_worker_is_marked_crashed_and_its_stage_retried(tmp_path)
         "execution.unresponsive_after_s=45",
         "execution.retries=1",
         "execution.retry_delay_s=1",
-        "sft.epochs=150",
+        "sft.epochs=75",  # 600 steps, a few seconds each way on a quiet machine
     ]
     api_url = get_current_settings().api.url
     deployed = CliRunner().invoke(
@@ -237,8 +240,12 @@ def test_a_vanished_gpu_worker_is_marked_crashed_and_its_stage_retried(tmp_path)
     )
     result: list = []
 
+    checkpoints = CheckpointConfig(every_steps=25, every_seconds=0)
+    key = stage_key_of("sft", cfg.sft, {"data": data, "base": base})
+
     def wait_for_sft():
-        result.append(run_remote(runner, tasks.sft_task, cfg.sft, "sft", {"data": data, "base": base}))
+        inputs = {"data": data, "base": base, "checkpoints": checkpoints}
+        result.append(run_remote(runner, tasks.sft_task, cfg.sft, "sft", inputs))
 
     parent = threading.Thread(
         target=contextvars.copy_context().run, args=(wait_for_sft,), daemon=True
@@ -260,13 +267,18 @@ def test_a_vanished_gpu_worker_is_marked_crashed_and_its_stage_retried(tmp_path)
             runs = lambda: [r for r in all_runs() if r.id not in earlier]  # noqa: E731
             parent.start()
             deadline = time.monotonic() + 180
-            # kill once the server has the run's first heartbeat (events are persisted every few seconds; SFT takes
-            # ~15 s here)
-            while not any(r.state and r.state.is_running() and _heartbeat_seen(api_url, r.id) for r in runs()):
+            # kill once the server has the run's first heartbeat (events are persisted every few seconds) and SFT has
+            # checkpointed 50 of its 600 steps
+            checkpointed = lambda: LocalStore(store).latest_checkpoint("sft", key)  # noqa: E731
+            while not (
+                (ckpt := checkpointed()) is not None
+                and ckpt[0] >= 50
+                and any(r.state and r.state.is_running() and _heartbeat_seen(api_url, r.id) for r in runs())
+            ):
                 assert time.monotonic() < deadline and not any(r.state and r.state.is_final() for r in runs()), logs[
                     0
                 ].read_text()[-3000:]
-                time.sleep(0.5)
+                time.sleep(0.2)
             gone = psutil.Process(
                 first_worker.pid
             )  # the flow-run process has its own session: not in the worker's group
@@ -277,6 +289,7 @@ def test_a_vanished_gpu_worker_is_marked_crashed_and_its_stage_retried(tmp_path)
                 proc.kill()
             first_worker.wait(timeout=10)
             killed_at = time.monotonic()
+            saved = checkpointed()[0]  # the newest checkpoint the vanished machine left
             (vanished,) = runs()
             while not client.read_flow_run(vanished.id).state.is_crashed():
                 assert client.read_flow_run(vanished.id).state.is_running()  # nothing else happens to it meanwhile
@@ -289,7 +302,8 @@ def test_a_vanished_gpu_worker_is_marked_crashed_and_its_stage_retried(tmp_path)
             states = sorted(r.state.name for r in runs())
         assert states == ["Completed", "Crashed"]
         ref, cached = result[0]
-        assert not cached and ref.stage == "sft" and LocalStore(store).exists(ref) and ref.metrics["steps"] == 1200
+        assert not cached and ref.stage == "sft" and LocalStore(store).exists(ref) and ref.metrics["steps"] == 600
+        assert ref.metrics["resumed_from_step"] == saved  # not from scratch: from the vanished machine's checkpoint
     finally:
         ensure_unresponsive_automation(None)  # the module's server is shared: no 45 s automation left for other tests
         for w in (first_worker, second_worker):

@@ -27,13 +27,13 @@ from farmflow.config.model import ModelConfig
 def _synthetic_tiny() -> FarmConfig:
     """The demo: meaningful results in minutes on 2 CPU cores.
 
-    Training sizes keep AlpacaFarm's split proportions at 4/10 of the paper's. The evaluation set has 1,650
-    instructions, what the validation study measured a paired difference between two methods needs to resolve 2
-    points (400 resolve about 4; docs/results.md, validation study); only the evaluation stages read it, so its size
-    leaves every trained model's key alone. The ~0.6M-parameter model trains from scratch, hence many SFT epochs (16)
-    and large learning rates. Best-of-n uses n=4 at temperature 0.7 instead of the paper's n=1024 at 1.0: a reward
-    model this small cannot make up for the noisier temperature-1.0 samples, and larger n over-optimizes it
-    (docs/results.md, section "Over-optimization").
+    Training sizes keep AlpacaFarm's split proportions at 4/10 of the paper's. The evaluation set has 1,860
+    instructions, what the validation study estimated a paired difference between two methods needs to resolve 2
+    points under p_sim^eval (400 resolve about 4; docs/results.md, validation study); only the evaluation stages
+    read it, so its size leaves every trained model's key alone. The ~0.6M-parameter model trains from scratch, hence
+    many SFT epochs (16) and large learning rates. Best-of-n uses n=4 at temperature 0.7 instead of the paper's n=1024
+    at 1.0: a reward model this small cannot make up for the noisier temperature-1.0 samples, and larger n
+    over-optimizes it (docs/results.md, section "Over-optimization").
 
     FeedME, reward conditioning, DPO and expert iteration fine-tune a converged SFT model,
     so their learning rates are 10-30x below SFT's (the measurements behind each setting:
@@ -50,7 +50,7 @@ def _synthetic_tiny() -> FarmConfig:
     return FarmConfig(
         name="synthetic-tiny",
         data=DataConfig(
-            sft_size=4000, pref_size=4000, unlabeled_size=8000, val_size=800, eval_size=1650, reference_error_rate=0.9
+            sft_size=4000, pref_size=4000, unlabeled_size=8000, val_size=800, eval_size=1860, reference_error_rate=0.9
         ),
         model=ModelConfig(hidden_size=128, num_layers=2, num_heads=4, intermediate_size=384, vocab_size=1024),
         sft=SFTConfig(epochs=16, batch_size=32, lr=3e-3),
