@@ -185,7 +185,7 @@ def trained_on_pairs_task(method: Method) -> Task:
     """The stage task of a method `METHODS` wires alone (`Method.train`): its ``train`` function fine-tunes the SFT
     model on the PREF pairs, ``train(model, tokenizer, pairs, config, max_len, checkpointer) -> metrics``; the method
     module (and torch) is imported when the stage runs."""
-    train_name = f"farmflow.methods.{method.name}.{method.train}"
+    module = f"farmflow.methods.{method.name}"
 
     def stage(
         run: StageRun,
@@ -196,7 +196,7 @@ def trained_on_pairs_task(method: Method) -> Task:
     ) -> Model:
         from farmflow.models import load_policy
 
-        train = getattr(importlib.import_module(f"farmflow.methods.{method.name}"), method.train)
+        train = getattr(importlib.import_module(module), method.train)
         model, tokenizer = load_policy(run.store.model_dir(sft))
         metrics = train(
             model,
@@ -209,7 +209,7 @@ def trained_on_pairs_task(method: Method) -> Task:
         return Model(model, tokenizer, metrics)
 
     stage.__name__ = stage.__qualname__ = f"{method.name}_task"
-    stage.__doc__ = f"{method.title}: fine-tune the SFT model on the PREF pairs ({train_name})."
+    stage.__doc__ = f"{method.title}: fine-tune the SFT model on the PREF pairs ({module}.{method.train})."
     stage.__annotations__["config"] = method.section  # a GPU worker validates the JSON config into it
     return stage_task(STAGES[method.name])(stage)
 
