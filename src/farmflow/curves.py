@@ -26,6 +26,13 @@ FIRST = ["loss", "reward", "kl", "accuracy", "margin", "value_loss", "policy_los
 """Figures drawn first (in this order) when a stage has them; the others follow by name."""
 SKIP = {"step", "epoch", "split", "tokens", "wall_s"}
 """Columns that are axes or counters, not curves."""
+PANEL_IN = (4.2, 2.8)
+"""Width and height of one panel's share of the figure, in inches."""
+MARGIN_IN = (0.75, 0.15, 0.45, 0.3)
+"""Figure margins in inches (left, right, bottom, top): room for tick labels such as 0.00010, the step label, and a
+title or a scale factor (1e-5) above the top panels."""
+TICKS = 5
+"""Most intervals between ticks on an axis."""
 
 
 def panels(tables: Sequence[tuple[str, pa.Table]], only: Sequence[str] | None = None, limit: int = 16) -> list[str]:
@@ -48,6 +55,10 @@ def plot(
     """Draw the curves of `tables` ((label, metrics table) pairs) against the step; write them to `path` if given.
 
     Returns the PNG's bytes. Validation rows (``split='val'``) are drawn as points.
+
+    Margins are fixed in inches, titles placed explicitly and axes get about five ticks: matplotlib's automatic layout
+    and title placement measure every tick label again before the figure is drawn (most of a picture's cost), and every
+    training stage run in a flow draws one.
     """
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
@@ -57,7 +68,17 @@ def plot(
         raise ValueError("no training figure to draw: the tables have no metric values")
     cols = min(3, len(names))
     rows = math.ceil(len(names) / cols)
-    fig = Figure(figsize=(4.2 * cols, 2.8 * rows), dpi=dpi, layout="constrained")
+    width, height = PANEL_IN[0] * cols, PANEL_IN[1] * rows
+    fig = Figure(figsize=(width, height), dpi=dpi)
+    left, right, bottom, top = MARGIN_IN
+    fig.subplots_adjust(  # space between panels: a fraction of a panel's mean width and height
+        left=left / width,
+        right=1 - right / width,
+        bottom=bottom / height,
+        top=1 - top / height,
+        wspace=0.35,
+        hspace=0.5,
+    )
     axes = fig.subplots(rows, cols, squeeze=False).ravel()
     for ax, name in zip(axes, names):
         for label, t in tables:
@@ -68,11 +89,12 @@ def plot(
                 pts = [(r["step"], r[name]) for r in data if r["split"] == split and r[name] is not None]
                 if pts:
                     ax.plot(*zip(*pts), style, label=label if split == "train" else f"{label} (val)", markersize=4)
-        ax.set_title(name, fontsize=10)
+        ax.set_title(name, fontsize=10, y=1.0)  # an explicit y: no search for a place above the tick labels
         ax.set_xlabel("step", fontsize=8)
         ax.tick_params(labelsize=7)
         ax.grid(alpha=0.3)
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.xaxis.set_major_locator(MaxNLocator(nbins=TICKS, integer=True))
+        ax.yaxis.set_major_locator(MaxNLocator(nbins=TICKS))
         if len(tables) > 1 and ax.lines:
             ax.legend(fontsize=6)
     for ax in axes[len(names) :]:
