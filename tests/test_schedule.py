@@ -18,29 +18,43 @@ pytestmark = pytest.mark.slow
 
 POOL = "sched-cpu"
 CRASH = re.compile(r"Traceback|InvalidRequestError|Can't evaluate bulk DML|Unexpected error in", re.IGNORECASE)
-HEARTBEAT = "Worker channel heartbeat persistence failed"
+BEST_EFFORT = ("Worker channel heartbeat persistence failed", "mark_work_queues_ready(")
+"""Log lines of Prefect's best-effort background writes for polling workers (the worker's heartbeat; the work queue's
+last-polled time, a docket task), each followed by its traceback when it loses SQLite's lock; the next poll writes
+them again."""
 API_FAILED = re.compile(r"Encountered exception in request|Exception in ASGI application")
 
 
 def server_lines(log, since: int = 0) -> list[str]:
     """The server log's lines from byte `since` on (the server is shared by this module's tests, and each checks only
-    its own stretch), without the tracebacks of Prefect's worker-heartbeat writes. Those are best effort: on
-    SQLite one can lose a write lock to the runs' own writes (artifacts, logs) and is retried on the next beat; the
-    runs, the scheduler and every API request are unaffected (Postgres for busy shared servers: docs/orchestration.md).
+    its own stretch), without Prefect's best-effort background writes that lost SQLite's lock (`BEST_EFFORT`, each with
+    its traceback): on SQLite one can lose the write lock to the runs' own writes (artifacts, logs) and is written
+    again on the next poll; the runs, the scheduler and every API request are unaffected (Postgres for busy shared
+    servers: docs/orchestration.md). Such a write that fails for any other reason stays in.
     """
-    kept, skipping = [], False
     with open(log, "rb") as f:
         f.seek(since)
         text = f.read().decode(errors="replace")
+    kept: list[str] = []
+    block: list[str] = []  # a best-effort write's error line and its traceback so far
+
+    def close_block() -> None:
+        if not any("database is locked" in b for b in block):
+            kept.extend(block)
+        block.clear()
+
     for line in text.splitlines():
-        if HEARTBEAT in line:
-            skipping = True
-            continue
-        traceback_line = line.startswith(("Traceback", " ", "The above", "sqlite3.", "sqlalchemy.", "(", "["))
-        if skipping and (traceback_line or not line):
-            continue
-        skipping = False
-        kept.append(line)
+        if any(marker in line for marker in BEST_EFFORT):
+            close_block()
+            block.append(line)
+        elif block and (
+            not line or line.startswith(("Traceback", " ", "The above", "sqlite3.", "sqlalchemy.", "(", "["))
+        ):
+            block.append(line)
+        else:
+            close_block()
+            kept.append(line)
+    close_block()
     return kept
 
 
