@@ -268,7 +268,7 @@ def test_leaderboard_rows_pool_difficulty_and_sort():
     assert rows[0]["family"] == "sft" and rows[1]["family"] == "baseline" and rows[0]["n"] == 8
 
 
-def test_leaderboard_task_writes_table_markdown_plot(tmp_path):
+def test_leaderboard_task_writes_table_markdown_plot(tmp_path, monkeypatch):
     from farmflow.storage import open_store
     from farmflow.tasks import leaderboard_task
 
@@ -306,6 +306,19 @@ def test_leaderboard_task_writes_table_markdown_plot(tmp_path):
     assert "| sft |" in store.read_file(ref, "leaderboard.md").decode()
     (tmp_path / "board.png").write_bytes(store.read_file(ref, "leaderboard.png"))
     _png_ok(tmp_path / "board.png")
+
+    # the same board again is read back, not fitted again; a new peer is a new key, computed
+    from farmflow.evaluation import leaderboard_rows
+    from farmflow.tasks import analysis
+
+    fitted = []
+    monkeypatch.setattr(analysis, "leaderboard_rows", lambda *a: fitted.append(a) or leaderboard_rows(*a))
+    assert leaderboard_task.fn(str(tmp_path / "store"), evaluations, "Test board") == ref and fitted == []
+    store.put_table(
+        "evaluate", "peer-2", table, "evaluation", config=AnnotatorConfig(), inputs={"data": "d1"}, metrics=stats
+    )
+    again = leaderboard_task.fn(str(tmp_path / "store"), evaluations, "Test board")
+    assert again.key != ref.key and again.metrics["difficulty_peer_runs"] == 2.0 and len(fitted) == 1
 
     # `farmflow leaderboard` prints it, with the rank correlation of win rate and gold
     from typer.testing import CliRunner

@@ -7,6 +7,7 @@ import pytest
 
 from farmflow import tasks
 from farmflow.config import load_config
+from farmflow.evaluation.replicates import interval_rows
 from farmflow.flows import compare_flow, config_key
 from farmflow.flows.replicates import SEED_STEP, replicate_config
 from farmflow.tasks.core import key_config
@@ -50,8 +51,9 @@ def _run(cfg, replicates):
 
 @pytest.mark.usefixtures("prefect_harness", "one_torch_thread")
 @pytest.mark.slow
-def test_replicates_are_cached_like_any_stage(micro_config):
-    """K=1, then K=2 (only replicate 1 runs), K=2 again (nothing), K=3 (only replicate 2), counted by executions."""
+def test_replicates_are_cached_like_any_stage(micro_config, monkeypatch):
+    """K=1, then K=2 (only replicate 1 runs), K=2 again (nothing, the leaderboard read back), K=3 (only replicate 2),
+    counted by executions."""
     single, ran_1 = _run(micro_config, 1)
     assert ran_1 > 0 and "replicates" not in single
 
@@ -63,8 +65,12 @@ def test_replicates_are_cached_like_any_stage(micro_config):
     assert ran_2 == len(executed_2) == len(two["stages"]) // 2 - 1
     assert all(s["cached"] for s in two["stages"][: len(two["stages"]) // 2])
 
-    again, ran_again = _run(micro_config, 2)
-    assert ran_again == 0 and all(s["cached"] for s in again["stages"])
+    boards = []
+    counted = lambda *a, **kw: boards.append(a) or interval_rows(*a, **kw)  # noqa: E731
+    with monkeypatch.context() as patch:
+        patch.setattr("farmflow.flows.replicates.interval_rows", counted)
+        again, ran_again = _run(micro_config, 2)
+    assert ran_again == 0 and all(s["cached"] for s in again["stages"]) and boards == []
     assert _nan_free(again["leaderboard"]) == _nan_free(two["leaderboard"])  # the same numbers (NaN ≠ NaN)
 
     three, ran_3 = _run(micro_config, 3)

@@ -130,35 +130,39 @@ def replicate_board_task(
     a ``replicate_leaderboard`` table, ``leaderboard.md`` and ``leaderboard.png``; Prefect artifacts inside a flow.
 
     Each replicate's own leaderboard rows (LC win rate with difficulties pooled over that replicate's board) are
-    averaged; intervals come from the bootstrap over the evaluation rows (`farmflow.evaluation.replicates`)."""
+    averaged; intervals come from the bootstrap over the evaluation rows (`farmflow.evaluation.replicates`). Computed
+    when its key (evaluations, title, draws) is new, read back from the store otherwise."""
     store = open_store(store_uri)
     flat = {f"{m}@{r}": ref for r, evs in enumerate(evaluations) for m, ref in evs.items()}
     key = stage_key("replicate_leaderboard", "1", {"title": title, "n_boot": n_boot}, flat)
-    tables = {name: store.read_table(ref).to_pylist() for name, ref in flat.items()}
-    boards = []
-    for r, evs in enumerate(evaluations):
-        entries = []
-        for method, ref in evs.items():
-            record = store.record(ref)
-            data_key = record["inputs"].get("data") or "?"
-            data = store.get("data", data_key)
-            entries.append(
-                {
-                    "method": method,
-                    "metrics": ref.metrics,
-                    "rows": tables[f"{method}@{r}"],
-                    "group": "board",
-                    "annotator": annotator_label(record["config"]),
-                    "reference": reference_label(data_key, data and store.record(data)["config"]),
-                    "evaluation_key": ref.key,
-                }
-            )
-        boards.append(leaderboard_rows(entries))
-    per_method = {m: [tables[f"{m}@{r}"] for r in range(len(evaluations))] for m in evaluations[0]}
-    rows = interval_rows(boards, per_method, n_boot=n_boot)
-    markdown = interval_markdown(rows, title)
     ref = store.get("replicate_leaderboard", key)
-    if ref is None:
+    if ref is not None:
+        rows = store.read_table(ref).to_pylist()
+        markdown = store.read_file(ref, "leaderboard.md").decode()
+    else:
+        tables = {name: store.read_table(ref).to_pylist() for name, ref in flat.items()}
+        boards = []
+        for r, evs in enumerate(evaluations):
+            entries = []
+            for method, ref in evs.items():
+                record = store.record(ref)
+                data_key = record["inputs"].get("data") or "?"
+                data = store.get("data", data_key)
+                entries.append(
+                    {
+                        "method": method,
+                        "metrics": ref.metrics,
+                        "rows": tables[f"{method}@{r}"],
+                        "group": "board",
+                        "annotator": annotator_label(record["config"]),
+                        "reference": reference_label(data_key, data and store.record(data)["config"]),
+                        "evaluation_key": ref.key,
+                    }
+                )
+            boards.append(leaderboard_rows(entries))
+        per_method = {m: [tables[f"{m}@{r}"] for r in range(len(evaluations))] for m in evaluations[0]}
+        rows = interval_rows(boards, per_method, n_boot=n_boot)
+        markdown = interval_markdown(rows, title)
         with tempfile.TemporaryDirectory() as tmp:
             plot_intervals(rows, f"{tmp}/leaderboard.png", title)
             png = Path(f"{tmp}/leaderboard.png").read_bytes()

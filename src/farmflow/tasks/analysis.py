@@ -171,7 +171,9 @@ def reward_report_task(
 
 @task(name="leaderboard", cache_policy=NO_CACHE, persist_result=False)
 def leaderboard_task(store_uri: str, evaluations: dict[str, ArtifactRef], title: str = "Leaderboard") -> ArtifactRef:
-    """One row per method from the evaluations (`evaluation.leaderboard_rows`); always rebuilt (it is cheap).
+    """One row per method from the evaluations (`evaluation.leaderboard_rows`), computed when its key is new (its
+    evaluations, their difficulty peers and the title) and read back from the store otherwise: the LC win rate's
+    leave-one-out difficulty fits take minutes on the synthetic-tiny evaluation set.
 
     The LC win rate's instruction difficulty is pooled over the board's evaluations plus
     every other evaluation in the store with the same annotator config and the same
@@ -194,38 +196,42 @@ def leaderboard_task(store_uri: str, evaluations: dict[str, ArtifactRef], title:
         data = data_refs.get(data_key)
         return canonical_json([record["config"], data.parts.get("eval", data_key) if data else data_key])
 
-    entries = []
-    for method, ref in evaluations.items():
-        record = records.get(ref.key) or store.record(ref)
-        data_key = record["inputs"].get("data") or "?"
-        data = store.get("data", data_key)  # its config names the evaluation file of the real farm
-        entries.append(
-            {
-                "method": method,
-                "metrics": ref.metrics,
-                "rows": store.read_table(ref).to_pylist(),
-                "group": group(record),
-                "annotator": annotator_label(record["config"]),
-                "reference": reference_label(data_key, data and store.record(data)["config"]),
-                "evaluation_key": ref.key,
-            }
-        )
-    groups = {e["group"] for e in entries}
+    board = {method: records.get(ref.key) or store.record(ref) for method, ref in evaluations.items()}
+    groups = {group(record) for record in board.values()}
     board_keys = {ref.key for ref in evaluations.values()}
     peers = [r for k, r in records.items() if k not in board_keys and group(r) in groups]
-    peer_runs: dict[str, list[dict]] = {}
-    for r in peers:
-        peer_runs.setdefault(group(r), []).append(
-            run_of_rows(store.read_table(ArtifactRef.model_validate(r["ref"])).to_pylist())
-        )
-    rows = leaderboard_rows(entries, peer_runs)
     key = stage_key("leaderboard", "5", {"title": title, "peers": sorted(r["ref"]["key"] for r in peers)}, evaluations)
-    markdown = leaderboard_markdown(rows, title)
-    judged = {e["evaluation_key"]: e["rows"] for e in entries}  # the judges' API spend on them, from the row cache
-    cache = simulated_labels(store)
-    rows, cost_md, cost_png = cost_report(rows, committed, f"{title}: win rate vs cost", cache, judged)
     ref = store.get("leaderboard", key)
-    if ref is None:
+    if ref is not None:
+        rows = store.read_table(ref).to_pylist()
+        markdown, cost_md = (store.read_file(ref, name).decode() for name in ("leaderboard.md", "cost.md"))
+    else:
+        entries = []
+        for method, ref in evaluations.items():
+            record = board[method]
+            data_key = record["inputs"].get("data") or "?"
+            data = store.get("data", data_key)  # its config names the evaluation file of the real farm
+            entries.append(
+                {
+                    "method": method,
+                    "metrics": ref.metrics,
+                    "rows": store.read_table(ref).to_pylist(),
+                    "group": group(record),
+                    "annotator": annotator_label(record["config"]),
+                    "reference": reference_label(data_key, data and store.record(data)["config"]),
+                    "evaluation_key": ref.key,
+                }
+            )
+        peer_runs: dict[str, list[dict]] = {}
+        for r in peers:
+            peer_runs.setdefault(group(r), []).append(
+                run_of_rows(store.read_table(ArtifactRef.model_validate(r["ref"])).to_pylist())
+            )
+        rows = leaderboard_rows(entries, peer_runs)
+        markdown = leaderboard_markdown(rows, title)
+        judged = {e["evaluation_key"]: e["rows"] for e in entries}  # the judges' API spend on them, from the row cache
+        cache = simulated_labels(store)
+        rows, cost_md, cost_png = cost_report(rows, committed, f"{title}: win rate vs cost", cache, judged)
         with tempfile.TemporaryDirectory() as tmp:
             plot_leaderboard(rows, f"{tmp}/leaderboard.png", title)
             png = Path(f"{tmp}/leaderboard.png").read_bytes()
