@@ -27,7 +27,7 @@ from prefect.context import TaskRunContext
 
 from farmflow.config import FarmConfig, validate_config
 from farmflow.evaluation.bootstrap import N_BOOT
-from farmflow.evaluation.leaderboard import annotator_label, leaderboard_rows, reference_label
+from farmflow.evaluation.leaderboard import leaderboard_rows
 from farmflow.evaluation.replicates import interval_markdown, interval_rows, plot_intervals
 from farmflow.flows.form import KEPT_SEEDS
 from farmflow.flows.pipeline import (
@@ -44,6 +44,7 @@ from farmflow.flows.runner import StageRunner
 from farmflow.storage import ArtifactRef, open_store, stage_key
 from farmflow.storage.schemas import SCHEMAS
 from farmflow.tasks import evaluate_task
+from farmflow.tasks.analysis import board_entry
 
 SEED_STEP = 1000
 """Replicate r adds SEED_STEP · r to every seed it shifts (far from the small seeds people pick by hand)."""
@@ -141,25 +142,15 @@ def replicate_board_task(
         markdown = store.read_file(ref, "leaderboard.md").decode()
     else:
         tables = {name: store.read_table(ref).to_pylist() for name, ref in flat.items()}
-        boards = []
-        for r, evs in enumerate(evaluations):
-            entries = []
-            for method, ref in evs.items():
-                record = store.record(ref)
-                data_key = record["inputs"].get("data") or "?"
-                data = store.get("data", data_key)
-                entries.append(
-                    {
-                        "method": method,
-                        "metrics": ref.metrics,
-                        "rows": tables[f"{method}@{r}"],
-                        "group": "board",
-                        "annotator": annotator_label(record["config"]),
-                        "reference": reference_label(data_key, data and store.record(data)["config"]),
-                        "evaluation_key": ref.key,
-                    }
-                )
-            boards.append(leaderboard_rows(entries))
+        boards = [
+            leaderboard_rows(
+                [
+                    board_entry(store, method, ref, store.record(ref), tables[f"{method}@{r}"], "board")
+                    for method, ref in evs.items()
+                ]
+            )
+            for r, evs in enumerate(evaluations)
+        ]
         per_method = {m: [tables[f"{m}@{r}"] for r in range(len(evaluations))] for m in evaluations[0]}
         rows = interval_rows(boards, per_method, n_boot=n_boot)
         markdown = interval_markdown(rows, title)

@@ -169,6 +169,22 @@ def reward_report_task(
     )
 
 
+def board_entry(store, method: str, ref: ArtifactRef, record: dict, rows: list[dict], group: str) -> dict:
+    """One evaluation as a leaderboard entry (`evaluation.leaderboard_rows`): its metrics and rows, its group, and
+    the judge and references it was judged with, named from its record."""
+    data_key = record["inputs"].get("data") or "?"
+    data = store.get("data", data_key)  # its config names the evaluation file of the real farm
+    return {
+        "method": method,
+        "metrics": ref.metrics,
+        "rows": rows,
+        "group": group,
+        "annotator": annotator_label(record["config"]),
+        "reference": reference_label(data_key, data and store.record(data)["config"]),
+        "evaluation_key": ref.key,
+    }
+
+
 @task(name="leaderboard", cache_policy=NO_CACHE, persist_result=False)
 def leaderboard_task(store_uri: str, evaluations: dict[str, ArtifactRef], title: str = "Leaderboard") -> ArtifactRef:
     """One row per method from the evaluations (`evaluation.leaderboard_rows`), computed when its key is new (its
@@ -206,22 +222,10 @@ def leaderboard_task(store_uri: str, evaluations: dict[str, ArtifactRef], title:
         rows = store.read_table(ref).to_pylist()
         markdown, cost_md = (store.read_file(ref, name).decode() for name in ("leaderboard.md", "cost.md"))
     else:
-        entries = []
-        for method, ref in evaluations.items():
-            record = board[method]
-            data_key = record["inputs"].get("data") or "?"
-            data = store.get("data", data_key)  # its config names the evaluation file of the real farm
-            entries.append(
-                {
-                    "method": method,
-                    "metrics": ref.metrics,
-                    "rows": store.read_table(ref).to_pylist(),
-                    "group": group(record),
-                    "annotator": annotator_label(record["config"]),
-                    "reference": reference_label(data_key, data and store.record(data)["config"]),
-                    "evaluation_key": ref.key,
-                }
-            )
+        entries = [
+            board_entry(store, method, ref, board[method], store.read_table(ref).to_pylist(), group(board[method]))
+            for method, ref in evaluations.items()
+        ]
         peer_runs: dict[str, list[dict]] = {}
         for r in peers:
             peer_runs.setdefault(group(r), []).append(
