@@ -47,6 +47,7 @@ bench: install  ## performance benchmarks; results in bench/results/
 	$(PY) -m bench.serve_judge  # the same judge in process vs behind transformers serve on loopback
 	$(PY) -m bench.store
 	$(PY) -m bench.cli  # fixed cost of a fully cached `farmflow run`, with and without a running Prefect server
+	$(PY) -m bench.lc  # a synthetic-tiny-sized leaderboard's LC fits: cross-validation in worker processes vs in this one
 	$(PY) -m bench.training  # creates .farmflow/bench/trl-venv (pinned TRL on top of .venv's packages) for the peer once
 	$(PY) -m bench.gpu  # ~1B Llama on a CUDA GPU (a few minutes); prints a message and skips without one
 	$(PY) -m bench.report  # BENCHMARKS.md from bench/results/*.json

@@ -137,3 +137,15 @@ def test_cli_smoke_times_the_cli_against_its_imports(tmp_path):
     (e,) = r["entries"]
     assert e["contenders"] == ["temporary", "imports"] and e["unit"] == "runs/min"
     assert e["medians"]["imports"]["median"] == pytest.approx(60 / r["wall_s"]["imports"]["median"])
+
+
+def test_lc_smoke_fits_the_same_leaderboard_in_worker_processes_and_in_this_one(tmp_path):
+    from bench import lc
+
+    r = lc.main(["--smoke", "--out", str(tmp_path / "lc.json")])
+    (e,) = r["entries"]
+    assert e["contenders"] == ["worker processes", "this process"] and e["unit"] == "boards/min"
+    assert e["note"] == "LC win rates differ by at most 0.0e+00"  # bit for bit
+    for runs in r["runs"].values():
+        (run,) = runs
+        assert run["boards_per_min"] == pytest.approx(60 / run["seconds"])

@@ -81,9 +81,9 @@ def test_glm_lc_removes_pure_length_gaming():
         glm_lc([None], [1], [1])
 
 
-def test_joint_difficulty_recovers_instruction_effects():
+def _judged_runs(n: int, models: int) -> tuple[list[dict], np.ndarray]:
+    """`models` runs over the same n instructions whose soft labels follow instruction effects u and length."""
     rng = np.random.default_rng(1)
-    n, models = 120, 25
     u = rng.normal(0, 1.0, n)
     runs = []
     for _ in range(models):
@@ -91,6 +91,12 @@ def test_joint_difficulty_recovers_instruction_effects():
         mine = ref + rng.normal(0, 600, n)
         p = sigmoid(rng.normal(-1, 1) - 1.5 * length_feature(ref, mine) + u)
         runs.append({"keys": list(range(n)), "preferences": 1 + p, "len_1": ref, "len_2": mine})
+    return runs, u
+
+
+def test_joint_difficulty_recovers_instruction_effects():
+    n = 120
+    runs, u = _judged_runs(n, 25)
     est, C = joint_difficulty(runs)
     z = np.array([est[k] for k in range(n)])
     assert abs(z.mean()) < 1e-12 and np.corrcoef(z, u)[0, 1] > 0.95 and C > 0
@@ -98,6 +104,22 @@ def test_joint_difficulty_recovers_instruction_effects():
     keys = list(range(n))
     lc = length_controlled_winrate(keys, runs[0]["preferences"], runs[0]["len_2"] - runs[0]["len_1"], est)
     assert lc["lc_difficulty_coef"] > 0.5
+
+
+def test_cross_validation_in_worker_processes_gives_the_same_fit_bit_for_bit(monkeypatch):
+    from farmflow.evaluation import glm_lc as module
+
+    runs, _ = _judged_runs(60, 6)
+    fitted_here = []
+    fit = module._liblinear
+    monkeypatch.setattr(module, "_liblinear", lambda *a: fitted_here.append(1) or fit(*a))
+    alone = joint_difficulty(runs)
+    assert len(fitted_here) == 51  # 5 folds × 10 Cs, then the chosen C on every row
+    monkeypatch.setattr(module, "PARALLEL_MIN_ROWS", 1)
+    fitted_here.clear()
+    shared = joint_difficulty(runs)
+    assert len(fitted_here) == 1  # the 50 held-out fits ran in the workers, the final one here
+    assert shared == alone
 
 
 def _write_table(path: Path, rows: list[dict]) -> None:
