@@ -34,7 +34,7 @@ from pathlib import Path
 
 import yaml
 
-from bench.harness import arguments, entry, interleave, machine
+from bench.harness import arguments, entry, interleave, machine, save
 from bench.venvs import ensure_venv
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -279,10 +279,7 @@ def main(argv: list[str] | None = None) -> dict:
         "machine, the judge server and the clients get a fraction of a core each and the achieved fraction of the "
         "ceiling drops with it; the ratio to alpaca_eval is measured under the same conditions, interleaved."
     )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {args.out}")
-    return results
+    return save(results, args.out)
 
 
 if __name__ == "__main__":

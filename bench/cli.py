@@ -33,7 +33,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from bench.harness import arguments, entry, interleave, machine, summary
+from bench.harness import arguments, entry, interleave, machine, save, summary
 from farmflow.loopback import free_port, server_process
 
 OUT = Path(__file__).parent / "results" / "cli.json"
@@ -180,13 +180,11 @@ def main(argv: list[str] | None = None) -> dict:
         )
     else:
         results["entries"].append(entry("`farmflow --help` vs `import farmflow.flows` (smoke)", "runs/min", per_min))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    save(results, args.out)
     for name, st in results["wall_s"].items():
         print(f"{name:9s} median {st['median']:.1f}s (min {st['min']:.1f}, max {st['max']:.1f}, n={st['rounds']})")
     if "server" in walls:
         print(f"temporary / server: {med['temporary'] / med['server']:.2f}x; beyond imports {beyond:.1f}s")
-    print(f"wrote {args.out}")
     return results
 
 

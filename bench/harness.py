@@ -14,6 +14,7 @@ better, e.g. tokens/s) or a dict holding it under `metric`.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import statistics
@@ -91,6 +92,21 @@ def entry(
         "met": None if goal is None else r["ratio"] >= goal,
         "note": note,
     }
+
+
+def save(results: dict[str, Any], out: Path) -> dict[str, Any]:
+    """Write a bench's results file; print each entry (both contenders' medians, the ratio, the note) and the path."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    for e in results.get("entries", []):
+        (a, b), m = e["contenders"], e["medians"]
+        note = f"; {e['note']}" if e.get("note") else ""
+        print(
+            f"{e['what']}: {a} {m[a]['median']:.3g} vs {b} {m[b]['median']:.3g} {e['unit']} ({e['ratio']:.2f}x){note}",
+            flush=True,
+        )
+    print(f"wrote {out}", flush=True)
+    return results
 
 
 def machine() -> dict[str, Any]:

@@ -17,7 +17,7 @@ import json
 import time
 from pathlib import Path
 
-from bench.harness import ROOT, arguments, entry, interleave, machine, values
+from bench.harness import ROOT, arguments, entry, interleave, machine, save, values
 
 OUT = ROOT / "bench" / "results" / "judge.json"
 EVAL_FILE = ROOT.parent / "shared" / "data" / "alpaca_eval_davinci003_outputs.json"
@@ -109,15 +109,7 @@ def main(argv: list[str] | None = None) -> dict:
         ],
         "runs": runs,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
-    print(
-        f"hf judge: guidance read once {results['entries'][0]['medians']['guidance read once']['median']:.2f} vs "
-        f"whole {results['entries'][0]['medians']['every prompt whole']['median']:.2f} prompts/s "
-        f"({results['entries'][0]['ratio']:.2f}x; max |Δp| {diff:.1e})",
-        flush=True,
-    )
-    return results
+    return save(results, args.out)
 
 
 if __name__ == "__main__":

@@ -20,13 +20,12 @@ Writes bench/results/lc.json.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 
 import numpy as np
 
-from bench.harness import ROOT, arguments, entry, interleave, machine, values
+from bench.harness import ROOT, arguments, entry, interleave, machine, save, values
 
 OUT = ROOT / "bench" / "results" / "lc.json"
 
@@ -112,15 +111,7 @@ def main(argv: list[str] | None = None) -> dict:
         "entries": [entry(what, "boards/min", rates, note=f"LC win rates differ by at most {diff:.1e}")],
         "runs": runs,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
-    e = results["entries"][0]
-    print(
-        f"lc leaderboard: workers {e['medians']['worker processes']['median']:.2f} vs this process "
-        f"{e['medians']['this process']['median']:.2f} boards/min ({e['ratio']:.2f}x; max |Δ LC| {diff:.1e})",
-        flush=True,
-    )
-    return results
+    return save(results, args.out)
 
 
 if __name__ == "__main__":

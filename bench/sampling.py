@@ -18,13 +18,12 @@ Contenders run interleaved (`bench.harness`), warmed, for `--rounds` rounds. Wri
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
 import torch
 
-from bench.harness import arguments, entry, interleave, machine, summary, values
+from bench.harness import arguments, entry, interleave, machine, save, summary, values
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = Path(__file__).parent / "results" / "sampling.json"
@@ -215,10 +214,7 @@ def main(argv: list[str] | None = None) -> dict:
         )
     )
     results["runs"]["curve"] = runs
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"written to {args.out}")
-    return results
+    return save(results, args.out)
 
 
 if __name__ == "__main__":

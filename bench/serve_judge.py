@@ -29,7 +29,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from bench.harness import ROOT, arguments, entry, interleave, machine, values
+from bench.harness import ROOT, arguments, entry, interleave, machine, save, values
 from bench.judge import EVAL_FILE, MODEL, tiny_judge
 from farmflow.loopback import free_port, server_process
 
@@ -142,15 +142,7 @@ def main(argv: list[str] | None = None) -> dict:
         ],
         "runs": runs,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
-    e = results["entries"][0]
-    print(
-        f"judge: in process {e['medians']['in process (hf)']['median']:.2f} vs served "
-        f"{e['medians']['transformers serve (api)']['median']:.2f} pairs/s ({e['ratio']:.2f}x)",
-        flush=True,
-    )
-    return results
+    return save(results, args.out)
 
 
 if __name__ == "__main__":

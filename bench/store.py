@@ -18,7 +18,6 @@ Writes bench/results/store.json.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -31,7 +30,7 @@ from typing import Callable
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from bench.harness import arguments, entry, interleave, machine
+from bench.harness import arguments, entry, interleave, machine, save
 
 OUT = Path(__file__).parent / "results" / "store.json"
 ROWS, CHECKPOINT_MB, ROUNDS = 200_000, 50, 5
@@ -224,10 +223,7 @@ def main(argv: list[str] | None = None) -> dict:
         shutil.rmtree(tmp, ignore_errors=True)
         server.stop()
     results["machine"]["load_average_at_end"] = list(os.getloadavg())
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {args.out}")
-    return results
+    return save(results, args.out)
 
 
 if __name__ == "__main__":

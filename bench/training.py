@@ -54,7 +54,7 @@ from pathlib import Path
 
 import torch
 
-from bench.harness import entry, interleave, machine, values
+from bench.harness import entry, interleave, machine, save, values
 from bench.venvs import ensure_venv
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -616,10 +616,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "entries"
             ]
             results["machine"]["runs_of_other_trainers"] = old.get("machine")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"written to {args.out}")
-    return results
+    return save(results, args.out)
 
 
 if __name__ == "__main__":
