@@ -3,6 +3,7 @@ the stage task end to end on synthetic-micro, and resume after SIGKILL."""
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 
@@ -327,7 +328,7 @@ def test_ppo_task_end_to_end_on_micro_with_snapshots(micro):
     assert again.key == ref.key and tasks.EXECUTED["ppo"] == 1
 
 
-def test_snapshots_do_not_fork_the_ppo_run(micro):
+def test_snapshots_do_not_fork_the_ppo_run(micro, caplog):
     """snapshot_every is not part of PPO's key, so the over-optimization curve reuses the compared PPO run.
 
     The run without snapshots is the same artifact; asking for snapshots it lacks trains it
@@ -341,7 +342,10 @@ def test_snapshots_do_not_fork_the_ppo_run(micro):
     assert plain == first and tasks.EXECUTED["ppo"] == runs  # a hit: nothing trained
     every_step = MICRO.model_copy(update={"snapshot_every": 1})
     assert not rl.snapshots_complete(open_store(micro["uri"]), first, every_step)
+    caplog.set_level(logging.INFO, logger="farmflow")
     again = rl.ppo_task.fn(micro["uri"], every_step, micro["data"], micro["sft"], micro["reward"])
+    said = [r.getMessage() for r in caplog.records if "without something this run asks for" in r.getMessage()]
+    assert said == [f"ppo: {first.key[:12]} is committed without something this run asks for; computing it again"]
     assert (
         again == first and tasks.EXECUTED["ppo"] == runs + 1
     )  # trained again for steps 1, 3, 5; the policy stays the first commit

@@ -317,14 +317,17 @@ def test_study_flow_on_micro_writes_its_table_plots_and_artifacts_then_is_cached
     from farmflow.storage.schemas import SCHEMAS
 
     tasks.EXECUTED.clear()
-    summary = study_flow(advanced=micro_config, methods=["best_of_n"], replicates=1, ns=[1, 2])
-    assert sum(tasks.EXECUTED.values()) > 0
+    summary = study_flow(advanced=micro_config, methods=["best_of_n", "ppo"], replicates=1, ns=[1, 2], ppo_every=2)
+    # the compared PPO is also the PPO curve on p_sim^ann's reward model (snapshot_every is not in its key): it commits
+    # the curve's snapshots the first time, so PPO trains once per reward model, p_sim^ann's and greedy's
+    assert tasks.EXECUTED["ppo"] == 2
     folder = summary["artifacts"]["study"]
     table = pq.read_table(f"{folder}/data.parquet")
     assert table.schema.names == SCHEMAS["validation_study"].names
     assert micro_config.data.reference_error_rate == 0.35
     assert sorted(table.column("method").to_pylist()) == [
         "best_of_4",
+        "ppo",
         "sft",
         "sft (0.25 epochs)",
         "sft (0.5 epochs)",
@@ -334,18 +337,18 @@ def test_study_flow_on_micro_writes_its_table_plots_and_artifacts_then_is_cached
         "writer: reference (error 0.35)",
     ]
     findings = {f["quantity"]: f for f in summary["findings"]}
-    assert findings["Spearman (sim, human-like)"]["detail"].startswith("2 methods;")
+    assert findings["Spearman (sim, human-like)"]["detail"].startswith("3 methods;")
     assert findings["Spearman (sim, gold), pipeline systems"]["detail"].startswith(
-        "5 systems: the methods and untrained, sft (0.25 epochs), sft (0.5 epochs);"
+        "6 systems: the methods and untrained, sft (0.25 epochs), sft (0.5 epochs);"
     )
     assert findings["Spearman (sim, human-like), all systems"]["detail"].startswith(
-        "8 systems: the methods and untrained, sft (0.25 epochs), sft (0.5 epochs), writer: reference (error 0.35), "
+        "9 systems: the methods and untrained, sft (0.25 epochs), sft (0.5 epochs), writer: reference (error 0.35), "
         "writer: demonstrator (error 0.2), writer: reference (error 0);"
     )
     rows = {r["method"]: r for r in table.to_pylist()}
     assert rows["writer: reference (error 0)"]["mean_gold"] == 1.0  # the flawless writer
     board = pq.read_table(f"{summary['artifacts']['leaderboard']}/data.parquet").column("method").to_pylist()
-    assert sorted(board) == ["best_of_4", "sft", "untrained"]  # the shortened SFTs and writers are the study's
+    assert sorted(board) == ["best_of_4", "ppo", "sft", "untrained"]  # the shortened SFTs and writers are the study's
     assert findings["human-like agreement (a judgement vs the mode of three others)"]["value"] == pytest.approx(
         0.657, abs=0.01
     )
@@ -360,9 +363,9 @@ def test_study_flow_on_micro_writes_its_table_plots_and_artifacts_then_is_cached
     ):
         assert name in findings, name
     curves = [f for q, f in findings.items() if q.startswith("over-optimization:")]
-    assert len(curves) == 2 * 4  # two labellers' reward models × judges p_sim^ann, greedy, human-like and gold
+    assert len(curves) == 2 * 2 * 4  # best-of-n and PPO × two labellers' reward models × p_sim^ann, greedy, human, gold
     contrasts = [f for q, f in findings.items() if q.startswith("over-optimization contrast:")]
-    assert len(contrasts) == 5  # one per judge and one with each judged by its labeller (best-of-n only on micro)
+    assert len(contrasts) == 2 * 5  # per family: one per judge and one with each curve judged by its labeller
     assert all(f["detail"].split()[0] in ("present", "absent") for f in curves)
     for png in ("rankings.png", "overoptimization.png"):
         assert open(f"{folder}/{png}", "rb").read(4) == b"\x89PNG"
@@ -372,7 +375,7 @@ def test_study_flow_on_micro_writes_its_table_plots_and_artifacts_then_is_cached
     assert {"validation-study", "validation-study-findings", "leaderboard"} <= keys
 
     tasks.EXECUTED.clear()
-    again = study_flow(advanced=micro_config, methods=["best_of_n"], replicates=1, ns=[1, 2])
+    again = study_flow(advanced=micro_config, methods=["best_of_n", "ppo"], replicates=1, ns=[1, 2], ppo_every=2)
     assert tasks.EXECUTED == {} and again["artifacts"]["study"] == folder
 
 

@@ -125,17 +125,19 @@ def lookup(
     if OUTBOX is not None:  # a launched child: the parent found no artifact and holds the lease; write to the outbox
         return OUTBOX, key, None
     store = open_store(store_uri)
-    hit = find(stage, store, key, config)
+    hit = find(stage, store, key, config, say=True)
     if hit is not None:
         log("%s: reusing %s from the store", stage.name, key[:12])
     return store, key, hit
 
 
-def find(stage: Stage, store: Any, key: str, config: Any) -> ArtifactRef | None:
-    """The committed artifact for `key` if it serves `config`, else None."""
+def find(stage: Stage, store: Any, key: str, config: Any, say: bool = False) -> ArtifactRef | None:
+    """The committed artifact for `key` if it serves `config`, else None (`say`: log an incomplete one; the lookup
+    says it once, the single-flight checks after it do not)."""
     hit = store.get(stage.name, key)
     if hit is not None and not stage.is_complete(store, hit, config):
-        log("%s: %s is committed without something this run asks for; computing it again", stage.name, key[:12])
+        if say:
+            log("%s: %s is committed without something this run asks for; computing it again", stage.name, key[:12])
         hit = None
     return hit
 
