@@ -386,6 +386,20 @@ def test_shortened_sft_baselines_must_be_shorter_than_sft(micro_config):
         run_study(micro_config, [], 1, sft_epochs=(1.0,))
 
 
+def test_a_ppo_curve_needs_a_positive_snapshot_interval_before_anything_trains(micro_config, tmp_path):
+    from typer.testing import CliRunner
+
+    from farmflow.cli import app
+    from farmflow.flows.study import run_study
+
+    tasks.EXECUTED.clear()
+    with pytest.raises(ValueError, match="ppo_every must be a positive number of PPO steps, got -2"):
+        run_study(micro_config, ["ppo"], 1, ppo_every=-2)
+    assert tasks.EXECUTED == {}
+    result = CliRunner().invoke(app, ["study", "validate", "--ppo-every", "0", "--store", str(tmp_path)])
+    assert result.exit_code == 2 and "--ppo-every" in result.output
+
+
 def test_the_study_cli_refuses_a_farm_without_gold(tmp_path):
     from typer.testing import CliRunner
 

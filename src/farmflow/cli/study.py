@@ -23,7 +23,9 @@ def validate(
     ),
     methods: list[str] = typer.Option([], "--method", help="Methods to study (repeat or comma-separate); default all."),
     n: list[int] = typer.Option([], "--n", help="Best-of-n counts of the over-optimization curves (default 1..64)."),
-    ppo_every: Optional[int] = typer.Option(None, "--ppo-every", help="Also PPO's curves: a snapshot every N steps."),
+    ppo_every: Optional[int] = typer.Option(
+        None, "--ppo-every", min=1, help="Also PPO's curves: a snapshot every N steps."
+    ),
     agreement: float = typer.Option(
         0.657,
         help="Leave-one-out agreement of the human-like arm: a judgement vs the mode of three others (humans: 0.657).",

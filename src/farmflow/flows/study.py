@@ -212,11 +212,15 @@ def run_study(
     short = sorted({float(e) for e in (default_sft_epochs(cfg) if sft_epochs is None else sft_epochs)})
     if any(not 0 < e < cfg.sft.epochs for e in short):
         raise ValueError(f"sft_epochs must lie between 0 and the preset's {cfg.sft.epochs:g} epochs, got {short}")
-    # replicate 0's PPO is also the p_sim^ann curve's (snapshot_every is not in its key): committing the snapshots the
-    # curve reads the first time trains it once, not once without them and again with them
-    snapshots = cfg.model_copy(update={"ppo": cfg.ppo.model_copy(update={"snapshot_every": ppo_every})})
+    if ppo_every is not None and ppo_every < 1:
+        raise ValueError(f"ppo_every must be a positive number of PPO steps, got {ppo_every}")
+    first = cfg
+    if ns and ppo_every:
+        # replicate 0's PPO is also the p_sim^ann curve's (snapshot_every is not in its key): committing the snapshots
+        # the curve reads the first time trains it once, not once without them and again with them
+        first = cfg.model_copy(update={"ppo": cfg.ppo.model_copy(update={"snapshot_every": ppo_every})})
     for r in range(replicates):
-        up, done = replicate_evaluations(run, snapshots if ns and ppo_every and r == 0 else cfg, methods, r)
+        up, done = replicate_evaluations(run, first if r == 0 else cfg, methods, r)
         data = data or up.data
         tag = f" [replicate {r}]" if r else ""
         extra = dict(short_sft_outputs(up, e, tag) for e in short)
