@@ -340,3 +340,18 @@ def test_annotator_labels_accept_the_preset_spelling(micro_config):
     assert chosen["p_sim^ann"] == micro_config.annotation and chosen["p_sim^eval"] == micro_config.evaluation.annotator
     with pytest.raises(ValueError, match=r"unknown annotator\(s\) \['p_sim_gpt4'\]"):
         evaluating_annotators(micro_config, ["p_sim_gpt4"])
+
+
+def test_a_ppo_curve_needs_a_positive_snapshot_interval_before_anything_trains(micro_config, tmp_path):
+    from typer.testing import CliRunner
+
+    from farmflow import tasks
+    from farmflow.cli import app
+    from farmflow.flows.overoptimization import overoptimization_flow
+
+    tasks.EXECUTED.clear()
+    with pytest.raises(ValueError, match="ppo_every must be a positive number of PPO steps, got 0"):
+        overoptimization_flow.fn(advanced=micro_config, ns=[1], ppo_every=0)
+    assert tasks.EXECUTED == {}
+    result = CliRunner().invoke(app, ["overopt", "--ppo-every", "0", "--store", str(tmp_path)])
+    assert result.exit_code == 2 and "--ppo-every" in result.output

@@ -264,7 +264,7 @@ def overopt(
         "the single-reward-model curve: --labeller p_sim^ann --annotator p_sim^ann,greedy.",
     ),
     ppo_every: Optional[int] = typer.Option(
-        None, "--ppo-every", help="Also PPO's curve: a policy snapshot every this many PPO steps, each a point."
+        None, "--ppo-every", min=1, help="Also PPO's curve: a policy snapshot every this many PPO steps, each a point."
     ),
     set_: list[str] = typer.Option([], "--set", help="Override a field (section.field=value)."),
     store: Optional[str] = typer.Option(None, help=STORE_HELP),

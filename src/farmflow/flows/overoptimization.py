@@ -103,13 +103,19 @@ def best_of_n_points(
     ]
 
 
+def check_ppo_every(every: int | None) -> None:
+    """A PPO curve's snapshot interval is a positive number of steps (None: no PPO curve); flows check it before any
+    stage runs."""
+    if every is not None and every < 1:
+        raise ValueError(f"ppo_every must be a positive number of PPO steps, got {every}")
+
+
 def ppo_points(up: Upstream, every: int, tag: str = "") -> list[CurvePoint]:
     """PPO from SFT against `up`'s reward model, a policy snapshot every `every` steps; one point per snapshot,
     step 0 = SFT."""
     from farmflow.tasks import rl
 
-    if every < 1:
-        raise ValueError(f"ppo_every must be a positive number of PPO steps, got {every}")
+    check_ppo_every(every)
     config = up.cfg.ppo.model_copy(update={"snapshot_every": every})
     final = up.run(
         rl.ppo_task,
@@ -213,6 +219,7 @@ def overoptimization_flow(
         evaluating_annotators(cfg, tuple(dict.fromkeys(labellers or LABELLERS)))
     )  # unknown names fail here, before any stage
     evaluators = evaluating_annotators(cfg, tuple(annotators)) if annotators else None
+    check_ppo_every(ppo_every)
     run = StageRunner(cfg.store.location, cfg.execution, cfg.name)  # its execution settings, like every other flow
     configs, models, sampled = [], {}, None
     for i, labeller in enumerate(chosen):

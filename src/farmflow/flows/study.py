@@ -56,6 +56,7 @@ from farmflow.evaluation.study_plots import plot_overoptimization, plot_rankings
 from farmflow.flows.form import MethodName, PresetName, prefect_run_name, run_config, with_form_doc
 from farmflow.flows.overoptimization import (
     best_of_n_points,
+    check_ppo_every,
     evaluating_annotators,
     labelled_upstream,
     point_configs,
@@ -212,15 +213,14 @@ def run_study(
     short = sorted({float(e) for e in (default_sft_epochs(cfg) if sft_epochs is None else sft_epochs)})
     if any(not 0 < e < cfg.sft.epochs for e in short):
         raise ValueError(f"sft_epochs must lie between 0 and the preset's {cfg.sft.epochs:g} epochs, got {short}")
-    if ppo_every is not None and ppo_every < 1:
-        raise ValueError(f"ppo_every must be a positive number of PPO steps, got {ppo_every}")
-    first = cfg
+    check_ppo_every(ppo_every)
+    replicate_0 = cfg
     if ns and ppo_every:
         # replicate 0's PPO is also the p_sim^ann curve's (snapshot_every is not in its key): committing the snapshots
         # the curve reads the first time trains it once, not once without them and again with them
-        first = cfg.model_copy(update={"ppo": cfg.ppo.model_copy(update={"snapshot_every": ppo_every})})
+        replicate_0 = cfg.model_copy(update={"ppo": cfg.ppo.model_copy(update={"snapshot_every": ppo_every})})
     for r in range(replicates):
-        up, done = replicate_evaluations(run, first if r == 0 else cfg, methods, r)
+        up, done = replicate_evaluations(run, replicate_0 if r == 0 else cfg, methods, r)
         data = data or up.data
         tag = f" [replicate {r}]" if r else ""
         extra = dict(short_sft_outputs(up, e, tag) for e in short)
