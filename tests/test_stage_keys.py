@@ -52,10 +52,11 @@ def test_an_api_judge_from_the_environment_or_a_new_prompt_version_is_a_new_key(
 def test_key_config_is_the_plain_dump_when_nothing_is_excluded():
     cfg = load_config("synthetic-micro")
     assert canonical_json(key_config(cfg.data)) == canonical_json(cfg.data)
-    for section in (cfg.sft, cfg.dpo):  # micro_batch_size and SFT's packing are operational (not in the key)
-        operational = {"micro_batch_size", "packing"} & set(type(section).model_fields)
+    # micro_batch_size and SFT's packing are operational, its snapshots extra artifacts (neither in the key)
+    for section in (cfg.sft, cfg.dpo):
+        operational = {"micro_batch_size", "packing", "snapshot_epochs"} & set(type(section).model_fields)
         assert canonical_json(key_config(section)) == canonical_json(section.model_dump(exclude=operational))
-    ei = cfg.expert_iteration.model_dump(exclude={"train": {"micro_batch_size", "packing"}})
+    ei = cfg.expert_iteration.model_dump(exclude={"train": {"micro_batch_size", "packing", "snapshot_epochs"}})
     assert canonical_json(key_config(cfg.expert_iteration)) == canonical_json(ei)
     for section in (cfg.ppo, cfg.quark):  # so is theirs (it is also their sampling batch; samples do not depend on it)
         operational = {"micro_batch_size", "snapshot_every"} & set(

@@ -321,6 +321,8 @@ def test_study_flow_on_micro_writes_its_table_plots_and_artifacts_then_is_cached
     # the compared PPO is also the PPO curve on p_sim^ann's reward model (snapshot_every is not in its key): it commits
     # the curve's snapshots the first time, so PPO trains once per reward model, p_sim^ann's and greedy's
     assert tasks.EXECUTED["ppo"] == 2
+    # the shortened SFT baselines are snapshots of the one SFT run (sft.snapshot_epochs), not runs of their own
+    assert tasks.EXECUTED["sft"] == 1
     folder = summary["artifacts"]["study"]
     table = pq.read_table(f"{folder}/data.parquet")
     assert table.schema.names == SCHEMAS["validation_study"].names

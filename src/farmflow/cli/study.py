@@ -33,8 +33,8 @@ def validate(
     sft_epochs: list[float] = typer.Option(
         [],
         "--sft-epochs",
-        help="Epochs of an SFT baseline stopped early, for the all-systems ranking (repeat; default: a quarter and "
-        "half of the preset's sft.epochs; 0: none).",
+        help="Epochs of an SFT baseline stopped early, for the all-systems ranking: the SFT run's policy after them "
+        "(repeat; default: a quarter and half of the preset's sft.epochs; 0: none).",
     ),
     writers: bool = typer.Option(
         True,

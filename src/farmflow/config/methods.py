@@ -42,6 +42,22 @@ class SFTConfig(Section):
         "fewer padding tokens, the same loss up to float rounding. Needs an attention kernel that reads packed "
         "position ids (sdpa and eager build a block-diagonal mask from them). Not part of the stage key.",
     )
+    snapshot_epochs: tuple[float, ...] = Field(
+        (),
+        json_schema_extra={"stage_key": False},
+        description="The sft stage also commits the policy after each of these epochs (each between 0 and epochs) as "
+        "an 'sft_snapshot' artifact: the validation study's shorter-trained SFT baselines, from the one run. Not part "
+        "of the stage key: a committed SFT run without these snapshots is trained again with the same seed to add "
+        "them. The other stages that train with this section (FeedME, reward conditioning, expert iteration) "
+        "commit none.",
+    )
+
+    @model_validator(mode="after")
+    def _snapshots_inside(self) -> "SFTConfig":
+        outside = [e for e in self.snapshot_epochs if not 0 < e < self.epochs]
+        if outside:
+            raise ValueError(f"snapshot_epochs must lie between 0 and epochs ({self.epochs:g}), got {outside}")
+        return self
 
 
 class SampleConfig(Section):

@@ -5,7 +5,8 @@ humans do, and does over-optimization show? (AlpacaFarm Fig. 3, Fig. 5, Table 2;
    unless ``evaluation.replicate_sft`` is False), each judged by the simulated evaluator p_sim^eval; the leaderboard
    with intervals and each method's paired difference to SFT. Beside them, baselines of lesser quality for the
    all-systems ranking (the paper's Fig. 3 spans LLaMA 7B to GPT-4): SFT stopped after a quarter and half of its
-   epochs (`short_sft_outputs`; ``sft_epochs``), the way the paper sets SFT on 10k demonstrations beside 52k; and,
+   epochs (`short_sft_outputs`; ``sft_epochs``: snapshots of the replicate's SFT run, ``sft.snapshot_epochs``), the
+   way the paper sets SFT on 10k demonstrations beside 52k; and,
    as the paper ranks its methods beside API models, the farm's writers (the reference policy, the demonstrator, the
    reference policy without mistakes; `farmflow.evaluation.study.writers`), each a `write` stage.
 2. The human-like arm: a gold-based annotator whose sharpness makes one of its judgements agree with the mode of three
@@ -67,7 +68,7 @@ from farmflow.flows.replicates import replicate_board_task, replicate_config, re
 from farmflow.flows.runner import StageRunner
 from farmflow.storage import ArtifactRef, open_store, stage_key
 from farmflow.storage.schemas import SCHEMAS
-from farmflow.tasks import evaluate_task, sft_task, write_task
+from farmflow.tasks import evaluate_task, sft_snapshot, write_task
 from farmflow.tasks.analysis import overoptimization_task
 
 STUDY_NS = (1, 2, 4, 8, 16, 64)
@@ -175,13 +176,12 @@ def default_sft_epochs(cfg: FarmConfig) -> tuple[float, ...]:
     return (cfg.sft.epochs / 4, cfg.sft.epochs / 2)
 
 
-def short_sft_outputs(up: Upstream, epochs: float, tag: str = "") -> tuple[str, ArtifactRef]:
-    """(name, evaluation-set outputs) of SFT stopped after `epochs` (its own run: the schedule spans those epochs),
-    on the same data and base model as `up`'s SFT."""
+def short_sft_outputs(up: Upstream, epochs: float) -> tuple[str, ArtifactRef]:
+    """(name, evaluation-set outputs) of SFT stopped after `epochs`: the snapshot `up`'s SFT run committed there
+    (``sft.snapshot_epochs`` holds `epochs`), partway through its learning-rate schedule. One run gives every
+    baseline, where a run of their own per baseline would cost their epochs in training again."""
     name = SHORT_SFT.format(epochs=epochs)
-    sft = up.cfg.sft.model_copy(update={"epochs": epochs})
-    policy = up.run(sft_task, sft, f"{name}{tag}", data=up.data, base=up.base, checkpoints=up.cfg.checkpoints)
-    return name, generate_outputs(up, policy, name)
+    return name, generate_outputs(up, sft_snapshot(up.run.store_uri, up.sft, epochs), name)
 
 
 def writer_outputs(up: Upstream, name: str, writer: str, error_rate: float, tag: str = "") -> ArtifactRef:
@@ -214,6 +214,8 @@ def run_study(
     if any(not 0 < e < cfg.sft.epochs for e in short):
         raise ValueError(f"sft_epochs must lie between 0 and the preset's {cfg.sft.epochs:g} epochs, got {short}")
     check_ppo_every(ppo_every)
+    # every replicate's SFT run also commits the shortened baselines (snapshot_epochs is not in its key)
+    cfg = cfg.model_copy(update={"sft": cfg.sft.model_validate(cfg.sft.model_dump() | {"snapshot_epochs": short})})
     replicate_0 = cfg
     if ns and ppo_every:
         # replicate 0's PPO is also the p_sim^ann curve's (snapshot_every is not in its key): committing the snapshots
@@ -223,7 +225,7 @@ def run_study(
         up, done = replicate_evaluations(run, replicate_0 if r == 0 else cfg, methods, r)
         data = data or up.data
         tag = f" [replicate {r}]" if r else ""
-        extra = dict(short_sft_outputs(up, e, tag) for e in short)
+        extra = dict(short_sft_outputs(up, e) for e in short)
         if with_writers:
             extra |= {
                 name: writer_outputs(up, name, writer, rate, tag) for name, (writer, rate) in writers(cfg.data).items()
@@ -281,7 +283,8 @@ def run_study(
     ppo_every: Also PPO's curves: a snapshot every this many PPO steps, each a point (None: best-of-n only).
     agreement: Leave-one-out agreement the human-like arm is calibrated to: one judgement vs the mode of three others
         (humans on AlpacaEval's cross-annotations: 0.657).
-    sft_epochs: Epochs of the shortened SFT baselines (all-systems ranking; None: a quarter and half of sft.epochs).
+    sft_epochs: Epochs after which SFT's snapshots are the shortened baselines (all-systems ranking; None: a quarter
+        and half of sft.epochs).
     writers: Also rank the farm's writers as systems beside the pipeline's (the paper's API models).
 """)
 def study_flow(

@@ -20,7 +20,7 @@ instead of padded; the loss is the same up to float rounding.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -111,13 +111,20 @@ def train_sft(
     max_len: int,
     checkpointer: Checkpointer | None = None,
     name: str = "sft",
+    snapshot: Callable[[float, int, torch.nn.Module], None] | None = None,
 ) -> dict[str, float]:
     """Fine-tune `model` in place on (prompt, response) pairs; returns training metrics.
 
     With a `checkpointer`, the loop resumes from its latest checkpoint and saves new ones
     as it goes (the batches after a resume are the ones an uninterrupted run would see).
+    `snapshot(epochs, step, model)` runs after the step that ends each of ``cfg.snapshot_epochs``
+    (before that step's checkpoint, so a resumed run has passed every snapshot it skips).
     """
-    total = max(1, round(cfg.epochs * math.ceil(len(prompts) / cfg.batch_size)))
+    per_epoch = math.ceil(len(prompts) / cfg.batch_size)
+    total = max(1, round(cfg.epochs * per_epoch))
+    marks: dict[int, list[float]] = {}  # step → the snapshot epochs it ends (two can round to one step)
+    for e in cfg.snapshot_epochs if snapshot is not None else ():
+        marks.setdefault(max(1, round(e * per_epoch)), []).append(e)
     batches = batch_order(len(prompts), cfg.batch_size, total, cfg.seed)
     response_rows = model.config.vocab_size >= RESPONSE_ROWS_MIN_VOCAB
     pad_id = tokenizer.pad_token_id
@@ -160,6 +167,10 @@ def train_sft(
             )
             bar.update(1)
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
+            if step + 1 in marks:
+                plain = rt.plain(trained)
+                for e in marks[step + 1]:
+                    snapshot(e, step + 1, plain)
             ckpt.save(step + 1, **state, extra={"losses": losses, "tokens": tokens})
     rt.finish(trained)
     tail = losses[-max(1, len(losses) // 10) :]

@@ -26,9 +26,9 @@ from farmflow.evaluation import evaluate_outputs
 from farmflow.evaluation.reward_report import report_rows
 from farmflow.generation import sample_texts
 from farmflow.progress import progress
-from farmflow.storage import ArtifactRef
+from farmflow.storage import ArtifactRef, open_store
 from farmflow.storage.schemas import SCHEMAS
-from farmflow.tasks.registry import STAGES
+from farmflow.tasks.registry import SFT_SNAPSHOT_STAGE, STAGES, sft_snapshot_key
 from farmflow.tasks.stage import Model, StageRun, Table, stage_task
 from farmflow.training_metrics import recorder
 
@@ -63,12 +63,18 @@ def base_model_task(run: StageRun, config: ModelConfig, data: ArtifactRef) -> Mo
 def sft_task(
     run: StageRun, config: SFTConfig, data: ArtifactRef, base: ArtifactRef, checkpoints: CheckpointConfig | None = None
 ) -> Model:
-    """Supervised fine-tuning of the base model on the SFT split's demonstrations (resumable)."""
+    """Supervised fine-tuning of the base model on the SFT split's demonstrations (resumable); with
+    ``config.snapshot_epochs`` also the policy after each of those epochs (`sft_snapshot`)."""
     from farmflow.methods.sft import train_sft
     from farmflow.models import load_policy
 
     rows = split_rows(run.store.read_table(data), "sft")
     model, tokenizer = load_policy(run.store.model_dir(base))
+
+    def snapshot(epochs: float, step: int, trained) -> None:
+        config = {"epochs": epochs, "step": step}
+        run.snapshot(SFT_SNAPSHOT_STAGE, sft_snapshot_key(run.key, epochs), trained, tokenizer, config, "sft")
+
     metrics = train_sft(
         model,
         tokenizer,
@@ -77,8 +83,17 @@ def sft_task(
         config,
         model.config.max_position_embeddings,
         run.checkpointer(checkpoints),
+        snapshot=snapshot,
     )
     return Model(model, tokenizer, metrics)
+
+
+def sft_snapshot(store_uri: str, sft: ArtifactRef, epochs: float) -> ArtifactRef:
+    """The committed policy of the SFT run `sft` after `epochs` (its config's ``snapshot_epochs``)."""
+    ref = open_store(store_uri).get(SFT_SNAPSHOT_STAGE, sft_snapshot_key(sft.key, epochs))
+    if ref is None:
+        raise LookupError(f"the SFT run {sft.key[:12]} has no snapshot after {epochs:g} epochs (sft.snapshot_epochs)")
+    return ref
 
 
 @stage_task(STAGES["sample_pairs"])

@@ -115,6 +115,22 @@ def snapshots_complete(store: Any, ref: ArtifactRef, config: Any) -> bool:
     )
 
 
+SFT_SNAPSHOT_STAGE = "sft_snapshot"
+"""SFT's policy after each of ``sft.snapshot_epochs``, committed beside the run (the study's shorter-trained SFTs)."""
+
+
+def sft_snapshot_key(sft_key: str, epochs: float) -> str:
+    return stage_key(SFT_SNAPSHOT_STAGE, method_version("sft"), {"epochs": float(epochs)}, {"sft": sft_key})
+
+
+def sft_snapshots_complete(store: Any, ref: ArtifactRef, config: Any) -> bool:
+    """Does the SFT artifact `ref` have a committed snapshot after each of `snapshot_epochs`?"""
+    return all(
+        store.get(SFT_SNAPSHOT_STAGE, sft_snapshot_key(ref.key, e)) is not None
+        for e in config_get(config, "snapshot_epochs", ())
+    )
+
+
 def _data_summary(metrics: dict[str, float]) -> str:
     return ", ".join(f"{k} {v:.0f}" for k, v in metrics.items() if k != "seconds")
 
@@ -166,6 +182,7 @@ STAGES: dict[str, Stage] = {
             method_version("sft"),
             ("data", "base"),
             reads=lambda c: {"data": ("sft",)},
+            complete=sft_snapshots_complete,
             gpu=True,
             processes="all",
             summary="{steps:.0f} steps, " + LOSS + ", {train_tokens:.0f} tokens in {seconds:.1f}s",

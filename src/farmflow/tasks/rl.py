@@ -75,7 +75,7 @@ def ppo_task(
 ) -> Model:
     """PPO from the SFT policy against the reward model, on the unlabeled split's prompts."""
     from farmflow.methods.ppo import train_ppo
-    from farmflow.models import load_policy, save, value_from_reward
+    from farmflow.models import load_policy, value_from_reward
 
     prompts = unlabeled_prompts(run, data)
     policy, tokenizer = load_policy(run.store.model_dir(sft))
@@ -83,14 +83,8 @@ def ppo_task(
     value_model = value_from_reward(run.store.model_dir(reward))
 
     def snapshot(step: int, model) -> None:
-        key = snapshot_key(run.key, step)
-        if config.snapshot_every and step % config.snapshot_every == 0 and run.store.get(SNAPSHOT_STAGE, key) is None:
-            with run.store.put_model(SNAPSHOT_STAGE, key, "policy", config={"step": step}, inputs={"ppo": run.key}) as (
-                folder,
-                m,
-            ):
-                save(model, tokenizer, folder)
-                m["step"] = float(step)
+        if config.snapshot_every and step % config.snapshot_every == 0:
+            run.snapshot(SNAPSHOT_STAGE, snapshot_key(run.key, step), model, tokenizer, {"step": step}, "ppo")
 
     summary, history = train_ppo(
         policy,

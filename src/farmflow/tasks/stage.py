@@ -114,6 +114,17 @@ class StageRun:
             )
         return self.ckpt
 
+    def snapshot(self, stage: str, key: str, model: Any, tokenizer: Any, config: dict[str, float], input: str) -> None:
+        """Commit `model` mid-training as a policy artifact of `stage` under `key` (config: where in the run it was
+        taken, also its metrics; `input`: this run's stage, whose key it records), unless one is committed already
+        (a resumed run passes the same point again)."""
+        from farmflow.models import save
+
+        if self.store.get(stage, key) is None:
+            with self.store.put_model(stage, key, "policy", config=config, inputs={input: self.key}) as (folder, m):
+                save(model, tokenizer, folder)
+                m.update({k: float(v) for k, v in config.items()})
+
 
 # ------------------------------------------------------------------------------- running
 def lookup(
