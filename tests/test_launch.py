@@ -44,13 +44,14 @@ def test_process_launcher_commits_the_inline_artifact(tmp_path, cfg, caplog, mon
     inline_uri, child_uri = str(tmp_path / "inline"), str(tmp_path / "child")
     data_a, base_a = _upstream(inline_uri, cfg)
     data_b, base_b = _upstream(child_uri, cfg)
-    inline = tasks.sft_task.fn(inline_uri, cfg.sft, data=data_a, base=base_a)
+    sft = cfg.sft.model_validate(cfg.sft.model_dump() | {"snapshot_epochs": (0.5,)})  # a snapshot after step 4 of 8
+    inline = tasks.sft_task.fn(inline_uri, sft, data=data_a, base=base_a)
     runs = EXECUTED["sft"]
     caplog.set_level(logging.INFO, logger="farmflow")
     caplog.clear()  # the inline run's lines, when an earlier test (the CLI) left the farmflow logger at INFO
     monkeypatch.setenv("FARMFLOW_PROGRESS_EVERY_S", "0.000001")  # the child logs a progress line at every step
     with launching(ExecutionConfig(launcher="process")):
-        child = tasks.sft_task.fn(child_uri, cfg.sft, data=data_b, base=base_b)
+        child = tasks.sft_task.fn(child_uri, sft, data=data_b, base=base_b)
     # the child's progress and summary lines are repeated in the parent's log (in a flow: the run's Prefect logs)
     said = [r.getMessage() for r in caplog.records if r.name == "farmflow"]
     assert said[0] == "sft: running in a child process" and said[-1].startswith("sft: child finished in")
@@ -59,11 +60,14 @@ def test_process_launcher_commits_the_inline_artifact(tmp_path, cfg, caplog, mon
     )
     assert any(m.startswith("sft: 8 steps, loss") for m in said)
     with launching(ExecutionConfig(launcher="process")):
-        again = tasks.sft_task.fn(child_uri, cfg.sft, data=data_b, base=base_b)  # a cache hit starts no child
+        again = tasks.sft_task.fn(child_uri, sft, data=data_b, base=base_b)  # a cache hit starts no child
         pairs_child = tasks.sample_pairs_task.fn(child_uri, cfg.pairs, data=data_b, policy=child)
     assert EXECUTED["sft"] == runs + 1
     assert child.key == inline.key == again.key and child.kind == "model"
     a, b = _weights(inline_uri, inline), _weights(child_uri, child)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # the snapshot too: written in the child, committed by the parent
+    a, b = (_weights(uri, tasks.sft_snapshot(uri, ref, 0.5)) for uri, ref in ((inline_uri, inline), (child_uri, child)))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     rec_a, rec_b = open_store(inline_uri).record(inline), open_store(child_uri).record(child)
     assert rec_a["config"] == rec_b["config"] and rec_a["inputs"] == rec_b["inputs"]
