@@ -114,14 +114,14 @@ class StageRun:
             )
         return self.ckpt
 
-    def snapshot(self, stage: str, key: str, model: Any, tokenizer: Any, config: dict[str, float], input: str) -> None:
+    def snapshot(self, stage: str, key: str, model: Any, tokenizer: Any, config: dict[str, float], parent: str) -> None:
         """Commit `model` mid-training as a policy artifact of `stage` under `key` (config: where in the run it was
-        taken, also its metrics; `input`: this run's stage, whose key it records), unless one is committed already
-        (a resumed run passes the same point again)."""
+        taken, also its metrics; `parent`: the input name under which it records this run's key), unless one is
+        committed already (a resumed run passes the same point again)."""
         from farmflow.models import save
 
         if self.store.get(stage, key) is None:
-            with self.store.put_model(stage, key, "policy", config=config, inputs={input: self.key}) as (folder, m):
+            with self.store.put_model(stage, key, "policy", config=config, inputs={parent: self.key}) as (folder, m):
                 save(model, tokenizer, folder)
                 m.update({k: float(v) for k, v in config.items()})
 
