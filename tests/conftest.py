@@ -10,6 +10,11 @@ os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="farmflow-prefect-")
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("FARMFLOW_LOG_DIR", tempfile.mkdtemp(prefix="farmflow-logs-"))  # run logs of CLI runs in tests
+# One compute thread in this process and in every process it starts (flow runs, workers, launched children): the
+# suite runs two workers on two cores, and a process's second torch thread spins on the core the other worker needs.
+# Beside one busy process, synthetic-micro's SFT takes 2.3x the wall time and 2.8x the CPU with two threads; alone, one
+# thread is as fast (the tiny models' matrices are too small to split).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 
@@ -69,14 +74,3 @@ def postgres():
         pytest.skip("needs PostgreSQL's binaries (Debian's postgresql package; CI installs it)")
     with postgres_cluster() as cluster:
         yield cluster
-
-
-@pytest.fixture(scope="module")
-def one_torch_thread():
-    """Tiny tensors: one torch thread is faster, and much faster on a busy 2-core machine."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)

@@ -76,7 +76,6 @@ def uninterrupted_history(art: dict, method: str, config) -> list[dict]:
 
 KILL_SCRIPT = textwrap.dedent("""
     import json, sys, torch
-    torch.set_num_threads(1)
     from farmflow.config import CheckpointConfig, {config_class}
     from farmflow.storage import ArtifactRef
     from farmflow.tasks import rl

@@ -12,8 +12,6 @@ sys.path.insert(
 )  # the repository root, where bench/ lives (also under plain `pytest`)
 from bench import gpu  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 
 def test_peak_table():
     assert gpu.peak_tflops("NVIDIA H100 80GB HBM3") == 989.0

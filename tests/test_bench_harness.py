@@ -44,7 +44,6 @@ def test_generated_tokens_stop_at_eos_and_skip_padding():
     assert sampling.generated_tokens([[5, 6, 2, 7, 7], [5, 0, 0], [9, 9, 9]], eos=2, pad=0) == 3 + 1 + 3
 
 
-@pytest.mark.usefixtures("one_torch_thread")
 def test_sampling_smoke_writes_entries_and_report_renders_them(tmp_path):
     out = tmp_path / "results" / "sampling.json"
     sampling.main(["--smoke", "--rounds", "1", "--out", str(out)])

@@ -22,7 +22,6 @@ from farmflow.models import decode_response, left_pad, load_policy, load_tokeniz
 from farmflow.storage import open_store
 from farmflow.tasks.core import EXECUTED, key_config
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
 needs_no_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
 
 

@@ -65,7 +65,7 @@ def save_tiny_judge(folder: Path, chat: bool = False, seed: int = 0) -> Path:
 
 
 @pytest.fixture(scope="module")
-def judge_dir(tmp_path_factory, one_torch_thread):
+def judge_dir(tmp_path_factory):
     return save_tiny_judge(tmp_path_factory.mktemp("judge") / "tiny-judge")
 
 
@@ -252,7 +252,7 @@ def test_two_processes_judging_the_same_pairs_at_once_judge_each_once(judge_dir,
     procs = []
     for ready in barrier:
         code = TWO_RUNS.format(ready=ready, barrier=barrier, model=str(judge_dir), store=store)
-        env = python_env(FARMFLOW_LEASE_TTL_S="3", OMP_NUM_THREADS="1")
+        env = python_env(FARMFLOW_LEASE_TTL_S="3")
         procs.append(
             subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         )

@@ -81,7 +81,7 @@ def own(row: dict, pair: dict) -> float:
 
 
 @pytest.fixture(scope="module")
-def farm(tmp_path_factory, one_torch_thread):
+def farm(tmp_path_factory):
     """A micro farm's stages up to the reward model on the simulated labels, and the config."""
     uri = str(tmp_path_factory.mktemp("human") / "store")
     cfg = load_config("synthetic-micro")

@@ -163,7 +163,7 @@ def check_row(row: dict, n: int) -> None:
     assert 0 <= row["prefers_longer"] <= 1
 
 
-def test_cli_hf_judge_on_the_real_gpt4_annotations(tmp_path, one_torch_thread):
+def test_cli_hf_judge_on_the_real_gpt4_annotations(tmp_path):
     model = save_tiny_judge(tmp_path / "tiny-judge")
     store = str(tmp_path / "store")
     args = [str(GPT4), "--judge", f"hf:{model}", "--limit", "8", "--seed", "1", "--store", store]

@@ -19,14 +19,11 @@ from farmflow.storage import open_store
 from farmflow.tasks.core import EXECUTED, launching
 from farmflow.tasks.launch import MULTI_PROCESS_STAGES, StageLaunchError, command, find_config
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 CONFIGS = Path(__file__).resolve().parents[1] / "src" / "farmflow" / "configs" / "accelerate"
 
 
 @pytest.fixture
-def cfg(monkeypatch):
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # children compute with one thread, like this process
+def cfg():
     return load_config("synthetic-micro")
 
 

@@ -14,8 +14,6 @@ from farmflow.models.runtime import Runtime
 from farmflow.tasks.core import key_config
 
 pytest.importorskip("peft")
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 LORA = LoraConfig(r=4, alpha=8.0, dropout=0.0, target_modules=["q_proj", "v_proj"])
 
 

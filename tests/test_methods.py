@@ -19,8 +19,6 @@ from farmflow.models import build_policy, encode_examples, load_policy, save, tr
 from farmflow.models.checkpoint import Checkpointer, load_state, save_state
 from farmflow.storage import LocalStore
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 
 @pytest.fixture(scope="module")
 def tok():
@@ -237,7 +235,6 @@ def test_a_switched_off_checkpointer_neither_saves_nor_restores(tmp_path):
 
 RESUME_SCRIPT = textwrap.dedent("""
     import json, sys, torch
-    torch.set_num_threads(1)
     from farmflow.config import DPOConfig
     from farmflow.methods import dpo
     from farmflow.models import load_policy

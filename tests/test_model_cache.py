@@ -115,7 +115,7 @@ def tiny_gguf(tmp_path):
     return path, write_tiny_gguf(path)
 
 
-def test_import_gguf_is_a_plain_checkpoint_with_the_gguf_logits(cache, tiny_gguf, one_torch_thread):
+def test_import_gguf_is_a_plain_checkpoint_with_the_gguf_logits(cache, tiny_gguf):
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     path, n_params = tiny_gguf
@@ -153,7 +153,7 @@ def test_import_gguf_is_a_plain_checkpoint_with_the_gguf_logits(cache, tiny_gguf
     assert table.exit_code == 0 and "tiny" in table.stdout and "0.0M" in table.stdout
 
 
-def test_a_cache_name_is_a_pretrained_model_keyed_by_its_files(cache, tiny_gguf, one_torch_thread):
+def test_a_cache_name_is_a_pretrained_model_keyed_by_its_files(cache, tiny_gguf):
     path, _ = tiny_gguf
     folder = Path(invoke("models", "import", str(path), "--name", "tiny").stdout.strip())
     assert resolve_model("tiny") == str(folder)

@@ -66,9 +66,6 @@ def plain_sft(model, tok, cfg, n: int, device: str = "cpu") -> list[float]:
     return losses
 
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
 @pytest.fixture(scope="module")
 def tok():
     return train_tokenizer(PROMPTS + RESPONSES, vocab_size=384)

@@ -28,8 +28,6 @@ from farmflow.storage import open_store
 from farmflow.tasks import rl
 from farmflow.tasks.stage import StageRun
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 
 # ------------------------------------------------------------------------ GAE
 def test_gae_undiscounted_is_reward_to_go_minus_value():

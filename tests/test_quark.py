@@ -24,8 +24,6 @@ from farmflow.models import load_policy
 from farmflow.storage import open_store
 from farmflow.tasks import rl
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 
 # ----------------------------------------------------------------------- loss
 def _hand_kl(p: list[float], q: list[float]) -> float:

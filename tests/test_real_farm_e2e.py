@@ -120,7 +120,7 @@ def test_reference_label_names_the_evaluation_set():
 
 @pytest.mark.slow
 @needs_data
-def test_real_format_micro_run_through_the_flow(prefect_harness, one_torch_thread, tmp_path, monkeypatch, caplog):
+def test_real_format_micro_run_through_the_flow(prefect_harness, tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("OPENAI_API_KEY", SECRET)
     monkeypatch.delenv("FARMFLOW_STORE", raising=False)
     caplog.set_level(logging.DEBUG)

@@ -49,7 +49,7 @@ def _run(cfg, replicates):
     return summary, sum(tasks.EXECUTED.values())
 
 
-@pytest.mark.usefixtures("prefect_harness", "one_torch_thread")
+@pytest.mark.usefixtures("prefect_harness")
 @pytest.mark.slow
 def test_replicates_are_cached_like_any_stage(micro_config, monkeypatch):
     """K=1, then K=2 (only replicate 1 runs), K=2 again (nothing, the leaderboard read back), K=3 (only replicate 2),

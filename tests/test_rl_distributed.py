@@ -29,8 +29,6 @@ from farmflow.config import PPOConfig, QuarkConfig  # noqa: E402
 from farmflow.methods import ppo, quark  # noqa: E402
 from farmflow.methods import rl as rl_methods  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 # fixed tensors split between the processes: rows 0-2 are rank 0's, rows 3-5 rank 1's (4 columns wide: its last is
 # padding)
 GEN = torch.Generator().manual_seed(0)
@@ -129,7 +127,6 @@ def _save_weights(path: Path, *modules: torch.nn.Module) -> None:
 
 def worker(out: Path) -> None:
     """Run under `accelerate launch --num_processes 2`: every rank writes rank<r>.json and its trained weights."""
-    torch.set_num_threads(1)
     from farmflow.models.runtime import process_state
 
     state = process_state()
@@ -244,7 +241,7 @@ def ranks(tmp_path_factory) -> tuple[list[dict], Path]:
         str(out),
     ]
     src = str(TESTS.parent / "src")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)], out
@@ -419,7 +416,7 @@ def _stage(method: str, micro: dict):
 
 @pytest.mark.slow  # an accelerate launch of the stage per method (~30 s each)
 @pytest.mark.parametrize("method", ["ppo", "quark"])
-def test_stage_on_two_processes_commits_the_inline_key_and_record(micro, method, tmp_path, monkeypatch):
+def test_stage_on_two_processes_commits_the_inline_key_and_record(micro, method, tmp_path):
     import shutil
 
     from farmflow.config import ExecutionConfig
@@ -428,7 +425,6 @@ def test_stage_on_two_processes_commits_the_inline_key_and_record(micro, method,
     from farmflow.tasks import rl
     from farmflow.tasks.core import launching
 
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     task, config, inputs = _stage(method, micro)
     uri = str(tmp_path / "store")
     shutil.copytree(micro["uri"], uri, ignore=shutil.ignore_patterns("ppo", "quark"))  # the same upstream artifacts
@@ -449,12 +445,11 @@ def test_stage_on_two_processes_commits_the_inline_key_and_record(micro, method,
 
 
 @pytest.mark.slow
-def test_a_rollout_that_does_not_split_is_one_clear_launch_error(micro, tmp_path, monkeypatch):
+def test_a_rollout_that_does_not_split_is_one_clear_launch_error(micro, tmp_path):
     from farmflow.config import ExecutionConfig
     from farmflow.tasks.core import launching
     from farmflow.tasks.launch import StageLaunchError
 
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     task, config, inputs = _stage("ppo", micro)
     bad = config.model_copy(update={"rollout_batch_size": 45})
     with (

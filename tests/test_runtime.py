@@ -12,8 +12,6 @@ from farmflow.models import build_policy, encode_examples, reward_from_policy, s
 from farmflow.models.runtime import Runtime
 from farmflow.tasks.core import key_config
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 N = 16  # examples (pairs): 2 optimizer steps of 8
 OTHER = [r[::-1] + " ok" for r in RESPONSES[:N]]
 

@@ -13,8 +13,6 @@ from farmflow.data import prompts_of, split_rows
 from farmflow.storage import open_store
 from farmflow.tasks.registry import sft_snapshots_complete
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 
 @pytest.fixture
 def upstream(tmp_path):

@@ -25,8 +25,6 @@ from farmflow.models import build_policy, train_tokenizer
 from farmflow.models.checkpoint import Checkpointer
 from farmflow.storage import LocalStore
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 STOP_AT = 2  # the stop request arrives once this many steps are done
 
 

@@ -308,7 +308,7 @@ def test_the_fig5_contrast_is_p_sim_anns_fall_minus_greedys():
     assert [f["quantity"] for f in alone] == ["over-optimization: ppo, reward model on p_sim^ann labels, judged by j"]
 
 
-@pytest.mark.usefixtures("prefect_harness", "one_torch_thread")
+@pytest.mark.usefixtures("prefect_harness")
 @pytest.mark.slow
 def test_study_flow_on_micro_writes_its_table_plots_and_artifacts_then_is_cached(micro_config):
     from prefect.client.orchestration import get_client

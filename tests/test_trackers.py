@@ -31,7 +31,7 @@ def event_scalars(folder: Path) -> dict[str, dict[int, float]]:
 
 
 @pytest.fixture(scope="module")
-def farm(tmp_path_factory, one_torch_thread):
+def farm(tmp_path_factory):
     from farmflow import tasks
 
     cfg = load_config("synthetic-micro", [f"store.uri={tmp_path_factory.mktemp('trackers') / 'store'}"])

@@ -69,7 +69,7 @@ def test_resume_keeps_the_rows_up_to_the_checkpoint_and_the_wall_time():
     assert rows[2]["wall_s"] >= rows[1]["wall_s"]
 
 
-def test_dpo_counts_the_tokens_its_forwards_read(one_torch_thread):
+def test_dpo_counts_the_tokens_its_forwards_read():
     """A step reads <s> prompt chosen </s> and <s> prompt rejected </s> of its pairs: with one batch of all pairs,
     each step counts those 2 × 8 sequences' tokens, here counted from the tokenizer alone."""
     from test_models import CFG, PROMPTS, RESPONSES
@@ -97,7 +97,7 @@ def test_dpo_counts_the_tokens_its_forwards_read(one_torch_thread):
 
 # ------------------------------------------------------------------ stages
 @pytest.fixture(scope="module")
-def farm(tmp_path_factory, one_torch_thread):
+def farm(tmp_path_factory):
     """The micro farm's data, SFT and reward model, and PPO and DPO on them (real stage tasks)."""
     from farmflow import tasks
     from farmflow.tasks import rl
@@ -178,7 +178,7 @@ def test_plot_curves_of_a_run_draws_the_stages_upstream_of_its_evaluations(farm,
     assert res.output.strip().endswith("(sft, train_reward, ppo)")  # not dpo: no evaluation of this run needs it
 
 
-def test_a_resumed_sft_has_every_step_once(tmp_path, one_torch_thread):
+def test_a_resumed_sft_has_every_step_once(tmp_path):
     """A run that resumes from the checkpoint before its last step ends with the uninterrupted run's rows."""
     from farmflow import tasks
     from farmflow.data import prompts_of
