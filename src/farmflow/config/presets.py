@@ -242,8 +242,8 @@ def _smol_cpu() -> FarmConfig:
 def _smol_micro() -> FarmConfig:
     """The smol-cpu path at toy sizes, for tests: a few minutes once the model is in the cache (PPO: one step of 4
     rollouts with one pass over them, the stage's whole path at a fraction of its cost). Each stage's compute is a
-    135M model's forward and backward passes on 2 CPU cores, so every size is the smallest that keeps the stage's
-    path: a training batch of 4 sequences of at most 128 tokens, 4 evaluation instructions."""
+    135M model's forward and backward passes on 2 CPU cores, so the sizes stay toy-sized: a training batch of 4
+    sequences of at most 128 tokens, 4 evaluation instructions."""
     return _smol(
         "smol-micro",
         {"sft_size": 4, "pref_size": 4, "unlabeled_size": 4, "val_size": 2, "eval_size": 4},
