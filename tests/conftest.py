@@ -22,8 +22,8 @@ import pytest  # noqa: E402
 # long files first, so that none is left running alone at the end. The distributed-mode tests, the SmolLM2 run and
 # the schedule tests take 4-8 min each on 2 cores (process start-up, servers and model compute), the next files 2-4
 # min. xdist gives a worker its next file while the current one still has two tests to go, so the short files at the
-# head go to whichever worker asks first; in a suite run of 2026-11-30 the two workers ended 0.2 min apart (26.8 and
-# 27.0 min). The remaining files follow, those with the most tests first.
+# head go to whichever worker asks first; in two suite runs of 2026-11-30 the two workers ended 0.2 min apart (26.8 and
+# 27.0 min) and together (23.9 min). The remaining files follow, those with the most tests first.
 LONG_FILES_FIRST = (
     "test_orchestration_distributed.py",
     "test_cli_output.py",
