@@ -47,6 +47,16 @@ def test_micro_preset_values():
     assert cfg.evaluation.annotator.label_noise == 0.0  # p_sim^eval
 
 
+def test_lookup_preset_is_the_demo_on_the_lookup_families():
+    """synthetic-lookup differs from synthetic-tiny in its name and task families alone, so a study on each compares
+    the tasks, nothing else."""
+    lookup, tiny = preset("synthetic-lookup").model_dump(), preset("synthetic-tiny").model_dump()
+    assert lookup["data"].pop("families") == ["list_items", "categorize"]
+    assert tiny["data"].pop("families") == ["arithmetic", "sort", "reverse", "list_items", "max_number", "categorize"]
+    assert (lookup.pop("name"), tiny.pop("name")) == ("synthetic-lookup", "synthetic-tiny")
+    assert lookup == tiny
+
+
 def test_unknown_preset_lists_known_presets():
     with pytest.raises(ConfigError) as err:
         preset("synthetic-huge")
@@ -56,7 +66,8 @@ def test_unknown_preset_lists_known_presets():
         assert name in msg
     with pytest.raises(
         ConfigError,
-        match="known presets: alpaca-small, alpacafarm-7b, smol-cpu, smol-micro, synthetic-micro, synthetic-tiny",
+        match="known presets: alpaca-small, alpacafarm-7b, smol-cpu, smol-micro, synthetic-lookup, synthetic-micro, "
+        "synthetic-tiny",
     ):
         load_config("nope")
 
@@ -320,6 +331,7 @@ def test_config_diff_shows_an_annotator_preset_as_one_row_and_presets_one_line_e
         "alpacafarm-7b",
         "smol-cpu",
         "smol-micro",
+        "synthetic-lookup",
         "synthetic-micro",
         "synthetic-tiny",
     ]

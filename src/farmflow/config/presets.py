@@ -87,6 +87,28 @@ def _synthetic_tiny() -> FarmConfig:
     )
 
 
+LOOKUP_FAMILIES = ["list_items", "categorize"]
+"""The synthetic task families whose correctness the farm's reward model can learn from preference pairs (a word's
+category, a category's members: lookups), where it cannot learn to check a sum, a sort or a copy
+(docs/evaluation.md, known limits of the synthetic reward model)."""
+
+
+def _synthetic_lookup() -> FarmConfig:
+    """synthetic-tiny on the lookup families only: a farm whose reward model can learn what its annotators reward.
+
+    AlpacaFarm's over-optimization contrast (Fig. 5: the noisy pool's reward model over-optimizes, a single greedy
+    annotator's does not) rests on a reward model that learns its labeller. On all six families this farm's reward
+    model learns little beyond length and format (57-58% against gold with either labeller), so both over-optimize
+    alike. On list_items and categorize it learns the answers themselves, and the contrast appears
+    (docs/results.md, validation study on the lookup farm). Everything else is synthetic-tiny's, so the two farms
+    differ in their tasks alone; SFT wins about 71% against the reference outputs here (their error rate is
+    calibrated on all six families).
+    """
+    cfg = _synthetic_tiny()
+    cfg.name, cfg.data.families = "synthetic-lookup", list(LOOKUP_FAMILIES)
+    return cfg
+
+
 def _synthetic_micro() -> FarmConfig:
     """Tests: the whole flow in well under a minute."""
     return FarmConfig(
@@ -258,6 +280,7 @@ def _smol_micro() -> FarmConfig:
 
 PRESETS: dict[str, Any] = {
     "synthetic-tiny": _synthetic_tiny,
+    "synthetic-lookup": _synthetic_lookup,
     "synthetic-micro": _synthetic_micro,
     "smol-cpu": _smol_cpu,
     "smol-micro": _smol_micro,
