@@ -87,7 +87,7 @@ def _synthetic_tiny() -> FarmConfig:
     )
 
 
-LOOKUP_FAMILIES = ["list_items", "categorize"]
+LOOKUP_FAMILIES = ("list_items", "categorize")
 """The synthetic task families whose correctness the farm's reward model can learn from preference pairs (a word's
 category, a category's members: lookups), where it cannot learn to check a sum, a sort or a copy
 (docs/evaluation.md, known limits of the synthetic reward model)."""
