@@ -280,8 +280,8 @@ def _smol_micro() -> FarmConfig:
 
 PRESETS: dict[str, Any] = {
     "synthetic-tiny": _synthetic_tiny,
-    "synthetic-lookup": _synthetic_lookup,
     "synthetic-micro": _synthetic_micro,
+    "synthetic-lookup": _synthetic_lookup,
     "smol-cpu": _smol_cpu,
     "smol-micro": _smol_micro,
     "alpaca-small": _alpaca_small,
