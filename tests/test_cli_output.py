@@ -232,7 +232,12 @@ def test_leaderboard_formats_parse_back_to_the_tables_rows(farm):
 
 @pytest.mark.parametrize(
     "args",
-    [["artifacts", "ls"], ["history"], ["sql", "SELECT stage, count(*) AS n FROM artifacts GROUP BY stage"]],
+    [
+        ["artifacts", "ls"],
+        ["history"],
+        # GROUP BY alone returns its rows in any order, and two invocations are compared
+        ["sql", "SELECT stage, count(*) AS n FROM artifacts GROUP BY stage ORDER BY stage"],
+    ],
     ids=["artifacts-ls", "history", "sql"],
 )
 def test_table_commands_print_json_csv_and_md_of_the_same_rows(farm, args):
