@@ -99,10 +99,10 @@ def _synthetic_lookup() -> FarmConfig:
     AlpacaFarm's over-optimization contrast (Fig. 5: the noisy pool's reward model over-optimizes, a single greedy
     annotator's does not) rests on a reward model that learns its labeller. On all six families this farm's reward
     model learns little beyond length and format (57-58% against gold with either labeller), so both over-optimize
-    alike. On list_items and categorize it learns the answers themselves, and the contrast appears
-    (docs/results.md, validation study on the lookup farm). Everything else is synthetic-tiny's, so the two farms
-    differ in their tasks alone; SFT wins about 71% against the reference outputs here (their error rate is
-    calibrated on all six families).
+    alike. On list_items and categorize it learns the answers themselves: best-of-n gains gold, the methods separate
+    from SFT, and whether the contrast appears depends on the seed (docs/results.md, validation study on the lookup
+    farm). Everything else is synthetic-tiny's, so the two farms differ in their tasks alone; SFT wins 71-74% against
+    the reference outputs here (their error rate is calibrated on all six families).
     """
     cfg = _synthetic_tiny()
     cfg.name, cfg.data.families = "synthetic-lookup", list(LOOKUP_FAMILIES)
