@@ -100,9 +100,9 @@ def _synthetic_lookup() -> FarmConfig:
     annotator's does not) rests on a reward model that learns its labeller. On all six families this farm's reward
     model learns little beyond length and format (57-58% against gold with either labeller), so both over-optimize
     alike. On list_items and categorize it learns the answers themselves: best-of-n gains gold, the methods separate
-    from SFT, and whether the contrast appears depends on the seed (docs/results.md, validation study on the lookup
-    farm). Everything else is synthetic-tiny's, so the two farms differ in their tasks alone; SFT wins 71-74% against
-    the reference outputs here (their error rate is calibrated on all six families).
+    from SFT, but which reward model over-optimizes more still changes with the seed (docs/results.md, validation
+    study on the lookup farm, six seeds). Everything else is synthetic-tiny's, so the two farms differ in their tasks
+    alone; SFT wins 71-74% against the reference outputs here (their error rate is calibrated on all six families).
     """
     cfg = _synthetic_tiny()
     cfg.name, cfg.data.families = "synthetic-lookup", list(LOOKUP_FAMILIES)
