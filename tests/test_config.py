@@ -47,12 +47,13 @@ def test_micro_preset_values():
     assert cfg.evaluation.annotator.label_noise == 0.0  # p_sim^eval
 
 
-def test_lookup_preset_is_the_demo_on_the_lookup_families():
-    """synthetic-lookup differs from synthetic-tiny in its name and task families alone, so a study on each compares
-    the tasks, nothing else."""
+def test_lookup_preset_is_the_demo_on_the_lookup_families_with_the_papers_preference_pairs():
+    """synthetic-lookup differs from synthetic-tiny in its name, task families and preference split alone (the
+    paper's 10k pairs), so a study on each compares those, nothing else."""
     lookup, tiny = preset("synthetic-lookup").model_dump(), preset("synthetic-tiny").model_dump()
     assert lookup["data"].pop("families") == ["list_items", "categorize"]
     assert tiny["data"].pop("families") == ["arithmetic", "sort", "reverse", "list_items", "max_number", "categorize"]
+    assert (lookup["data"].pop("pref_size"), tiny["data"].pop("pref_size")) == (10_000, 4_000)
     assert (lookup.pop("name"), tiny.pop("name")) == ("synthetic-lookup", "synthetic-tiny")
     assert lookup == tiny
 

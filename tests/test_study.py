@@ -18,6 +18,7 @@ from farmflow.evaluation.study import (
     is_method,
     is_writer,
     majority,
+    over_seeds,
     overoptimization_findings,
     resolution_rows,
     simulated_agreement,
@@ -308,6 +309,38 @@ def test_the_fig5_contrast_is_p_sim_anns_fall_minus_greedys():
     assert [f["quantity"] for f in alone] == ["over-optimization: ppo, reward model on p_sim^ann labels, judged by j"]
 
 
+def _seed(contrast: float, resolved: bool, fall_present: bool, ppo: bool = True) -> list[dict]:
+    fall = {"quantity": "over-optimization: best_of_n, reward model on greedy labels, judged by gold", "value": 2.0}
+    fall["detail"] = "present (best at 4, last 64)" if fall_present else "absent (best at 64, last 64)"
+    c = {"quantity": "over-optimization contrast: best_of_n, judged by gold", "value": contrast}
+    c["detail"] = f"{'resolved' if resolved else 'not resolved'}: p_sim^ann's fall minus greedy's"
+    p = {"quantity": "over-optimization: ppo, reward model on greedy labels, judged by gold", "value": 1.0}
+    p["detail"] = "absent (best at 18, last 18)"
+    return [{"low": 0.0, "high": 0.0} | f for f in [fall, c] + ([p] if ppo else [])]
+
+
+def test_findings_pooled_over_seeds_take_the_mean_with_a_t_interval_and_count_the_seeds():
+    # contrasts 1, 2 and 6 over three seeds: mean 3, sd √7 (squared deviations 4 + 1 + 9 over 2 degrees of freedom),
+    # half-width t(2)·√7/√3 = 4.303 · 1.5275 = 6.573; resolved on the first and the third, both p_sim^ann's way
+    per_seed = [_seed(1.0, True, True), _seed(2.0, False, False), _seed(6.0, True, True, ppo=False)]
+    pooled = {f["quantity"]: f for f in over_seeds(per_seed)}
+    c = pooled["over-optimization contrast: best_of_n, judged by gold, over 3 seeds"]
+    assert c["value"] == pytest.approx(3.0)
+    assert (c["low"], c["high"]) == (pytest.approx(3.0 - 6.5726, abs=1e-3), pytest.approx(3.0 + 6.5726, abs=1e-3))
+    assert c["detail"] == (
+        "resolved on 2 of 3 seeds with p_sim^ann's fall the larger, on 0 with greedy's; Student t over seeds"
+    )
+    fall = pooled["over-optimization: best_of_n, reward model on greedy labels, judged by gold, over 3 seeds"]
+    assert fall["value"] == 2.0 and (fall["low"], fall["high"]) == (2.0, 2.0)  # no spread between seeds
+    assert fall["detail"] == "present on 2 of 3 seeds; Student t over seeds"
+    # a curve the third seed did not draw is pooled over the two that did
+    assert "over-optimization: ppo, reward model on greedy labels, judged by gold, over 2 seeds" in pooled
+    # a contrast resolved the other way counts as greedy's
+    other = over_seeds([_seed(-3.0, True, True), _seed(-1.0, True, True)])
+    assert other[1]["detail"].startswith("resolved on 0 of 2 seeds with p_sim^ann's fall the larger, on 2 with")
+    assert other[1]["value"] == -2.0
+
+
 @pytest.mark.usefixtures("prefect_harness")
 @pytest.mark.slow
 def test_study_flow_on_micro_writes_its_table_plots_and_artifacts_then_is_cached(micro_config):
@@ -381,6 +414,30 @@ def test_study_flow_on_micro_writes_its_table_plots_and_artifacts_then_is_cached
     assert tasks.EXECUTED == {} and again["artifacts"]["study"] == folder
 
 
+@pytest.mark.usefixtures("prefect_harness")
+@pytest.mark.slow
+def test_curves_under_more_seeds_reuse_the_first_and_pool_each_finding(micro_config):
+    from farmflow.flows.study import study_flow
+
+    study = dict(advanced=micro_config, methods=["best_of_n"], replicates=1, ns=[1, 2], writers=False, sft_epochs=[])
+    one = study_flow(**study)
+    tasks.EXECUTED.clear()
+    two = study_flow(**study, curve_replicates=2)
+    # only replicate 1's curves are new: its SFT, its pairs labelled by each labeller and their two reward models
+    assert (tasks.EXECUTED["sft"], tasks.EXECUTED["annotate"], tasks.EXECUTED["train_reward"]) == (1, 2, 2)
+    assert two["artifacts"]["overoptimization"] == one["artifacts"]["overoptimization"]
+    assert two["artifacts"]["overoptimization@1"] != one["artifacts"]["overoptimization"]
+    first = {f["quantity"]: f for f in one["findings"] if f["quantity"].startswith("over-optimization")}
+    found = {f["quantity"]: f for f in two["findings"]}
+    assert all(found[q] == f for q, f in first.items())  # replicate 0's findings, as a study of one seed has them
+    for q, f in first.items():
+        seeds = [f["value"], found[f"{q} [replicate 1]"]["value"]]
+        assert found[f"{q}, over 2 seeds"]["value"] == pytest.approx(sum(seeds) / 2), q
+    tasks.EXECUTED.clear()
+    study_flow(**study, curve_replicates=2)
+    assert tasks.EXECUTED == {}
+
+
 def test_shortened_sft_baselines_must_be_shorter_than_sft(micro_config):
     from farmflow.flows.study import run_study
 
@@ -400,6 +457,15 @@ def test_a_ppo_curve_needs_a_positive_snapshot_interval_before_anything_trains(m
     assert tasks.EXECUTED == {}
     result = CliRunner().invoke(app, ["study", "validate", "--ppo-every", "0", "--store", str(tmp_path)])
     assert result.exit_code == 2 and "--ppo-every" in result.output
+
+
+def test_curves_need_at_least_one_replicate_before_anything_trains(micro_config):
+    from farmflow.flows.study import run_study
+
+    tasks.EXECUTED.clear()
+    with pytest.raises(ValueError, match="curve_replicates must be at least 1, got 0"):
+        run_study(micro_config, ["best_of_n"], 1, curve_replicates=0)
+    assert tasks.EXECUTED == {}
 
 
 def test_the_study_cli_refuses_a_farm_without_gold(tmp_path):

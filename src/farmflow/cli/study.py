@@ -41,6 +41,12 @@ def validate(
         "--writers/--no-writers",
         help="Also rank the farm's writers beside the pipeline (the paper's API models).",
     ),
+    curve_replicates: int = typer.Option(
+        1,
+        "--curve-replicates",
+        min=1,
+        help="Draw the over-optimization curves under this many replicates' seeds and pool each finding over them.",
+    ),
     set_: list[str] = typer.Option([], "--set", help="Override a field (section.field=value)."),
     store: Optional[str] = typer.Option(None, help=STORE_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
@@ -75,6 +81,7 @@ def validate(
         agreement=agreement,
         sft_epochs=[e for e in sft_epochs if e] if sft_epochs else None,
         writers=writers,
+        curve_replicates=curve_replicates,
     )
     wall = time.perf_counter() - start
     if as_json:

@@ -94,18 +94,22 @@ category, a category's members: lookups), where it cannot learn to check a sum, 
 
 
 def _synthetic_lookup() -> FarmConfig:
-    """synthetic-tiny on the lookup families only: a farm whose reward model can learn what its annotators reward.
+    """synthetic-tiny on the lookup families with the paper's 10k preference pairs: a farm whose reward model can learn
+    what its annotators reward.
 
     AlpacaFarm's over-optimization contrast (Fig. 5: the noisy pool's reward model over-optimizes, a single greedy
     annotator's does not) rests on a reward model that learns its labeller. On all six families this farm's reward
     model learns little beyond length and format (57-58% against gold with either labeller), so both over-optimize
-    alike. On list_items and categorize it learns the answers themselves: best-of-n gains gold, the methods separate
-    from SFT, but which reward model over-optimizes more still changes with the seed (docs/results.md, validation
-    study on the lookup farm, six seeds). Everything else is synthetic-tiny's, so the two farms differ in their tasks
-    alone; SFT wins 71-74% against the reference outputs here (their error rate is calibrated on all six families).
+    alike. On list_items and categorize it learns the answers themselves: best-of-n gains gold and the methods
+    separate from SFT. With the paper's 10k preference pairs (synthetic-tiny has 4k) best-of-n against p_sim^ann's
+    reward model loses more gold than against greedy's on four of six seeds and as much on the other two; at 4k which
+    of the two falls further changes with the seed (docs/results.md, validation study on the lookup farm). Everything
+    else is synthetic-tiny's; SFT wins 71-74% against the reference outputs here (their error rate is calibrated on
+    all six families).
     """
     cfg = _synthetic_tiny()
     cfg.name, cfg.data.families = "synthetic-lookup", list(LOOKUP_FAMILIES)
+    cfg.data.pref_size = 10_000
     return cfg
 
 

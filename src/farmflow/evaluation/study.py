@@ -41,7 +41,7 @@ from farmflow.evaluation.bootstrap import (
 from farmflow.evaluation.human import preference_rates
 from farmflow.evaluation.leaderboard import method_family
 from farmflow.evaluation.overopt import LABELLERS
-from farmflow.evaluation.replicates import aligned
+from farmflow.evaluation.replicates import aligned, replicate_interval
 from farmflow.evaluation.stats import parse_preference
 
 HUMAN_AGREEMENT = 0.657
@@ -370,6 +370,38 @@ def overoptimization_findings(curves: dict[tuple[str, str, str], list[dict]], n_
                 f"{'resolved' if d['excludes_zero'] else 'not resolved'}: {first}'s fall minus {second}'s",
                 100 * d["low"],
                 100 * d["high"],
+            )
+        )
+    return out
+
+
+def over_seeds(per_seed: Sequence[Sequence[dict]]) -> list[dict]:
+    """`overoptimization_findings` of several replicates (seeds) pooled: per curve and per contrast, the mean of the
+    seeds' values with a 95% Student-t interval over the seeds (what another seed would show; each seed's own interval
+    is over prompts), and on how many seeds a fall was present or a contrast resolved, in which direction. A finding
+    some seed lacks is pooled over the seeds that have it."""
+    by_seed = [{f["quantity"]: f for f in fs} for fs in per_seed]
+    out = []
+    for quantity in by_seed[0]:
+        found = [seed[quantity] for seed in by_seed if quantity in seed]
+        values = [f["value"] for f in found]
+        _, low, high = replicate_interval(values)
+        if quantity.startswith("over-optimization contrast:"):
+            resolved = [f["value"] for f in found if f["detail"].startswith("resolved")]
+            first, second = LABELLERS
+            detail = (
+                f"resolved on {sum(v > 0 for v in resolved)} of {len(found)} seeds with {first}'s fall the larger, "
+                f"on {sum(v < 0 for v in resolved)} with {second}'s"
+            )
+        else:
+            detail = f"present on {sum(f['detail'].startswith('present') for f in found)} of {len(found)} seeds"
+        out.append(
+            _finding(
+                f"{quantity}, over {len(found)} seeds",
+                float(np.mean(values)),
+                f"{detail}; Student t over seeds",
+                low,
+                high,
             )
         )
     return out

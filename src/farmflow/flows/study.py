@@ -14,10 +14,13 @@ humans do, and does over-optimization show? (AlpacaFarm Fig. 3, Fig. 5, Table 2;
    judges the same outputs (`evaluate` stages).
 3. Over-optimization (the over-optimization flow's pieces): for each labeller (p_sim^ann, greedy) a reward model on
    its labels, best-of-n for each n (and PPO snapshots with `ppo_every`), every point judged by p_sim^ann, greedy and
-   the human-like arm; the gold reward comes with every evaluation.
+   the human-like arm; the gold reward comes with every evaluation. With ``curve_replicates`` C the curves are drawn
+   under the first C replicates' seeds (each its own SFT, labels and reward models), since which reward model
+   over-optimizes further changes from seed to seed; each finding is kept per seed and pooled over them.
 4. `study_task`: the ``validation_study`` table (one row per method), ``study_summary.parquet`` (Spearman and Pearson
    between the arms with bootstrap intervals, what the evaluation set resolves, over-optimization per curve and the
-   contrast of p_sim^ann's fall with greedy's per judge and with each curve judged by its labeller, as in the paper),
+   contrast of p_sim^ann's fall with greedy's per judge and with each curve judged by its labeller, as in the paper;
+   over C seeds also their mean with a Student-t interval over the seeds),
    ``study.md``, ``rankings.png``, ``overoptimization.png``; Prefect markdown and table artifacts.
 
 Every stage is cached by its key: a rerun executes nothing, a larger K runs only the new replicates.
@@ -47,6 +50,7 @@ from farmflow.evaluation.study import (
     gold_differences,
     human_like_annotator,
     is_method,
+    over_seeds,
     overoptimization_findings,
     study_markdown,
     study_rows,
@@ -85,35 +89,41 @@ def study_task(
     store_uri: str,
     sim: list[dict[str, ArtifactRef]],
     human: list[dict[str, ArtifactRef]],
-    curve: ArtifactRef | None,
+    curves: list[ArtifactRef],
     calibration: dict[str, float],
     title: str,
     n_boot: int = N_BOOT,
 ) -> ArtifactRef:
     """The study's table, findings and figures from its evaluations (flow doc, step 4); content-keyed, rebuilt only
-    when an input changed."""
+    when an input changed. `curves`: replicate r's over-optimization curve at index r (empty: none)."""
     store = open_store(store_uri)
     inputs = {
         f"{arm}:{m}@{r}": ref
         for arm, refs in (("sim", sim), ("human", human))
         for r, evs in enumerate(refs)
         for m, ref in evs.items()
-    } | ({"curve": curve} if curve else {})
+    } | {("curve" if r == 0 else f"curve@{r}"): c for r, c in enumerate(curves)}
     key = stage_key("validation_study", VERSION, {"title": title, "n_boot": n_boot, **calibration}, inputs)
     ref = store.get("validation_study", key)
     if ref is None:
         sim_rows, human_rows = _tables(store, sim), _tables(store, human)
         rows = study_rows(sim_rows, human_rows, n_boot=n_boot)
         summary = study_summary(sim_rows, human_rows, rows, calibration, n_boot)
-        curve_rows = store.read_table(curve).to_pylist() if curve else []
-        if curve_rows:
-            summary += overoptimization_findings(curve_points(store, curve_rows), n_boot)
+        curve_rows = [store.read_table(c).to_pylist() for c in curves]
+        per_seed = [overoptimization_findings(curve_points(store, rows), n_boot) for rows in curve_rows]
+        summary += [
+            f | ({"quantity": f"{f['quantity']} [replicate {r}]"} if r else {})
+            for r, fs in enumerate(per_seed)
+            for f in fs
+        ]
+        if len(per_seed) > 1:
+            summary += over_seeds(per_seed)
         markdown = study_markdown(rows, summary, title)
         with tempfile.TemporaryDirectory() as tmp:
             plot_rankings(rows, summary, f"{tmp}/rankings.png", title)
             files = {"study.md": markdown.encode(), "rankings.png": Path(f"{tmp}/rankings.png").read_bytes()}
             if curve_rows:
-                plot_overoptimization(curve_rows, f"{tmp}/overoptimization.png", f"Over-optimization ({title})")
+                plot_overoptimization(curve_rows[0], f"{tmp}/overoptimization.png", f"Over-optimization ({title})")
                 files["overoptimization.png"] = Path(f"{tmp}/overoptimization.png").read_bytes()
         ref = store.put_table(
             "validation_study",
@@ -155,13 +165,19 @@ def curve_points(store, curve_rows: list[dict]) -> dict[tuple[str, str, str], li
 
 
 def overoptimization_curve(
-    run: StageRunner, cfg: FarmConfig, judges: dict[str, Any], ns: tuple[int, ...], ppo_every: int | None
+    run: StageRunner,
+    cfg: FarmConfig,
+    judges: dict[str, Any],
+    ns: tuple[int, ...],
+    ppo_every: int | None,
+    replicate: str = "",
 ) -> ArtifactRef:
-    """Best-of-n (and PPO) against a reward model per labeller, every point judged by every judge (flow doc, step 3)."""
+    """Best-of-n (and PPO) against a reward model per labeller, every point judged by every judge (flow doc, step 3);
+    `replicate` marks the stage labels of a replicate's curve."""
     configs, sampled = [], None
     for labeller in LABELLERS:
         up = labelled_upstream(run, cfg, labeller)
-        tag = f" [{labeller}]"
+        tag = f" [{labeller}]{replicate}"
         points = best_of_n_points(up, ns, tag, sampled)
         sampled = sampled or points[-1].outputs
         points += ppo_points(up, ppo_every, tag) if ppo_every else []
@@ -200,10 +216,13 @@ def run_study(
     n_boot: int = N_BOOT,
     sft_epochs: tuple[float, ...] | None = None,
     with_writers: bool = True,
+    curve_replicates: int = 1,
 ) -> dict[str, Any]:
     """The study (module doc) on one farm config; returns a JSON-able summary (findings, rows, artifacts, stages).
     `sft_epochs`: the shortened SFT baselines (None: `default_sft_epochs`; empty: none). `with_writers`: also rank the
-    farm's writers (`writers`)."""
+    farm's writers (`writers`). `curve_replicates`: the over-optimization curves are drawn under this many
+    replicates' seeds (`replicate_config`; they need no more replicates of the methods), each one's findings kept and
+    pooled over the seeds (`over_seeds`)."""
     if cfg.data.source != "synthetic":
         raise ValueError(
             f"the validation study needs the synthetic farm's gold reward; data.source is {cfg.data.source!r}"
@@ -214,15 +233,17 @@ def run_study(
     if any(not 0 < e < cfg.sft.epochs for e in short):
         raise ValueError(f"sft_epochs must lie between 0 and the preset's {cfg.sft.epochs:g} epochs, got {short}")
     check_ppo_every(ppo_every)
+    if curve_replicates < 1:
+        raise ValueError(f"curve_replicates must be at least 1, got {curve_replicates}")
     # every replicate's SFT run also commits the shortened baselines (snapshot_epochs is not in its key)
     cfg = cfg.model_copy(update={"sft": cfg.sft.model_validate(cfg.sft.model_dump() | {"snapshot_epochs": short})})
-    replicate_0 = cfg
+    snapshots = cfg
     if ns and ppo_every:
-        # replicate 0's PPO is also the p_sim^ann curve's (snapshot_every is not in its key): committing the snapshots
+        # a replicate's PPO is also its p_sim^ann curve's (snapshot_every is not in its key): committing the snapshots
         # the curve reads the first time trains it once, not once without them and again with them
-        replicate_0 = cfg.model_copy(update={"ppo": cfg.ppo.model_copy(update={"snapshot_every": ppo_every})})
+        snapshots = cfg.model_copy(update={"ppo": cfg.ppo.model_copy(update={"snapshot_every": ppo_every})})
     for r in range(replicates):
-        up, done = replicate_evaluations(run, replicate_0 if r == 0 else cfg, methods, r)
+        up, done = replicate_evaluations(run, snapshots if r < curve_replicates else cfg, methods, r)
         data = data or up.data
         tag = f" [replicate {r}]" if r else ""
         extra = dict(short_sft_outputs(up, e) for e in short)
@@ -254,15 +275,18 @@ def run_study(
     board = replicate_board_task(
         run.store_uri, methods_only, f"Leaderboard: {cfg.name}, {replicates} replicate(s)", n_boot
     )
-    curve = None
-    if ns:
+    curves = []
+    for r in range(curve_replicates if ns else 0):
+        cfg_r = replicate_config(cfg, r)
         # the labellers judge too (each curve is also judged by its own labeller, as in the paper), and the human arm
-        judges = evaluating_annotators(cfg, LABELLERS) | {
-            HUMAN: human_like_annotator(sharpness, seed=cfg.evaluation.annotator.seed)
+        judges = evaluating_annotators(cfg_r, LABELLERS) | {
+            HUMAN: human_like_annotator(sharpness, seed=cfg_r.evaluation.annotator.seed)
         }
-        curve = overoptimization_curve(run, cfg, judges, tuple(ns), ppo_every)
+        curves.append(
+            overoptimization_curve(run, cfg_r, judges, tuple(ns), ppo_every, f" [replicate {r}]" if r else "")
+        )
     title = f"Validation study: {cfg.name}, {replicates} replicate(s)"
-    ref = study_task(run.store_uri, sim, human, curve, {"sharpness": sharpness, "agreement": reached}, title, n_boot)
+    ref = study_task(run.store_uri, sim, human, curves, {"sharpness": sharpness, "agreement": reached}, title, n_boot)
     return {
         "preset": cfg.name,
         "replicates": replicates,
@@ -271,7 +295,8 @@ def run_study(
         "findings": run.store.read_table(ref, "study_summary.parquet", "study_summary").to_pylist(),
         "markdown": run.store.read_file(ref, "study.md").decode(),
         "leaderboard": run.store.read_file(board, "leaderboard.md").decode(),
-        "artifacts": {"study": ref.uri, "leaderboard": board.uri} | ({"overoptimization": curve.uri} if curve else {}),
+        "artifacts": {"study": ref.uri, "leaderboard": board.uri}
+        | {("overoptimization" if r == 0 else f"overoptimization@{r}"): c.uri for r, c in enumerate(curves)},
         "stages": run.timings,
     }
 
@@ -286,6 +311,8 @@ def run_study(
     sft_epochs: Epochs after which SFT's snapshots are the shortened baselines (all-systems ranking; None: a quarter
         and half of sft.epochs).
     writers: Also rank the farm's writers as systems beside the pipeline's (the paper's API models).
+    curve_replicates: Draw the over-optimization curves under this many replicates' seeds (their own SFT, labels and
+        reward models; the methods need not be replicated as often) and pool each finding over the seeds.
 """)
 def study_flow(
     preset: PresetName | None = None,
@@ -299,6 +326,7 @@ def study_flow(
     agreement: float = HUMAN_AGREEMENT,
     sft_epochs: list[float] | None = None,
     writers: bool = True,
+    curve_replicates: int = 1,
     overrides: list[str] | None = None,
     advanced: FarmConfig | None = None,
 ) -> dict[str, Any]:
@@ -309,4 +337,14 @@ def study_flow(
     k = replicates or cfg.evaluation.replicates
     short = None if sft_epochs is None else tuple(sft_epochs)
     ns_ = tuple(STUDY_NS if ns is None else ns)
-    return run_study(cfg, chosen, k, ns_, ppo_every, agreement, sft_epochs=short, with_writers=writers)
+    return run_study(
+        cfg,
+        chosen,
+        k,
+        ns_,
+        ppo_every,
+        agreement,
+        sft_epochs=short,
+        with_writers=writers,
+        curve_replicates=curve_replicates,
+    )
