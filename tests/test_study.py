@@ -438,6 +438,27 @@ def test_curves_under_more_seeds_reuse_the_first_and_pool_each_finding(micro_con
     assert tasks.EXECUTED == {}
 
 
+@pytest.mark.usefixtures("prefect_harness")
+@pytest.mark.slow
+def test_each_curve_replicates_ppo_commits_its_snapshots_so_ppo_trains_once_per_reward_model(micro_config):
+    from farmflow.flows.study import study_flow
+
+    tasks.EXECUTED.clear()
+    study_flow(
+        advanced=micro_config,
+        methods=["ppo"],
+        replicates=2,
+        ns=[1],
+        ppo_every=2,
+        curve_replicates=2,
+        writers=False,
+        sft_epochs=[],
+    )
+    # per seed: the compared PPO is the p_sim^ann curve's (snapshots committed the first time), plus greedy's curve
+    assert tasks.EXECUTED["ppo"] == 2 * 2
+    assert tasks.EXECUTED["sft"] == 2
+
+
 def test_shortened_sft_baselines_must_be_shorter_than_sft(micro_config):
     from farmflow.flows.study import run_study
 

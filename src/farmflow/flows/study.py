@@ -21,7 +21,8 @@ humans do, and does over-optimization show? (AlpacaFarm Fig. 3, Fig. 5, Table 2;
    between the arms with bootstrap intervals, what the evaluation set resolves, over-optimization per curve and the
    contrast of p_sim^ann's fall with greedy's per judge and with each curve judged by its labeller, as in the paper;
    over C seeds also their mean with a Student-t interval over the seeds),
-   ``study.md``, ``rankings.png``, ``overoptimization.png``; Prefect markdown and table artifacts.
+   ``study.md``, ``rankings.png``, ``overoptimization.png`` (replicate 0's curves); Prefect markdown and table
+   artifacts.
 
 Every stage is cached by its key: a rerun executes nothing, a larger K runs only the new replicates.
 """
