@@ -732,6 +732,80 @@ def test_reward_loop_with_packing_trains_like_the_padded_loop(tok, reward_model)
     assert moved > 0  # the two steps trained something
 
 
+class ScriptedMeasure:
+    """A held-out measurement that returns scripted accuracies in call order and keeps the weights it was shown."""
+
+    def __init__(self, accuracies):
+        self.accuracies, self.seen = list(accuracies), []
+
+    def __call__(self, model):
+        self.seen.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+        return {"heldout_accuracy": self.accuracies[len(self.seen) - 1]}
+
+
+def _same_weights(model, weights) -> bool:
+    return all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
+
+
+def test_reward_select_best_val_keeps_the_best_measurements_weights_also_over_a_resume(tok, reward_model, tmp_path):
+    from farmflow.config import RewardConfig
+    from farmflow.methods import reward
+    from farmflow.models.checkpoint import Checkpointer
+    from farmflow.storage import LocalStore
+
+    _, folder = reward_model
+    # 8 pairs in batches of 4 for 3 epochs: 6 steps, measured after steps 2, 4 and 6
+    cfg = RewardConfig(epochs=3, batch_size=4, lr=1e-3, warmup_ratio=0.0, seed=0, eval_every=2, select="best_val")
+    args = (tok, PROMPTS[:8], RESPONSES[:8], RESPONSES[8:16], [1.0, 2.0] * 4)
+    last, best = ScriptedMeasure([0.5, 0.75, 0.625]), ScriptedMeasure([0.5, 0.75, 0.625])
+    m_last = reward_from_policy(folder, seed=0)
+    metrics_last = reward.train_reward(m_last, *args, cfg.model_copy(update={"select": "last"}), 96, evaluate=last)
+    m_best = reward_from_policy(folder, seed=0)
+    metrics_best = reward.train_reward(m_best, *args, cfg, 96, evaluate=best)
+    assert len(best.seen) == 3 and all(_same_weights(m_last, w) is (i == 2) for i, w in enumerate(best.seen))
+    for a, b in zip(last.seen, best.seen):  # measuring and keeping a copy leave training as it was
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    assert _same_weights(m_last, last.seen[2]) and _same_weights(m_best, best.seen[1])
+    assert metrics_best["selected_step"] == 4.0 and "selected_step" not in metrics_last
+
+    class Crash(Exception):
+        pass
+
+    def crash_at_the_third(model):
+        if len(first.seen) == 2:
+            raise Crash
+        return first(model)
+
+    store = LocalStore(tmp_path)
+    first = ScriptedMeasure([0.5, 0.75])
+    with pytest.raises(Crash):  # dies measuring step 6: its latest checkpoint is step 5, the best still step 4's
+        reward.train_reward(
+            reward_from_policy(folder, seed=0),
+            *args,
+            cfg,
+            96,
+            Checkpointer(store, "reward", "k", 1),
+            crash_at_the_third,
+        )
+    assert store.latest_checkpoint("reward", "k")[0] == 5
+    resumed, rest = reward_from_policy(folder, seed=0), ScriptedMeasure([0.625])
+    metrics = reward.train_reward(resumed, *args, cfg, 96, Checkpointer(store, "reward", "k", 1), rest)
+    assert metrics["resumed_from_step"] == 5 and metrics["selected_step"] == 4.0
+    assert _same_weights(resumed, best.seen[1])  # step 4's weights came back from the checkpoint
+
+
+def test_reward_select_best_val_needs_measurements():
+    from pydantic import ValidationError
+
+    from farmflow.config import RewardConfig
+    from farmflow.methods import reward
+
+    with pytest.raises(ValidationError, match="eval_every > 0"):
+        RewardConfig(select="best_val")
+    with pytest.raises(ValueError, match="the val split is empty"):
+        reward.train_reward(None, None, [], [], [], [], RewardConfig(select="best_val", eval_every=5), 96)
+
+
 def test_half_precision_on_a_cpu_that_emulates_it_is_flagged():
     from farmflow.models import slow_half_precision
 

@@ -137,6 +137,31 @@ def test_every_trained_stage_writes_its_table_and_the_view_unites_them(farm):
     assert val.fetchall() == [(farm["reward"].metrics["heldout_accuracy"],)]
 
 
+def test_a_reward_model_selected_on_val_is_its_best_measurement(farm):
+    """select='best_val': the stage measures every eval_every steps and after the last, logs each measurement, and
+    its artifact's held-out accuracy (measured again after training) is the best of them, from the first step that
+    reached it."""
+    from farmflow import tasks
+    from farmflow.tasks.keys import key_config
+
+    store, cfg = open_store(farm["uri"]), farm["cfg"]
+    prefs = store.record(farm["reward"])["inputs"]["preferences"]
+    chosen = cfg.reward.model_copy(update={"epochs": 2.0, "lr": 1e-2, "eval_every": 2, "select": "best_val"})
+    ref = tasks.train_reward_task.fn(farm["uri"], chosen, store.get("annotate", prefs), farm["sft"])
+    assert ref.key != farm["reward"].key
+    # at their defaults the two options stay out of the key (test_stage_keys pins the default keys)
+    assert {"eval_every", "select"} & set(key_config(cfg.reward)) == set()
+    assert key_config(chosen)["select"] == "best_val" and key_config(chosen)["eval_every"] == 2
+    query = f"select step, heldout_accuracy from training_metrics where key = '{ref.key}' and split = 'val' order by 1"
+    val = connect(store).sql(query).fetchall()
+    steps = int(ref.metrics["steps"])
+    assert steps == 16 and [s for s, _ in val] == list(range(2, 17, 2))
+    best = max(a for _, a in val)
+    assert val[-1][1] < best and sum(a == best for _, a in val) > 1  # neither the last nor the latest best is kept
+    assert ref.metrics["heldout_accuracy"] == best
+    assert ref.metrics["selected_step"] == next(s for s, a in val if a == best)
+
+
 def test_plot_curves_writes_a_png_with_ppo_reward_and_kl(farm, tmp_path):
     from matplotlib.image import imread
 

@@ -113,6 +113,26 @@ class RewardConfig(Section):
         "of up to twice the model's max_seq_len, instead of two right-padded rows per pair: fewer positions, the same "
         "rewards and gradients up to float rounding (sdpa and eager attention). Not part of the stage key.",
     )
+    eval_every: int = Field(
+        0,
+        ge=0,
+        json_schema_extra={"stage_key": "unless_default"},
+        description="Optimizer steps between accuracy measurements on the val pairs during training, kept in the "
+        "stage's metrics (0: once, after training; AlpacaFarm's script measures every 10 steps).",
+    )
+    select: Literal["last", "best_val"] = Field(
+        "last",
+        json_schema_extra={"stage_key": "unless_default"},
+        description="Which weights the stage keeps: 'last', the final ones (AlpacaFarm), or 'best_val', those of the "
+        "measurement every eval_every steps with the highest accuracy against the val pairs' own labels (never gold: "
+        "what a researcher without gold can select on), as Hugging Face's load_best_model_at_end.",
+    )
+
+    @model_validator(mode="after")
+    def _selection_needs_measurements(self) -> "RewardConfig":
+        if self.select == "best_val" and self.eval_every == 0:
+            raise ValueError("select='best_val' needs eval_every > 0 (the steps between val measurements)")
+        return self
 
 
 class BestOfNConfig(Section):

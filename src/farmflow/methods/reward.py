@@ -12,12 +12,18 @@ follow AlpacaFarm's reward-modeling script for LLaMA-7B: 1 epoch, AdamW lr 3e-6,
 pairs weighted by their share of the batch). A micro-batch's pairs are read in one forward
 pass (`pair_rewards`): two right-padded rows per pair, or with ``packing`` each prompt once and
 both outputs after it, several pairs to a row, with the same rewards up to float rounding.
+
+Every ``eval_every`` steps the loop can measure the model on held-out pairs (AlpacaFarm's script
+measures every 10 steps and keeps the final model); with ``select="best_val"`` it keeps the weights
+of the measurement with the highest held-out accuracy instead: a model that overfits its labels
+late in training is not the one that ranks outputs for best-of-n and PPO.
 """
 
 from __future__ import annotations
 
+import copy
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -85,10 +91,18 @@ def train_reward(
     cfg: RewardConfig,
     max_len: int,
     checkpointer: Checkpointer | None = None,
+    evaluate: Callable[[torch.nn.Module], dict[str, float]] | None = None,
 ) -> dict[str, float]:
     """Train `model` in place on preference pairs; returns training metrics.
 
-    With a `checkpointer`, the loop resumes from its latest checkpoint and saves new ones as it goes (as SFT)."""
+    With a `checkpointer`, the loop resumes from its latest checkpoint and saves new ones as it goes (as SFT).
+    `evaluate(model)` measures a model on held-out pairs (figures including ``heldout_accuracy``); with
+    `cfg.eval_every` it runs every that many steps and after the last, each time logged as a ``split="val"`` metrics
+    row. With `cfg.select == "best_val"` the model ends with the weights of the first measurement with the highest
+    ``heldout_accuracy`` (kept in the checkpoints too, so a resumed run selects the same)."""
+    measuring = evaluate is not None and cfg.eval_every > 0
+    if cfg.select == "best_val" and not measuring:
+        raise ValueError("reward.select='best_val': no held-out pairs to measure on (the val split is empty)")
     total = max(1, round(cfg.epochs * math.ceil(len(prompts) / cfg.batch_size)))
     batches = batch_order(len(prompts), cfg.batch_size, total, cfg.seed)
     rt = Runtime(model, len(batches[0]), cfg.micro_batch_size, "reward")
@@ -96,8 +110,17 @@ def train_reward(
     model, opt = rt.prepare(model, opt)
     ckpt = rt.checkpointer(checkpointer or Checkpointer(None, "reward", "", 0))
     state = {"modules": {"model": rt.unwrap(model)}, "optimizers": {"opt": opt}, "schedulers": {"sched": sched}}
-    start, extra = ckpt.restore(**state)
     inner = rt.unwrap(model)
+    best = None  # a copy of the weights with the best held-out accuracy so far
+    if cfg.select == "best_val":
+        if rt.sharded:
+            raise ValueError(
+                "reward.select='best_val' keeps a full copy of the weights, which FSDP/DeepSpeed shard: use "
+                "select='last' with them"
+            )
+        best = state["modules"]["best"] = copy.deepcopy(inner)
+    start, extra = ckpt.restore(**state)
+    selected = extra.get("selected", {"step": 0, "accuracy": -1.0})
     model.train()
     losses = list(extra.get("losses", []))
     rec, pairs = recorder("reward"), Pairs()
@@ -135,9 +158,18 @@ def train_reward(
                 **rt.stats,
                 **pairs.figures(rt.sum),
             )
+            if measuring and ((step + 1) % cfg.eval_every == 0 or step + 1 == total):
+                figures = evaluate(inner)
+                model.train()
+                rec.log(step + 1, split="val", **figures)
+                if best is not None and figures["heldout_accuracy"] > selected["accuracy"]:
+                    best.load_state_dict(inner.state_dict())
+                    selected = {"step": step + 1, "accuracy": figures["heldout_accuracy"]}
             bar.update(1)
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
-            ckpt.save(step + 1, **state, extra={"losses": losses})
+            ckpt.save(step + 1, **state, extra={"losses": losses, "selected": selected})
+    if best is not None:
+        inner.load_state_dict(best.state_dict())
     rt.finish(model)
     tail = losses[-max(1, len(losses) // 10) :]
     return {
@@ -146,4 +178,4 @@ def train_reward(
         "processes": float(rt.processes),
         "train_loss_first": losses[0],
         "train_loss_last": sum(tail) / len(tail),
-    }
+    } | ({"selected_step": float(selected["step"])} if best is not None else {})

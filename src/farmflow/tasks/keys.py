@@ -27,7 +27,10 @@ def key_config(config: Any) -> Any:
 
     Fields declared with ``json_schema_extra={"stage_key": False}`` (how many requests in
     flight, timeouts, prices, where a secret lives...) are left out, at any depth, so
-    changing them never invalidates a stage or anything downstream of it. Pydantic models
+    changing them never invalidates a stage or anything downstream of it. Fields declared
+    with ``{"stage_key": "unless_default"}`` enter the key only when set to something else
+    than their default: an option added to a stage keeps the keys of every run that does
+    not use it, so stores made before it stay valid. Pydantic models
     are validated again first: ``model_copy(update=...)`` skips validation, and an int
     left in a float field must not make a different key than the validated float.
     """
@@ -41,8 +44,9 @@ def _key_part(config: Any) -> Any:
         out = {}
         for name, field in type(config).model_fields.items():
             extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
-            if extra.get("stage_key", True):
-                out[name] = _key_part(getattr(config, name))
+            value, keyed = getattr(config, name), extra.get("stage_key", True)
+            if keyed is True or (keyed == "unless_default" and value != field.get_default(call_default_factory=True)):
+                out[name] = _key_part(value)
         derived = KEY_EXTRA.get(type(config))
         return out | (derived(config) if derived else {})
     if isinstance(config, dict):

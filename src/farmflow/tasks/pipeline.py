@@ -158,6 +158,12 @@ def train_reward_task(
     model = reward_from_policy(run.store.model_dir(sft), seed=config.seed)
     tokenizer = load_tokenizer(run.store.model_dir(sft))
     col = lambda rows, k: [r[k] for r in rows]  # noqa: E731
+
+    def measure(m, progress=None) -> dict[str, float]:
+        r1 = score(m, tokenizer, prompts_of(held), col(held, "output_1"), progress=progress).tolist()
+        r2 = score(m, tokenizer, prompts_of(held), col(held, "output_2"), progress=progress).tolist()
+        return heldout_accuracies(held, r1, r2)
+
     metrics = train_reward(
         model,
         tokenizer,
@@ -168,13 +174,14 @@ def train_reward_task(
         config,
         model.config.max_position_embeddings,
         run.checkpointer(checkpoints),
+        measure if held else None,
     )
     if held:
         with progress("train_reward: val", 2 * len(held), unit="output") as bar:
-            r1 = score(model, tokenizer, prompts_of(held), col(held, "output_1"), progress=bar.update).tolist()
-            r2 = score(model, tokenizer, prompts_of(held), col(held, "output_2"), progress=bar.update).tolist()
-        metrics.update(heldout_accuracies(held, r1, r2))
-        recorder("reward").log(int(metrics["steps"]), split="val", **heldout_accuracies(held, r1, r2))
+            heldout = measure(model, bar.update)
+        metrics.update(heldout)
+        if not config.eval_every:  # otherwise the loop logged its measurements, the last one after its last step
+            recorder("reward").log(int(metrics["steps"]), split="val", **heldout)
     return Model(model, tokenizer, metrics, format="reward")
 
 
