@@ -37,6 +37,18 @@ def test_recorder_rows_count_tokens_and_take_method_figures():
     assert rows[1]["tokens_per_s"] > 0
 
 
+def test_a_measurement_between_steps_is_left_out_of_the_next_steps_rate(monkeypatch):
+    clock = iter([0.0, 1.0, 5.0, 6.0])  # start, step 1 after 1 s, a val row after a 4 s measurement, step 2 1 s later
+    monkeypatch.setattr(training_metrics.time, "perf_counter", lambda: next(clock))
+    rec = Recorder("reward")
+    rec.log(1, tokens=100)
+    rec.log(1, split="val", heldout_accuracy=0.5)
+    rec.log(2, tokens=100)
+    rows = rec.table().to_pylist()
+    assert [r["tokens_per_s"] for r in rows] == [100.0, None, 100.0]
+    assert [r["wall_s"] for r in rows] == [1.0, 5.0, 6.0]  # the measurement's time is in the wall time
+
+
 def test_pair_figures_are_accuracy_margin_and_means():
     pairs = Pairs()
     # preference 2: output_2 chosen; 1: output_1 chosen; 1.5: a tie, left out

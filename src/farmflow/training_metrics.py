@@ -111,8 +111,7 @@ class Recorder:
         row |= {"loss": _number(loss), "lr": _number(lr), "grad_norm": _number(grad_norm)}
         row["tokens_per_s"] = int(tokens) / max(now - self.last, 1e-9) if tokens is not None else None
         row |= {k: _number(v) for k, v in figures.items()}
-        if split == "train":
-            self.last = now
+        self.last = now  # a val row follows its measurement: the next step's rate leaves that time out
         self.rows.append(row)
         if self.open is not None:
             self.trackers, self.open = self.open(), None
