@@ -172,6 +172,9 @@ def test_a_reward_model_selected_on_val_is_its_best_measurement(farm):
     assert val[-1][1] < best and sum(a == best for _, a in val) > 1  # neither the last nor the latest best is kept
     assert ref.metrics["heldout_accuracy"] == best
     assert ref.metrics["selected_step"] == next(s for s, a in val if a == best)
+    summary = tasks.reward_model_summary(ref.metrics)  # what the flows' summaries show of it
+    assert set(summary) == {"heldout_accuracy", "heldout_accuracy_unnoised", "heldout_gold_accuracy", "selected_step"}
+    assert "selected_step" not in tasks.reward_model_summary(farm["reward"].metrics)
 
 
 def test_plot_curves_writes_a_png_with_ppo_reward_and_kl(farm, tmp_path):

@@ -30,7 +30,7 @@ from farmflow.flows.record import history_task, publish_curve, record_run_task
 from farmflow.flows.replicates import run_replicates
 from farmflow.flows.runner import StageRunner
 from farmflow.storage import ArtifactRef
-from farmflow.tasks import evaluate_task, leaderboard_task
+from farmflow.tasks import evaluate_task, leaderboard_task, reward_model_summary
 from farmflow.tasks.analysis import proxy_reward_task
 
 ENTRYPOINT_MODULE = "farmflow.flows"
@@ -84,9 +84,7 @@ def run_methods(
         "store": str(run.store.root),
         "leaderboard": run.store.read_table(board).to_pylist(),
         "reference_mean_gold": next(iter(evaluations.values())).metrics.get("reference_mean_gold"),
-        "reward_model": {k: v for k, v in refs["reward"].metrics.items() if k.startswith("heldout")}
-        if "reward" in refs
-        else {},
+        "reward_model": reward_model_summary(refs["reward"].metrics) if "reward" in refs else {},
         "stages": run.timings,
         "artifacts": {
             **{name: ref.uri for name, ref in refs.items() if name in ("sft", "reward", "preferences")},

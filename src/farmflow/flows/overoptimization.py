@@ -34,7 +34,7 @@ from farmflow.flows.form import PresetName, prefect_run_name, run_config, with_f
 from farmflow.flows.pipeline import Upstream, best_of_n_outputs, generate_outputs
 from farmflow.flows.runner import StageRunner
 from farmflow.storage import ArtifactRef
-from farmflow.tasks import best_of_n_prefix_task, best_of_n_rescore_task, evaluate_task
+from farmflow.tasks import best_of_n_prefix_task, best_of_n_rescore_task, evaluate_task, reward_model_summary
 from farmflow.tasks.analysis import overoptimization_task, proxy_reward_task
 
 DEFAULT_NS = (1, 2, 4, 8, 16)
@@ -233,7 +233,7 @@ def overoptimization_flow(
         models[labeller] = {
             "preferences": up.preferences.key,
             "reward_model": up.reward.key,
-            **{k: v for k, v in up.reward.metrics.items() if k.startswith("heldout")},
+            **reward_model_summary(up.reward.metrics),
         }
     curve = run(
         overoptimization_task, {"title": f"Over-optimization ({cfg.name})", "points": configs}, "overoptimization"

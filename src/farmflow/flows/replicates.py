@@ -43,7 +43,7 @@ from farmflow.flows.record import history_task, record_run_task
 from farmflow.flows.runner import StageRunner
 from farmflow.storage import ArtifactRef, open_store, stage_key
 from farmflow.storage.schemas import SCHEMAS
-from farmflow.tasks import evaluate_task
+from farmflow.tasks import evaluate_task, reward_model_summary
 from farmflow.tasks.analysis import board_entry
 
 SEED_STEP = 1000
@@ -197,9 +197,7 @@ def run_replicates(
         "leaderboard": run.store.read_table(board).to_pylist(),
         "markdown": run.store.read_file(board, "leaderboard.md").decode(),
         "reference_mean_gold": next(iter(evaluations[0].values())).metrics.get("reference_mean_gold"),
-        "reward_model": {k: v for k, v in refs["reward"].metrics.items() if k.startswith("heldout")}
-        if "reward" in refs
-        else {},
+        "reward_model": reward_model_summary(refs["reward"].metrics) if "reward" in refs else {},
         "stages": run.timings,
         "artifacts": {
             **{name: ref.uri for name, ref in refs.items() if name in ("sft", "reward", "preferences")},

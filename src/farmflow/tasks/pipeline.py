@@ -201,6 +201,12 @@ def heldout_accuracies(rows: list[dict], r1: list[float], r2: list[float]) -> di
     }
 
 
+def reward_model_summary(metrics: dict[str, float]) -> dict[str, float]:
+    """What a flow's summary says of a reward model: its held-out accuracies, and the step kept when it was selected
+    on val (`RewardConfig.select`)."""
+    return {k: v for k, v in metrics.items() if k.startswith("heldout") or k == "selected_step"}
+
+
 def outputs_table(rows: list[dict], outputs: list[str], generator: str, scores: list[float] | None = None) -> pa.Table:
     """One output per row (an ``outputs`` table), with its score when one chose it."""
     return pa.Table.from_pylist(
