@@ -15,8 +15,8 @@ both outputs after it, several pairs to a row, with the same rewards up to float
 
 Every ``eval_every`` steps the loop can measure the model on held-out pairs (AlpacaFarm's script
 measures every 10 steps and keeps the final model); with ``select="best_val"`` it keeps the weights
-of the measurement with the highest held-out accuracy instead: a model that overfits its labels
-late in training is not the one that ranks outputs for best-of-n and PPO.
+of the measurement with the highest held-out accuracy instead, for a reward model that starts to
+overfit its labels before training ends.
 """
 
 from __future__ import annotations
