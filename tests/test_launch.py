@@ -256,10 +256,15 @@ def test_two_process_ddp_on_cpu_matches_one_process(tmp_path, cfg):
 
 
 @pytest.mark.slow  # the synthetic-micro stages up to the pairs, then two child processes (~60 s)
-def test_two_process_reward_model_logs_the_global_batchs_figures(tmp_path, cfg):
+@pytest.mark.parametrize("select", ["last", "best_val"])
+def test_two_process_reward_model_logs_the_global_batchs_figures(tmp_path, cfg, select):
     """The training_metrics rows of a reward model trained on 2 processes are the one-process run's: accuracy, margin
-    and mean rewards are summed over both halves of every batch (Runtime.sum), tokens count the whole batch."""
+    and mean rewards are summed over both halves of every batch (Runtime.sum), tokens count the whole batch. Selected
+    on val, each process measures its replica of the same weights, so both keep the same step."""
     from farmflow.training_metrics import read
+
+    if select == "best_val":
+        cfg.reward = cfg.reward.model_copy(update={"epochs": 2.0, "eval_every": 2, "select": "best_val"})
 
     inline_uri, ddp_uri = str(tmp_path / "inline"), str(tmp_path / "ddp")
     data, base = _upstream(inline_uri, cfg)
@@ -280,7 +285,11 @@ def test_two_process_reward_model_logs_the_global_batchs_figures(tmp_path, cfg):
             if a.get(name) is None:
                 continue
             assert b[name] == pytest.approx(a[name], rel=1e-3, abs=1e-4), (name, a["step"], a[name], b[name])
+        assert b.get("heldout_accuracy") == a.get("heldout_accuracy")
     assert {r["split"] for r in one_rows} == {"train", "val"}
+    assert sum(r["split"] == "val" for r in one_rows) == (8 if select == "best_val" else 1)
+    assert two.metrics.get("selected_step") == inline.metrics.get("selected_step")
+    assert (inline.metrics.get("selected_step") is None) is (select == "last")
 
 
 @pytest.mark.slow
