@@ -767,6 +767,7 @@ def test_reward_select_best_val_keeps_the_best_measurements_weights_also_over_a_
         assert all(torch.equal(a[k], b[k]) for k in a)
     assert _same_weights(m_last, last.seen[2]) and _same_weights(m_best, best.seen[1])
     assert metrics_best["selected_step"] == 4.0 and "selected_step" not in metrics_last
+    assert (metrics_best["heldout_accuracy"], metrics_last["heldout_accuracy"]) == (0.75, 0.625)  # the kept figures
 
     class Crash(Exception):
         pass

@@ -151,8 +151,8 @@ def test_every_trained_stage_writes_its_table_and_the_view_unites_them(farm):
 
 def test_a_reward_model_selected_on_val_is_its_best_measurement(farm):
     """select='best_val': the stage measures every eval_every steps and after the last, logs each measurement, and
-    its artifact's held-out accuracy (measured again after training) is the best of them, from the first step that
-    reached it."""
+    its artifact's held-out accuracy is the best of them, from the first step that reached it; the committed weights,
+    scored again, give that accuracy."""
     from farmflow import tasks
     from farmflow.tasks.keys import key_config
 
@@ -171,6 +171,13 @@ def test_a_reward_model_selected_on_val_is_its_best_measurement(farm):
     best = max(a for _, a in val)
     assert val[-1][1] < best and sum(a == best for _, a in val) > 1  # neither the last nor the latest best is kept
     assert ref.metrics["heldout_accuracy"] == best
+    from farmflow.data import prompts_of, split_rows
+    from farmflow.models import load_reward, score
+
+    held = split_rows(store.read_table(store.get("annotate", prefs)), "val")
+    model, tok = load_reward(store.model_dir(ref))
+    rescored = [score(model, tok, prompts_of(held), [r[k] for r in held]).tolist() for k in ("output_1", "output_2")]
+    assert tasks.heldout_accuracies(held, *rescored)["heldout_accuracy"] == pytest.approx(best, abs=1e-9)
     assert ref.metrics["selected_step"] == next(s for s, a in val if a == best)
     summary = tasks.reward_model_summary(ref.metrics)  # what the flows' summaries show of it
     assert set(summary) == {"heldout_accuracy", "heldout_accuracy_unnoised", "heldout_gold_accuracy", "selected_step"}

@@ -98,8 +98,9 @@ def train_reward(
     With a `checkpointer`, the loop resumes from its latest checkpoint and saves new ones as it goes (as SFT).
     `evaluate(model)` measures a model on held-out pairs (figures including ``heldout_accuracy``); with
     `cfg.eval_every` it runs every that many steps and after the last, each time logged as a ``split="val"`` metrics
-    row. With `cfg.select == "best_val"` the model ends with the weights of the first measurement with the highest
-    ``heldout_accuracy`` (kept in the checkpoints too, so a resumed run selects the same)."""
+    row, and the returned metrics include the figures of the weights kept (the last measurement's, or with
+    `cfg.select == "best_val"` those of the first measurement with the highest ``heldout_accuracy``, whose weights the
+    model ends with; kept in the checkpoints too, so a resumed run selects the same)."""
     measuring = evaluate is not None and cfg.eval_every > 0
     if cfg.select == "best_val" and not measuring:
         raise ValueError("reward.select='best_val': no held-out pairs to measure on (the val split is empty)")
@@ -120,7 +121,7 @@ def train_reward(
             )
         best = state["modules"]["best"] = copy.deepcopy(inner)
     start, extra = ckpt.restore(**state)
-    selected = extra.get("selected", {"step": 0, "accuracy": -1.0})
+    selected = extra.get("selected", {"step": 0, "figures": {}})  # the kept measurement
     model.train()
     losses = list(extra.get("losses", []))
     rec, pairs = recorder("reward"), Pairs()
@@ -162,9 +163,10 @@ def train_reward(
                 figures = evaluate(inner)
                 model.train()
                 rec.log(step + 1, split="val", **figures)
-                if best is not None and figures["heldout_accuracy"] > selected["accuracy"]:
-                    best.load_state_dict(inner.state_dict())
-                    selected = {"step": step + 1, "accuracy": figures["heldout_accuracy"]}
+                if best is None or figures["heldout_accuracy"] > selected["figures"].get("heldout_accuracy", -1.0):
+                    selected = {"step": step + 1, "figures": figures}
+                    if best is not None:
+                        best.load_state_dict(inner.state_dict())
             bar.update(1)
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
             ckpt.save(step + 1, **state, extra={"losses": losses, "selected": selected})
@@ -172,10 +174,14 @@ def train_reward(
         inner.load_state_dict(best.state_dict())
     rt.finish(model)
     tail = losses[-max(1, len(losses) // 10) :]
-    return {
-        "steps": float(total),
-        "resumed_from_step": float(start),
-        "processes": float(rt.processes),
-        "train_loss_first": losses[0],
-        "train_loss_last": sum(tail) / len(tail),
-    } | ({"selected_step": float(selected["step"])} if best is not None else {})
+    return (
+        {
+            "steps": float(total),
+            "resumed_from_step": float(start),
+            "processes": float(rt.processes),
+            "train_loss_first": losses[0],
+            "train_loss_last": sum(tail) / len(tail),
+        }
+        | selected["figures"]
+        | ({"selected_step": float(selected["step"])} if best is not None else {})
+    )

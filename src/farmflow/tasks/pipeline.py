@@ -176,12 +176,11 @@ def train_reward_task(
         run.checkpointer(checkpoints),
         measure if held else None,
     )
-    if held:
+    if held and not config.eval_every:  # otherwise the loop measured the weights it kept and logged each measurement
         with progress("train_reward: val", 2 * len(held), unit="output") as bar:
             heldout = measure(model, bar.update)
         metrics.update(heldout)
-        if not config.eval_every:  # otherwise the loop logged its measurements, the last one after its last step
-            recorder("reward").log(int(metrics["steps"]), split="val", **heldout)
+        recorder("reward").log(int(metrics["steps"]), split="val", **heldout)
     return Model(model, tokenizer, metrics, format="reward")
 
 
