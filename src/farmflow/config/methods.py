@@ -10,6 +10,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from farmflow.config.base import MAX_BATCH, MAX_EPOCHS, MAX_ROWS, MAX_SAMPLES, MAX_TOKENS, Section
+from farmflow.config.model import ModelConfig
 
 
 class SFTConfig(Section):
@@ -85,6 +86,21 @@ class SampleConfig(Section):
     )
 
 
+class RewardBackboneConfig(Section):
+    """A reward model of its own size: a base model fine-tuned on the SFT split like the policy, then given the
+    reward head, instead of the SFT policy itself (AlpacaFarm initializes the reward model from the SFT model)."""
+
+    model: ModelConfig = Field(
+        description="The backbone's base model: a tiny Llama of these sizes trained from scratch (its tokenizer is "
+        "trained on the same text with the same vocab_size, so it is the policy's), or `pretrained`."
+    )
+    sft: SFTConfig | None = Field(
+        None,
+        description="How the backbone is fine-tuned on the SFT split's demonstrations (None: the farm's `sft` "
+        "section, without its snapshots).",
+    )
+
+
 class RewardConfig(Section):
     epochs: float = Field(1.0, gt=0, le=MAX_EPOCHS, description="Passes over the preference pairs (paper: 1 epoch).")
     batch_size: int = Field(16, ge=1, le=MAX_BATCH, description="Pairs per optimizer step (AlpacaFarm: 16).")
@@ -126,6 +142,14 @@ class RewardConfig(Section):
         description="Which weights the stage keeps: 'last', the final ones (AlpacaFarm), or 'best_val', those of the "
         "measurement every eval_every steps with the highest accuracy against the val pairs' own labels (never gold: "
         "what a researcher without gold can select on), as Hugging Face's load_best_model_at_end.",
+    )
+
+    backbone: RewardBackboneConfig | None = Field(
+        None,
+        json_schema_extra={"stage_key": "unless_default"},
+        description="Start the reward model from a backbone of its own (a larger model, or a pretrained one) "
+        "instead of the SFT policy (None: the SFT policy, as AlpacaFarm). PPO's value model starts from the reward "
+        "model and reads the policy's tokens, so PPO needs the backbone's tokenizer to be the policy's.",
     )
 
     @model_validator(mode="after")

@@ -97,6 +97,21 @@ class Upstream:
         return self._get("preferences", make)
 
     @property
+    def reward_backbone(self) -> ArtifactRef:
+        """The fine-tuned model the reward model starts from: the SFT policy, or `reward.backbone`'s own base model
+        fine-tuned on the same split (its stages are labelled "base_model reward" and "sft reward")."""
+        backbone = self.cfg.reward.backbone
+        if backbone is None:
+            return self.sft
+
+        def make() -> ArtifactRef:
+            base = self.run(base_model_task, backbone.model, "base_model reward", data=self.data)
+            sft = (backbone.sft or self.cfg.sft).model_copy(update={"snapshot_epochs": ()})
+            return self.run(sft_task, sft, "sft reward", data=self.data, base=base, checkpoints=self.cfg.checkpoints)
+
+        return self._get("reward_backbone", make)
+
+    @property
     def reward(self) -> ArtifactRef:
         return self._get(
             "reward",
@@ -104,7 +119,7 @@ class Upstream:
                 train_reward_task,
                 self.cfg.reward,
                 preferences=self.preferences,
-                sft=self.sft,
+                sft=self.reward_backbone,
                 checkpoints=self.cfg.checkpoints,
             ),
         )

@@ -149,7 +149,8 @@ def train_reward_task(
     sft: ArtifactRef,
     checkpoints: CheckpointConfig | None = None,
 ) -> Model:
-    """Bradley–Terry reward model from the SFT model, trained on PREF, measured on val (resumable)."""
+    """Bradley–Terry reward model from `sft` (the SFT policy, or `reward.backbone` fine-tuned the same way), trained on
+    PREF, measured on val (resumable)."""
     from farmflow.methods.reward import train_reward
     from farmflow.models import load_tokenizer, reward_from_policy, score
 

@@ -1,0 +1,84 @@
+"""`reward.backbone`: a reward model started from a model of its own size instead of the SFT policy.
+
+Stages are counted by execution (`farmflow.tasks.EXECUTED`); the models are read back from the store.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from farmflow import tasks
+from farmflow.config import load_config
+from farmflow.flows import StageRunner, Upstream
+from farmflow.models import load_tokenizer
+from farmflow.tasks.rl import ppo_task
+
+pytestmark = pytest.mark.usefixtures("prefect_harness")
+
+BACKBONE = {"model": {"hidden_size": 48, "num_layers": 1, "num_heads": 2, "intermediate_size": 96, "vocab_size": 384}}
+
+
+def _upstream(cfg) -> Upstream:
+    return Upstream(StageRunner(cfg.store.location, cfg.execution, cfg.name), cfg)
+
+
+def _hidden_size(store, ref) -> int:
+    return json.loads((store.model_dir(ref) / "config.json").read_text())["hidden_size"]
+
+
+def test_the_reward_model_starts_from_its_own_backbone_trained_once(micro_config):
+    plain = _upstream(micro_config)
+    cfg = load_config(
+        "synthetic-micro", [f"store.uri={micro_config.store.uri}", f"reward.backbone={json.dumps(BACKBONE)}"]
+    )
+    tasks.EXECUTED.clear()
+    up = _upstream(cfg)
+    reward = up.reward
+    # the policy's base model and SFT, then the backbone's own: two of each; one set of pairs, labels, reward model
+    assert dict(tasks.EXECUTED) == {
+        "data": 1,
+        "base_model": 2,
+        "sft": 2,
+        "sample_pairs": 1,
+        "annotate": 1,
+        "train_reward": 1,
+    }
+    store = up.run.store
+    assert store.record(reward)["inputs"]["sft"] == up.reward_backbone.key != up.sft.key
+    assert _hidden_size(store, reward) == 48 and _hidden_size(store, up.sft) == 32
+    # trained on the same text with the same vocab_size, the backbone's tokenizer is the policy's (PPO relies on it)
+    assert load_tokenizer(store.model_dir(reward)).get_vocab() == load_tokenizer(store.model_dir(up.sft)).get_vocab()
+    # pairs and labels are the policy's: the backbone changes the reward model only
+    assert up.preferences == plain.preferences
+
+    tasks.EXECUTED.clear()
+    again = _upstream(cfg)
+    assert again.reward == reward and dict(tasks.EXECUTED) == {}
+    # without a backbone the reward model starts from the SFT policy, as in AlpacaFarm
+    assert store.record(plain.reward)["inputs"]["sft"] == plain.sft.key and plain.reward != reward
+    assert dict(tasks.EXECUTED) == {"train_reward": 1}
+
+
+def test_ppo_refuses_a_reward_model_whose_tokenizer_is_not_the_policys(micro_config):
+    other = BACKBONE | {"model": BACKBONE["model"] | {"vocab_size": 320}}
+    cfg = load_config(
+        "synthetic-micro", [f"store.uri={micro_config.store.uri}", f"reward.backbone={json.dumps(other)}"]
+    )
+    up = _upstream(cfg)
+    reward = up.reward
+    with pytest.raises(ValueError, match=r"^ppo: the value model starts from the reward model .*\(reward\.backbone\)"):
+        up.run(ppo_task, cfg.ppo, data=up.data, sft=up.sft, reward=reward)
+    assert not [r for r in up.run.store.list() if r.stage == "ppo"]
+
+
+def test_a_backbone_is_one_config_line_away_and_keys_only_when_set():
+    from farmflow.config import ConfigError
+    from farmflow.flows.pipeline import config_key
+
+    with pytest.raises(ConfigError, match=r"reward\.backbone\.model.*Field required"):
+        load_config("synthetic-micro", ["reward.backbone={}"])
+    tiny = load_config("synthetic-micro")
+    assert config_key(load_config("synthetic-micro", ["reward.backbone=null"])) == config_key(tiny)
+    assert config_key(load_config("synthetic-micro", [f"reward.backbone={json.dumps(BACKBONE)}"])) != config_key(tiny)
