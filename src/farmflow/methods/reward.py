@@ -5,7 +5,8 @@ allowed for soft labels), the probability that output_2 wins is sigmoid(r_2 − 
 the loss is the mean binary cross-entropy of that probability against p − 1.
 
 The model is the SFT backbone with a fresh scalar head read at the last non-padding
-token (`farmflow.models.reward_from_policy`). Defaults (`farmflow.config.RewardConfig`)
+token (`farmflow.models.reward_from_policy`); with `RewardConfig.backbone` the backbone is a
+model of its own size fine-tuned on the same demonstrations. Defaults (`farmflow.config.RewardConfig`)
 follow AlpacaFarm's reward-modeling script for LLaMA-7B: 1 epoch, AdamW lr 3e-6, batch
 16, 3% warmup then cosine, no weight decay. The loop runs through
 `farmflow.models.runtime.Runtime` (device, processes, micro-batches of `micro_batch_size`
