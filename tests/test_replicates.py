@@ -35,6 +35,13 @@ def test_replicate_r_shifts_every_seed_but_the_data_splits():
     shared = replicate_config(load_config("synthetic-micro", ["evaluation.replicate_sft=false"]), 2)
     assert shared.model == cfg.model and shared.sft == cfg.sft  # every replicate starts from replicate 0's SFT
     assert shared.pairs.seed == cfg.pairs.seed + shift
+    # a reward model's own backbone is an SFT model too: replicated with SFT, shared when SFT is
+    backbone = 'reward.backbone={"model": {"hidden_size": 48}, "sft": {"epochs": 1}}'
+    own = replicate_config(load_config("synthetic-micro", [backbone]), 2).reward.backbone
+    assert (own.model.seed, own.sft.seed) == (shift, shift)
+    kept = replicate_config(load_config("synthetic-micro", [backbone, "evaluation.replicate_sft=false"]), 2)
+    assert kept.reward.backbone == load_config("synthetic-micro", [backbone]).reward.backbone
+    assert kept.reward.seed == cfg.reward.seed + shift
     with pytest.raises(ValueError, match="≥ 0"):
         replicate_config(cfg, -1)
 

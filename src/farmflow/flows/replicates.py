@@ -5,8 +5,9 @@ initialization, SFT data order, pair sampling, annotator assignment and label no
 sampling and training, generation and the evaluation judges. The data section keeps its seed, so every replicate
 trains on the same instructions and is judged on the same evaluation prompts (the pairing of the bootstrap).
 Replicate 0 is the config itself, so its stage keys are those of an unreplicated run and it comes from the cache
-when that ran. With ``evaluation.replicate_sft`` False the base model and SFT keep their seeds too: every replicate
-starts from replicate 0's SFT model (cheaper; the intervals then leave SFT's own variance out). Each replicate's
+when that ran. With ``evaluation.replicate_sft`` False the base model and SFT keep their seeds too (and so does a
+`reward.backbone`'s): every replicate starts from replicate 0's SFT model (cheaper; the intervals then leave SFT's own
+variance out). Each replicate's
 stages are ordinary stages with their own keys, so K = 3 after K = 2 runs only the third replicate.
 
 `run_replicates` runs the replicates one after the other (each one's methods fan out as in `run_methods`), then
@@ -54,7 +55,8 @@ SFT_SECTIONS = ("model", "sft")
 
 def replicate_config(cfg: FarmConfig, r: int) -> FarmConfig:
     """Replicate `r` of `cfg`: every ``seed`` field shifted by SEED_STEP · r, except the data section's (and the base
-    model's and SFT's when ``evaluation.replicate_sft`` is False). Replicate 0 is `cfg` itself."""
+    model's and SFT's, the reward backbone's among them, when ``evaluation.replicate_sft`` is False). Replicate 0 is
+    `cfg` itself."""
     if r < 0:
         raise ValueError(f"replicate index must be ≥ 0, got {r}")
     if r == 0:
@@ -76,6 +78,8 @@ def replicate_config(cfg: FarmConfig, r: int) -> FarmConfig:
     for name, section in data.items():
         if name not in kept:
             shift(section)
+    if not cfg.evaluation.replicate_sft and cfg.reward.backbone is not None:  # the reward model's own SFT model
+        data["reward"]["backbone"] = cfg.reward.backbone.model_dump(mode="json")
     return validate_config(data)
 
 
