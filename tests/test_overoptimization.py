@@ -102,7 +102,8 @@ def test_curve_plot_is_a_real_png(tmp_path):
         plot_curves([], str(path))
 
 
-def test_greedy_oracle_is_one_deterministic_annotator():
+def test_greedy_oracle_decides_gold_deterministically_and_equal_gold_by_a_length_biased_coin():
+    import math
     import random
 
     from farmflow.annotators import annotate_pairs
@@ -112,22 +113,31 @@ def test_greedy_oracle_is_one_deterministic_annotator():
         isinstance(GREEDY_ORACLE, AnnotatorConfig) and len(GREEDY_ORACLE.pool) == 1 and GREEDY_ORACLE.label_noise == 0
     )
     rng = random.Random(0)
-    tasks = [sample_task("sort", rng) for _ in range(6)]
-    pairs = [
-        {
-            "id": str(i),
-            "instruction": t.instruction,
-            "input": t.input,
-            "task": task_to_json(t),
-            "output_1": "no idea",
-            "output_2": correct_output(t),
-        }
-        for i, t in enumerate(tasks)
-    ]
+    tasks = [sample_task("sort", rng) for _ in range(400)]
+
+    def pairs(out_1, out_2):
+        return [
+            {"id": str(i), "instruction": t.instruction, "input": t.input, "task": task_to_json(t)}
+            | {"output_1": out_1(t), "output_2": out_2(t)}
+            for i, t in enumerate(tasks)
+        ]
+
+    def prefs(rows, seed):
+        return annotate_pairs(rows, GREEDY_ORACLE.model_copy(update={"seed": seed})).column("preference").to_pylist()
+
     # the better output (gold 1 vs 0) always wins, whatever order it is shown in or seed is used
+    better = pairs(lambda t: "no idea", correct_output)[:6]
     for seed in (0, 1, 2):
-        prefs = annotate_pairs(pairs, GREEDY_ORACLE.model_copy(update={"seed": seed})).column("preference").to_pylist()
-        assert prefs == [2.0] * 6
+        assert prefs(better, seed) == [2.0] * 6
+    # equal gold (both 0), 7 characters apart: the longer wins with p = sigmoid(10·tanh(7/40)) = 0.850, drawn per pair
+    near = pairs(lambda t: "no idea", lambda t: "no idea at all")
+    p_longer = 1 / (1 + math.exp(-10 * math.tanh(7 / 40)))
+    rates = [prefs(near, seed).count(2.0) / len(near) for seed in (0, 1)]
+    assert all(abs(rate - p_longer) < 0.06 for rate in rates), (rates, p_longer)
+    assert prefs(near, 0) != prefs(near, 1)
+    # 200 characters apart the coin is all but fixed: sigmoid(10·tanh(5)) = 0.99995
+    far = pairs(lambda t: "no idea", lambda t: "no idea " + "x" * 200)
+    assert prefs(far, 0) == [2.0] * len(far)
 
 
 @pytest.mark.slow
