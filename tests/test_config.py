@@ -150,6 +150,17 @@ def test_unknown_field_names_the_dotted_field(overrides, field):
     assert f"unknown field {field}" in str(err.value)
 
 
+def test_a_field_inside_an_unset_optional_section_says_to_set_the_section_whole():
+    with pytest.raises(ConfigError) as err:
+        load_config("synthetic-micro", ["reward.backbone.model.hidden_size=64"])
+    assert str(err.value) == (
+        "'reward.backbone' is not set, so 'reward.backbone.model.hidden_size' cannot be changed alone; "
+        "set the section whole: --set 'reward.backbone={...}'"
+    )
+    cfg = load_config("synthetic-micro", ['reward.backbone={"model": {"hidden_size": 48}}'])
+    assert cfg.reward.backbone.model.hidden_size == 48
+
+
 def test_unknown_field_inside_a_list_item():
     with pytest.raises(ConfigError) as err:
         load_config("synthetic-micro", {"annotation": {"pool": [{"name": "x", "bogus": 1}]}})
@@ -347,6 +358,9 @@ def test_config_diff_shows_an_annotator_preset_as_one_row_and_presets_one_line_e
         (["demo", "--method", "foo"], "unknown method(s) foo"),
         (["demo", "--annotator", "nope"], "unknown annotator 'nope'"),
         (["demo", "--preset", "nope"], "unknown preset"),
+        (["overopt", "--n", "4", "--n", "0"], "Invalid value for '--n'"),
+        (["study", "validate", "--n", "0"], "Invalid value for '--n'"),
+        (["study", "validate", "--set", "reward.backbone.model.hidden_size=64"], "'reward.backbone' is not set"),
     ],
 )
 def test_cli_refuses_bad_names_before_starting_prefect(monkeypatch, args, message):
@@ -358,6 +372,7 @@ def test_cli_refuses_bad_names_before_starting_prefect(monkeypatch, args, messag
 
     started = []
     monkeypatch.setattr(cli.runs, "start_temporary_api", lambda: started.append(1))
+    monkeypatch.setattr(cli.study, "start_temporary_api", lambda: started.append(1))
     out = CliRunner().invoke(cli.app, args, terminal_width=200)
     assert out.exit_code == 2 and message in " ".join(out.output.split()), out.output
     assert not started

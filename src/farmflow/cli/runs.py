@@ -250,7 +250,7 @@ def run(
 
 def overopt(
     preset: str = typer.Option("synthetic-tiny", help="Preset to start from."),
-    n: list[int] = typer.Option([], "--n", help="Best-of-n sample counts (repeatable); default 1 2 4 8 16."),
+    n: list[int] = typer.Option([], "--n", min=1, help="Best-of-n sample counts (repeatable); default 1 2 4 8 16."),
     labeller: list[str] = typer.Option(
         [],
         "--labeller",

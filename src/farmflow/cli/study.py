@@ -22,7 +22,9 @@ def validate(
         None, "--replicates", min=1, help="Seeds of the whole experiment (default: the preset's evaluation.replicates)."
     ),
     methods: list[str] = typer.Option([], "--method", help="Methods to study (repeat or comma-separate); default all."),
-    n: list[int] = typer.Option([], "--n", help="Best-of-n counts of the over-optimization curves (default 1..64)."),
+    n: list[int] = typer.Option(
+        [], "--n", min=1, help="Best-of-n counts of the over-optimization curves (default 1..64)."
+    ),
     ppo_every: Optional[int] = typer.Option(
         None, "--ppo-every", min=1, help="Also PPO's curves: a snapshot every N steps."
     ),

@@ -62,6 +62,12 @@ def load_config(
         for i, part in enumerate(path[:-1]):
             if not isinstance(node, dict) or part not in node:
                 raise ConfigError(f"unknown field {'.'.join(path[: i + 1])!r}")
+            if node[part] is None:  # an optional section that is off has no fields to change one by one
+                section = ".".join(path[: i + 1])
+                raise ConfigError(
+                    f"{section!r} is not set, so {'.'.join(path)!r} cannot be changed alone; set the section whole: "
+                    f"--set '{section}={{...}}'"
+                )
             node = node[part]
         if not isinstance(node, dict) or path[-1] not in node:
             raise ConfigError(f"unknown field {'.'.join(path)!r}")
