@@ -157,8 +157,21 @@ def test_a_field_inside_an_unset_optional_section_says_to_set_the_section_whole(
         "'reward.backbone' is not set, so 'reward.backbone.model.hidden_size' cannot be changed alone; "
         "set the section whole: --set 'reward.backbone={...}'"
     )
-    cfg = load_config("synthetic-micro", ['reward.backbone={"model": {"hidden_size": 48}}'])
-    assert cfg.reward.backbone.model.hidden_size == 48
+    # set whole, its defaults are filled in, so a later override can change one of its fields
+    cfg = load_config(
+        "synthetic-micro", ['reward.backbone={"model": {"hidden_size": 48}}', "reward.backbone.model.num_layers=3"]
+    )
+    assert cfg == load_config("synthetic-micro", {"reward.backbone": {"model": {"hidden_size": 48, "num_layers": 3}}})
+    assert (cfg.reward.backbone.model.hidden_size, cfg.reward.backbone.model.num_layers) == (48, 3)
+    assert (
+        load_config(
+            "synthetic-micro", {"reward": {"backbone": {"model": {}}}, "reward.backbone.sft": {"lr": 0.5}}
+        ).reward.backbone.sft.lr
+        == 0.5
+    )
+    # a section that does not validate alone is left as given: the whole config's validation names the field
+    with pytest.raises(ConfigError, match="reward.backbone.model.hidden_size"):
+        load_config("synthetic-micro", ['reward.backbone={"model": {"hidden_size": "wide"}}'])
 
 
 def test_unknown_field_inside_a_list_item():

@@ -7,9 +7,11 @@ carries credentials is not repeated back.
 from __future__ import annotations
 
 import json
+import types
+import typing
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from farmflow.config.annotators import AnnotatorConfig
 from farmflow.config.base import ConfigError
@@ -87,8 +89,36 @@ def load_config(
         ):  # (an empty dict is a dict field)
             _merge(node[path[-1]], value, ".".join(path))  # a section: update only the fields given
         else:
-            node[path[-1]] = value
+            node[path[-1]] = _filled(path, value) if node[path[-1]] is None else value
     return validate_config(base)
+
+
+def _section_model(path: list[str]) -> type[BaseModel] | None:
+    """The config class of the (possibly optional) section at `path` in `FarmConfig`, or None for a plain field."""
+    model: type[BaseModel] = FarmConfig
+    for part in path:
+        field = model.model_fields.get(part)
+        if field is None:
+            return None
+        kinds = typing.get_args(field.annotation) if isinstance(field.annotation, types.UnionType) else ()
+        found = [k for k in (*kinds, field.annotation) if isinstance(k, type) and issubclass(k, BaseModel)]
+        if not found:
+            return None
+        model = found[0]
+    return model
+
+
+def _filled(path: list[str], value: Any) -> Any:
+    """A section set whole where it was unset (None), with its defaults filled in, so that a later override can
+    change one of its fields (``reward.backbone={...}`` then ``reward.backbone.model.num_layers=2``); left as given
+    when it does not validate alone (the whole config's validation names the field)."""
+    model = _section_model(path) if isinstance(value, dict) else None
+    if model is None:
+        return value
+    try:
+        return model.model_validate(value).model_dump()
+    except ValidationError:
+        return value
 
 
 def _select_preset(section: dict, name: str) -> None:
@@ -117,7 +147,7 @@ def _merge(target: dict, update: dict, where: str) -> None:
         if isinstance(target[k], dict) and isinstance(v, dict):
             _merge(target[k], v, f"{where}.{k}")
         else:
-            target[k] = v
+            target[k] = _filled(f"{where}.{k}".split("."), v) if target[k] is None else v
 
 
 def validate_config(data: dict | FarmConfig) -> FarmConfig:
