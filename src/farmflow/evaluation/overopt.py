@@ -34,11 +34,12 @@ def greedy_oracle(seed: int = 0) -> AnnotatorConfig:
     """One oracle annotator without noise: the offline analogue of p_sim^GPT-4 (temperature 0).
 
     Its logit is 1000 × (gold difference + 0.01·tanh(length difference / 40 chars)), so a gold
-    difference of 0.01 or more decides the label all but surely (its quality judgement is
-    deterministic), and on equal gold the label is drawn with the longer output favoured, as LLM
-    judges favour length: 5 characters longer wins with probability 0.78, 40 with 0.9995. The
-    draw on ties carries no quality, so a reward model's gold errors against this labeller are
-    its own. No label noise, no position bias.
+    difference of 0.02 or more decides the label all but surely (at least 20 logits against a
+    length term of at most 10: its quality judgement is deterministic), and on equal gold the
+    label is drawn with the longer output favoured, as LLM judges favour length: 5 characters
+    longer wins with probability 0.78, 40 with 0.9995. The draw on ties carries no quality, so a
+    reward model's gold errors against this labeller are its own. No label noise, no position
+    bias.
     """
     return AnnotatorConfig(
         pool=[OracleAnnotatorConfig(name="greedy", sharpness=1000.0, length_bias=10.0)], label_noise=0.0, seed=seed
