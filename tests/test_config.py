@@ -374,6 +374,8 @@ def test_config_diff_shows_an_annotator_preset_as_one_row_and_presets_one_line_e
         (["overopt", "--n", "4", "--n", "0"], "Invalid value for '--n'"),
         (["study", "validate", "--n", "0"], "Invalid value for '--n'"),
         (["study", "validate", "--set", "reward.backbone.model.hidden_size=64"], "'reward.backbone' is not set"),
+        (["judge-server", "--port", "99999"], "Invalid value for '--port'"),
+        (["label", "serve", "--pairs", "x.json", "--port", "99999"], "Invalid value for '--port'"),
     ],
 )
 def test_cli_refuses_bad_names_before_starting_prefect(monkeypatch, args, message):

@@ -28,7 +28,7 @@ LOCAL_JUDGE_PORT = 8787  # fixed, so the api-local demo's stage keys (which incl
 
 def judge_server(
     host: str = typer.Option("127.0.0.1", help="Interface to listen on."),
-    port: int = typer.Option(LOCAL_JUDGE_PORT, help="Port (0: any free port; the URL is printed)."),
+    port: int = typer.Option(LOCAL_JUDGE_PORT, min=0, max=65535, help="Port (0: any free port; the URL is printed)."),
     latency_ms: float = typer.Option(0.0, help="Milliseconds every answer takes."),
     fault_rate: float = typer.Option(0.0, help="Probability that a request gets an injected fault."),
     faults: str = typer.Option(

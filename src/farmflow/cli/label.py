@@ -45,7 +45,7 @@ def serve(
         help="Who labels (annotator human:NAME; default: your user name). "
         "The page's ?labeler=NAME parameter labels as someone else.",
     ),
-    port: int = typer.Option(8770, help="Port on 127.0.0.1."),
+    port: int = typer.Option(8770, min=1, max=65535, help="Port on 127.0.0.1."),
     store: Optional[str] = typer.Option(None, help=STORE_HELP),
 ) -> None:
     """Serve the labeling page on 127.0.0.1 until Ctrl-C; each label is saved to the store as it is given."""
