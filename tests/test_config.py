@@ -375,6 +375,8 @@ def test_config_diff_shows_an_annotator_preset_as_one_row_and_presets_one_line_e
         (["study", "validate", "--n", "0"], "Invalid value for '--n'"),
         (["study", "validate", "--set", "reward.backbone.model.hidden_size=64"], "'reward.backbone' is not set"),
         (["judge-server", "--port", "99999"], "Invalid value for '--port'"),
+        (["overopt", "--labeller", "bogus"], "--labeller: unknown annotator(s) ['bogus']; known: p_sim^ann, greedy"),
+        (["overopt", "--annotator", "p_sim_ann,nobody"], "--annotator: unknown annotator(s) ['nobody']"),
         (["label", "serve", "--pairs", "x.json", "--port", "99999"], "Invalid value for '--port'"),
     ],
 )

@@ -21,6 +21,7 @@ from farmflow.cli.logs import start as start_log
 from farmflow.cli.output import console, emit, print_json, say
 from farmflow.cli.preflight import check_store
 from farmflow.cli.server import check_api, prefect_env
+from farmflow.evaluation.overopt import annotator_labels
 
 STORE_HELP = "Artifact store (default $FARMFLOW_STORE, else ./.farmflow/store)."
 
@@ -275,12 +276,17 @@ def overopt(
     prefect_env()
     cfg = load(preset, set_, store)  # a bad preset or override fails before Prefect's temporary API starts
     check_model(cfg)
+    names = lambda opts: [x.strip() for o in opts for x in o.split(",") if x.strip()] or None  # noqa: E731
+    for option, given in (("--labeller", labeller), ("--annotator", annotator)):
+        try:
+            annotator_labels(names(given) or [])
+        except ValueError as err:
+            raise UsageError(f"{option}: {err}") from None
     api_ready = start_temporary_api()
     from farmflow.flows.overoptimization import overoptimization_flow
 
     api_ready()
     start = time.perf_counter()
-    names = lambda opts: [x.strip() for o in opts for x in o.split(",") if x.strip()] or None  # noqa: E731
     summary = run_flow(
         f"overopt-{cfg.name}",
         overoptimization_flow,

@@ -51,6 +51,18 @@ GREEDY_ORACLE = greedy_oracle()
 LABELLERS = ("p_sim^ann", "greedy")
 """Paper Fig. 5: the noisy pool (over-optimizes) and the single low-variance annotator (does not), each labelling and
 judging its own curve."""
+ANNOTATOR_NAMES = ("p_sim^ann", "greedy", "p_sim^eval")
+"""Who can label or judge a curve: the farm's annotation pool, `GREEDY_ORACLE`, the farm's evaluation pool."""
+
+
+def annotator_labels(names: Sequence[str]) -> dict[str, str]:
+    """Each name as its label in `ANNOTATOR_NAMES` (the preset spelling p_sim_ann / p_sim_eval is accepted too);
+    an unknown name is a ValueError naming it."""
+    label = {n: n.replace("p_sim_", "p_sim^", 1) if n.startswith("p_sim_") else n for n in names}
+    unknown = [n for n in names if label[n] not in ANNOTATOR_NAMES]
+    if unknown:
+        raise ValueError(f"unknown annotator(s) {unknown}; known: {', '.join(ANNOTATOR_NAMES)}")
+    return label
 
 
 class CurvePoint(BaseModel):

@@ -29,7 +29,7 @@ from typing import Any
 from prefect import flow
 
 from farmflow.config import FarmConfig
-from farmflow.evaluation.overopt import GREEDY_ORACLE, LABELLERS, CurvePoint
+from farmflow.evaluation.overopt import GREEDY_ORACLE, LABELLERS, CurvePoint, annotator_labels
 from farmflow.flows.form import PresetName, prefect_run_name, run_config, with_form_doc
 from farmflow.flows.pipeline import Upstream, best_of_n_outputs, generate_outputs
 from farmflow.flows.runner import StageRunner
@@ -49,10 +49,7 @@ def evaluating_annotators(
     The preset spelling p_sim_ann / p_sim_eval is accepted too; the labels are always p_sim^ann / p_sim^eval.
     """
     known = {"p_sim^ann": cfg.annotation, "greedy": GREEDY_ORACLE, "p_sim^eval": cfg.evaluation.annotator}
-    label = {n: n.replace("p_sim_", "p_sim^", 1) if n.startswith("p_sim_") else n for n in names}
-    unknown = [n for n in names if label[n] not in known]
-    if unknown:
-        raise ValueError(f"unknown annotator(s) {unknown}; known: {', '.join(known)}")
+    label = annotator_labels(names)
     return {label[n]: known[label[n]] for n in names}
 
 
