@@ -116,25 +116,31 @@ def with_edits(base: FarmConfig, changed: dict[str, Any]) -> FarmConfig:
     return validate_config(data)
 
 
-def with_seed(cfg: FarmConfig, seed: int) -> FarmConfig:
-    """`cfg` with every ``seed`` field set to `seed`, except in the `KEPT_SEEDS` sections."""
+def map_seeds(cfg: FarmConfig, new_seed: Callable[[int], int], kept: tuple[str, ...] | set[str]) -> FarmConfig:
+    """`cfg` with every ``seed`` field s set to ``new_seed(s)``, except under the `kept` sections (dotted paths, e.g.
+    ``data`` or ``reward.backbone``)."""
     data = cfg.model_dump(mode="json")
 
-    def walk(node: Any) -> None:
+    def walk(node: Any, path: str) -> None:
+        if path in kept:
+            return
         if isinstance(node, dict):
             for k, v in node.items():
-                if k == "seed" and isinstance(v, int):
-                    node[k] = seed
+                if k == "seed" and isinstance(v, int) and not isinstance(v, bool):
+                    node[k] = new_seed(v)
                 else:
-                    walk(v)
+                    walk(v, f"{path}.{k}" if path else k)
         elif isinstance(node, list):
             for v in node:
-                walk(v)
+                walk(v, path)
 
-    for name, section in data.items():
-        if name not in KEPT_SEEDS:
-            walk(section)
+    walk(data, "")
     return validate_config(data)
+
+
+def with_seed(cfg: FarmConfig, seed: int) -> FarmConfig:
+    """`cfg` with every ``seed`` field set to `seed`, except in the `KEPT_SEEDS` sections."""
+    return map_seeds(cfg, lambda _: seed, KEPT_SEEDS)
 
 
 def base_config(preset: str | None, advanced: FarmConfig | dict | None) -> FarmConfig:

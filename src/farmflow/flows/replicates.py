@@ -26,11 +26,11 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.context import TaskRunContext
 
-from farmflow.config import FarmConfig, validate_config
+from farmflow.config import FarmConfig
 from farmflow.evaluation.bootstrap import N_BOOT
 from farmflow.evaluation.leaderboard import leaderboard_rows
 from farmflow.evaluation.replicates import interval_markdown, interval_rows, plot_intervals
-from farmflow.flows.form import KEPT_SEEDS
+from farmflow.flows.form import KEPT_SEEDS, map_seeds
 from farmflow.flows.pipeline import (
     BASELINES,
     Upstream,
@@ -49,8 +49,9 @@ from farmflow.tasks.analysis import board_entry
 
 SEED_STEP = 1000
 """Replicate r adds SEED_STEP · r to every seed it shifts (far from the small seeds people pick by hand)."""
-SFT_SECTIONS = ("model", "sft")
-"""The sections whose seeds make the SFT model (kept when ``evaluation.replicate_sft`` is False)."""
+SFT_SECTIONS = ("model", "sft", "reward.backbone")
+"""The sections (dotted paths) whose seeds make an SFT model, the policy's and the reward model's own backbone's
+(kept when ``evaluation.replicate_sft`` is False)."""
 
 
 def replicate_config(cfg: FarmConfig, r: int) -> FarmConfig:
@@ -62,25 +63,7 @@ def replicate_config(cfg: FarmConfig, r: int) -> FarmConfig:
     if r == 0:
         return cfg
     kept = set(KEPT_SEEDS) | (set() if cfg.evaluation.replicate_sft else set(SFT_SECTIONS))
-    data = cfg.model_dump(mode="json")
-
-    def shift(node: Any) -> None:
-        if isinstance(node, dict):
-            for k, v in node.items():
-                if k == "seed" and isinstance(v, int) and not isinstance(v, bool):
-                    node[k] = v + SEED_STEP * r
-                else:
-                    shift(v)
-        elif isinstance(node, list):
-            for v in node:
-                shift(v)
-
-    for name, section in data.items():
-        if name not in kept:
-            shift(section)
-    if not cfg.evaluation.replicate_sft and cfg.reward.backbone is not None:  # the reward model's own SFT model
-        data["reward"]["backbone"] = cfg.reward.backbone.model_dump(mode="json")
-    return validate_config(data)
+    return map_seeds(cfg, lambda seed: seed + SEED_STEP * r, kept)
 
 
 def replicate_evaluations(
