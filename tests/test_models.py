@@ -732,6 +732,48 @@ def test_reward_loop_with_packing_trains_like_the_padded_loop(tok, reward_model)
     assert moved > 0  # the two steps trained something
 
 
+def test_head_features_are_what_the_score_head_reads(tok, reward_model):
+    from farmflow.methods.reward import head_features
+    from farmflow.models import tokenize_examples
+
+    model, _ = reward_model
+    p_ids, o_ids = tokenize_examples(tok, PROMPTS[:10], RESPONSES[:10])
+    max_len = model.config.max_position_embeddings  # as the task passes it, and as `score` cuts
+    features = head_features(model, tok, p_ids, o_ids, max_len, batch_size=3)  # batched by length, in order
+    assert features.shape == (10, CFG.hidden_size)
+    read = model.score(features)[:, 0]
+    assert torch.allclose(read, score(model, tok, PROMPTS[:10], RESPONSES[:10]), atol=1e-5)
+    assert len(set(read.tolist())) == 10  # every output read differently: a mix-up would show
+
+
+def test_a_frozen_backbone_trains_only_the_head_on_features_read_once(tok, reward_model):
+    from farmflow.config import RewardConfig
+    from farmflow.methods import reward
+    from farmflow.models import batch_order, tokenize_examples
+
+    _, folder = reward_model
+    fresh, model = reward_from_policy(folder, seed=0), reward_from_policy(folder, seed=0)
+    cfg = RewardConfig(epochs=3, batch_size=4, lr=1e-2, warmup_ratio=0.0, seed=0, train_backbone=False)
+    prefs = [1.0, 2.0] * 4
+    reads = []
+    model.base_model.register_forward_hook(lambda _m, _a, out: reads.append(out[0].shape[0]))
+    metrics = reward.train_reward(model, tok, PROMPTS[:8], RESPONSES[:8], RESPONSES[8:16], prefs, cfg, 96)
+    assert reads == [16]  # each of the 16 outputs read once in one batch, for all 6 steps
+    assert metrics["steps"] == 6.0
+    # the first step's loss, by hand: Bradley-Terry on the fresh head over the first batch's features
+    p_ids, o_ids = tokenize_examples(tok, PROMPTS[:8], RESPONSES[:16])
+    features = reward.head_features(fresh, tok, p_ids * 2, o_ids, 96)
+    first = batch_order(8, 4, 6, 0)[0]
+    r1, r2 = fresh.score(features[first])[:, 0], fresh.score(features[[8 + i for i in first]])[:, 0]
+    target = torch.tensor([prefs[i] - 1.0 for i in first])
+    logsig = torch.nn.functional.logsigmoid
+    by_hand = -(target * logsig(r2 - r1) + (1 - target) * logsig(r1 - r2))
+    assert metrics["train_loss_first"] == pytest.approx(by_hand.mean().item(), rel=1e-5)
+    trained = dict(model.named_parameters())
+    for name, p in fresh.named_parameters():
+        assert torch.equal(trained[name], p) is (not name.startswith("score")), name  # the head moved, nothing else
+
+
 class ScriptedMeasure:
     """A held-out measurement that returns scripted accuracies in call order and keeps the weights it was shown."""
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from farmflow import tasks
 from farmflow.config import load_config
@@ -73,6 +74,53 @@ def test_ppo_refuses_a_reward_model_whose_tokenizer_is_not_the_policys(micro_con
     assert not [r for r in up.run.store.list() if r.stage == "ppo"]
 
 
+def test_a_pretrained_backbone_as_it_is_with_only_the_head_trained(micro_config, tmp_path):
+    from safetensors.torch import load_file
+    from test_real_farm import tiny_llama_without_pad
+
+    folder = tiny_llama_without_pad(tmp_path / "hub-model")
+    backbone = {"model": {"pretrained": str(folder)}, "fine_tune": False}
+    cfg = load_config(
+        "synthetic-micro",
+        [
+            f"store.uri={micro_config.store.uri}",
+            f"reward.backbone={json.dumps(backbone)}",
+            "reward.train_backbone=false",
+            "reward.lr=0.01",
+        ],
+    )
+    tasks.EXECUTED.clear()
+    up = _upstream(cfg)
+    reward = up.reward
+    # the backbone is the pretrained model as loaded: no SFT of its own, only the policy's
+    assert dict(tasks.EXECUTED) == {
+        "data": 1,
+        "base_model": 2,
+        "sft": 1,
+        "sample_pairs": 1,
+        "annotate": 1,
+        "train_reward": 1,
+    }
+    store = up.run.store
+    assert store.record(reward)["inputs"]["sft"] == up.reward_backbone.key
+    assert up.reward_backbone.stage == "base_model"
+    # frozen: every backbone weight as the base model stage saved it; the head trained
+    base = load_file(next(store.model_dir(up.reward_backbone).glob("*.safetensors")))
+    trained = load_file(next(store.model_dir(reward).glob("*.safetensors")))
+    assert set(trained) - {"score.weight"} == set(base) - {"lm_head.weight"}  # the causal LM's head gives way
+    assert all(torch.equal(v, base[k]) for k, v in trained.items() if k != "score.weight")
+
+
+def test_a_backbone_as_it_is_must_be_pretrained():
+    from farmflow.config import ConfigError
+
+    with pytest.raises(ConfigError, match="fine_tune=False needs model.pretrained"):
+        load_config("synthetic-micro", [f"reward.backbone={json.dumps(BACKBONE | {'fine_tune': False})}"])
+    both = {"model": {"pretrained": "smollm2-135m-instruct"}, "sft": {"epochs": 1}, "fine_tune": False}
+    with pytest.raises(ConfigError, match="sft is set but fine_tune=False"):
+        load_config("synthetic-micro", [f"reward.backbone={json.dumps(both)}"])
+
+
 def test_a_backbone_is_one_config_line_away_and_keys_only_when_set():
     from farmflow.config import ConfigError
     from farmflow.flows.pipeline import config_key
@@ -82,3 +130,8 @@ def test_a_backbone_is_one_config_line_away_and_keys_only_when_set():
     tiny = load_config("synthetic-micro")
     assert config_key(load_config("synthetic-micro", ["reward.backbone=null"])) == config_key(tiny)
     assert config_key(load_config("synthetic-micro", [f"reward.backbone={json.dumps(BACKBONE)}"])) != config_key(tiny)
+    # the head-only switch keys only when set, as the backbone's fine-tuning switch
+    assert config_key(load_config("synthetic-micro", ["reward.train_backbone=true"])) == config_key(tiny)
+    assert config_key(load_config("synthetic-micro", ["reward.train_backbone=false"])) != config_key(tiny)
+    tuned = load_config("synthetic-micro", [f"reward.backbone={json.dumps(BACKBONE | {'fine_tune': True})}"])
+    assert config_key(tuned) == config_key(load_config("synthetic-micro", [f"reward.backbone={json.dumps(BACKBONE)}"]))

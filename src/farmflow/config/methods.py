@@ -99,6 +99,20 @@ class RewardBackboneConfig(Section):
         description="How the backbone is fine-tuned on the SFT split's demonstrations (None: the farm's `sft` "
         "section, without its snapshots).",
     )
+    fine_tune: bool = Field(
+        True,
+        json_schema_extra={"stage_key": "unless_default"},
+        description="Fine-tune the backbone on the SFT split before it gets the reward head (False: the pretrained "
+        "model as it is, such as an instruct model that already follows instructions; needs `model.pretrained`).",
+    )
+
+    @model_validator(mode="after")
+    def _as_is_needs_a_pretrained_model(self) -> "RewardBackboneConfig":
+        if not self.fine_tune and not self.model.pretrained:
+            raise ValueError("fine_tune=False needs model.pretrained: a model trained from scratch starts random")
+        if not self.fine_tune and self.sft is not None:
+            raise ValueError("sft is set but fine_tune=False: the backbone is not fine-tuned, so drop one of them")
+        return self
 
 
 class RewardConfig(Section):
@@ -144,6 +158,16 @@ class RewardConfig(Section):
         "what a researcher without gold can select on), as Hugging Face's load_best_model_at_end.",
     )
 
+    train_backbone: bool = Field(
+        True,
+        json_schema_extra={"stage_key": "unless_default"},
+        description="Train the whole model (AlpacaFarm). False: the backbone stays frozen and only the scalar head "
+        "trains, on what it reads (the last hidden state at each output's closing </s>), computed once before the "
+        "first step: one forward pass per output instead of a forward and a backward pass per output and epoch, so a "
+        "large pretrained backbone is affordable on a CPU (a linear probe: it learns what the backbone's features "
+        "already separate; many cheap epochs and a higher lr, ~1e-3, suit it). One process; no checkpoints (a "
+        "restart recomputes the features).",
+    )
     backbone: RewardBackboneConfig | None = Field(
         None,
         json_schema_extra={"stage_key": "unless_default"},

@@ -98,14 +98,17 @@ class Upstream:
 
     @property
     def reward_backbone(self) -> ArtifactRef:
-        """The fine-tuned model the reward model starts from: the SFT policy, or `reward.backbone`'s own base model
-        fine-tuned on the same split (its stages are labelled "base_model reward" and "sft reward")."""
+        """The model the reward model starts from: the SFT policy, or `reward.backbone`'s own base model fine-tuned on
+        the same split (its stages are labelled "base_model reward" and "sft reward"), or with ``fine_tune=False`` that
+        pretrained base model as it is."""
         backbone = self.cfg.reward.backbone
         if backbone is None:
             return self.sft
 
         def make() -> ArtifactRef:
             base = self.run(base_model_task, backbone.model, "base_model reward", data=self.data)
+            if not backbone.fine_tune:
+                return base
             sft = (backbone.sft or self.cfg.sft).model_copy(update={"snapshot_epochs": ()})
             return self.run(sft_task, sft, "sft reward", data=self.data, base=base, checkpoints=self.cfg.checkpoints)
 

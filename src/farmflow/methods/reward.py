@@ -14,6 +14,11 @@ pairs weighted by their share of the batch). A micro-batch's pairs are read in o
 pass (`pair_rewards`): two right-padded rows per pair, or with ``packing`` each prompt once and
 both outputs after it, several pairs to a row, with the same rewards up to float rounding.
 
+With ``train_backbone=False`` only the scalar head trains: the backbone's features (the hidden state the head
+reads at each output's closing </s>) are computed once, before the first step, and every step is a linear
+Bradley–Terry step on them (`head_features`). A pretrained backbone then costs one forward pass per output,
+which makes a pretrained reward model affordable on a CPU.
+
 Every ``eval_every`` steps the loop can measure the model on held-out pairs (AlpacaFarm's script
 measures every 10 steps and keeps the final model); with ``select="best_val"`` it keeps the weights
 of the measurement with the highest held-out accuracy instead, for a reward model that starts to
@@ -82,6 +87,31 @@ def pair_rewards(
     return r[:, 0], r[:, 1]
 
 
+@torch.no_grad()
+def head_features(model, tokenizer, p_ids, o_ids, max_len, batch_size: int = 64, progress=None) -> torch.Tensor:
+    """What the scalar head of `model` reads of each (prompt, output), both given as token ids: the backbone's last
+    hidden state where the classifier pools, the last token that is not padding (the output's closing </s>), so that
+    ``model.score(features)`` is the model's reward. Outputs are batched by length (less padding) and returned in
+    the given order, in the model's dtype."""
+    param = next(model.parameters())
+    training = model.training
+    model.eval()
+    order = sorted(range(len(p_ids)), key=lambda i: len(p_ids[i]) + len(o_ids[i]))
+    features = torch.empty((len(p_ids), model.config.hidden_size), dtype=param.dtype, device=param.device)
+    for start in range(0, len(order), batch_size):
+        rows = order[start : start + batch_size]
+        ids, mask, _ = pack_examples(tokenizer, [p_ids[i] for i in rows], [o_ids[i] for i in rows], max_len)
+        ids = ids.to(param.device)
+        hidden = model.base_model(input_ids=ids, attention_mask=mask.to(param.device), use_cache=False)[0]
+        positions = torch.arange(ids.shape[1], device=ids.device)
+        last = (positions * (ids != model.config.pad_token_id)).argmax(-1)  # as the classifier pools
+        features[rows] = hidden[torch.arange(len(rows), device=ids.device), last]
+        if progress:
+            progress(len(rows))
+    model.train(training)
+    return features
+
+
 def train_reward(
     model,
     tokenizer,
@@ -108,6 +138,12 @@ def train_reward(
     total = max(1, round(cfg.epochs * math.ceil(len(prompts) / cfg.batch_size)))
     batches = batch_order(len(prompts), cfg.batch_size, total, cfg.seed)
     rt = Runtime(model, len(batches[0]), cfg.micro_batch_size, "reward")
+    frozen = not cfg.train_backbone
+    if frozen:
+        if rt.processes > 1:
+            raise ValueError("reward.train_backbone=False trains the head in one process: launch it without workers")
+        model.base_model.requires_grad_(False)  # before the optimizer, which takes the trainable parameters only
+        checkpointer = None  # the head trains in seconds; the features are the cost, and a restart recomputes them
     opt, sched = optimizer_and_schedule(model, cfg.lr, cfg.weight_decay, total, cfg.warmup_ratio)
     model, opt = rt.prepare(model, opt)
     ckpt = rt.checkpointer(checkpointer or Checkpointer(None, "reward", "", 0))
@@ -128,6 +164,10 @@ def train_reward(
     rec, pairs = recorder("reward"), Pairs()
     p_ids, o_ids = tokenize_examples(tokenizer, prompts, list(out_1) + list(out_2))  # once, not every step
     o1_ids, o2_ids = o_ids[: len(prompts)], o_ids[len(prompts) :]
+    if frozen:
+        with progress("reward: features", len(o_ids), unit="output") as bar:
+            features = head_features(inner, tokenizer, p_ids * 2, o_ids, max_len, progress=bar.update)
+        f1, f2 = features[: len(prompts)], features[len(prompts) :]
     with progress("reward", total, unit="step", initial=start) as bar:
         for step in range(start, total):
             idx = batches[step]
@@ -135,16 +175,19 @@ def train_reward(
             for rows in rt.micro_batches():
                 part = idx[rows]
                 with rt.accumulate(model):
-                    r1, r2 = pair_rewards(
-                        model,
-                        tokenizer,
-                        [p_ids[i] for i in part],
-                        [o1_ids[i] for i in part],
-                        [o2_ids[i] for i in part],
-                        max_len,
-                        cfg.packing,
-                        inner,
-                    )
+                    if frozen:
+                        r1, r2 = inner.score(f1[part])[:, 0].float(), inner.score(f2[part])[:, 0].float()
+                    else:
+                        r1, r2 = pair_rewards(
+                            model,
+                            tokenizer,
+                            [p_ids[i] for i in part],
+                            [o1_ids[i] for i in part],
+                            [o2_ids[i] for i in part],
+                            max_len,
+                            cfg.packing,
+                            inner,
+                        )
                     loss = bradley_terry_loss(r1, r2, torch.tensor([preferences[i] for i in part], device=r1.device))
                     pairs.add_preferred(r1, r2, torch.tensor([preferences[i] for i in part]))
                     rt.backward(loss, len(part) / len(idx))
