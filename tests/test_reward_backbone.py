@@ -18,6 +18,8 @@ from farmflow.tasks.rl import ppo_task
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
+TO_REWARD = {"data": 1, "base_model": 2, "sft": 2, "sample_pairs": 1, "annotate": 1, "train_reward": 1}
+"""Stage executions up to a reward model with a backbone of its own: the policy's base model and SFT, the backbone's."""
 BACKBONE = {"model": {"hidden_size": 48, "num_layers": 1, "num_heads": 2, "intermediate_size": 96, "vocab_size": 384}}
 
 
@@ -38,14 +40,7 @@ def test_the_reward_model_starts_from_its_own_backbone_trained_once(micro_config
     up = _upstream(cfg)
     reward = up.reward
     # the policy's base model and SFT, then the backbone's own: two of each; one set of pairs, labels, reward model
-    assert dict(tasks.EXECUTED) == {
-        "data": 1,
-        "base_model": 2,
-        "sft": 2,
-        "sample_pairs": 1,
-        "annotate": 1,
-        "train_reward": 1,
-    }
+    assert dict(tasks.EXECUTED) == TO_REWARD
     store = up.run.store
     assert store.record(reward)["inputs"]["sft"] == up.reward_backbone.key != up.sft.key
     assert _hidden_size(store, reward) == 48 and _hidden_size(store, up.sft) == 32
@@ -93,14 +88,7 @@ def test_a_pretrained_backbone_as_it_is_with_only_the_head_trained(micro_config,
     up = _upstream(cfg)
     reward = up.reward
     # the backbone is the pretrained model as loaded: no SFT of its own, only the policy's
-    assert dict(tasks.EXECUTED) == {
-        "data": 1,
-        "base_model": 2,
-        "sft": 1,
-        "sample_pairs": 1,
-        "annotate": 1,
-        "train_reward": 1,
-    }
+    assert dict(tasks.EXECUTED) == TO_REWARD | {"sft": 1}
     store = up.run.store
     assert store.record(reward)["inputs"]["sft"] == up.reward_backbone.key
     assert up.reward_backbone.stage == "base_model"
