@@ -7,8 +7,10 @@ store, the artifacts it would commit go into the spec's output folder for the pa
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
+import traceback
 from pathlib import Path
 from typing import get_type_hints
 
@@ -47,5 +49,24 @@ def child_main(spec_path: str) -> None:
         raise
 
 
+def exit_code(spec_path: str) -> int:
+    """Run the stage; its exit code (1 with the traceback on stderr when it raised)."""
+    try:
+        child_main(spec_path)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+        return 1
+    return 0
+
+
 if __name__ == "__main__":
-    child_main(sys.argv[1])
+    code = exit_code(sys.argv[1])
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Everything the stage wrote is on disk by now. Skipping the interpreter's teardown keeps a native library's
+    # worker threads from aborting it at exit (SIGABRT, "terminate called without an active exception"), which
+    # would turn the stage's own exit code, success included, into -6.
+    os._exit(code)
