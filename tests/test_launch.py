@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -92,6 +93,21 @@ def test_a_crashing_child_is_one_clear_error(tmp_path, cfg):
     assert err.value.__cause__ is None and err.value.__context__ is None
     assert [r.stage for r in open_store(uri).list()] == ["data", "base_model"]  # nothing committed
     assert not list((Path(uri) / ".staging").iterdir())
+
+
+def test_a_child_whose_interpreter_aborts_at_exit_still_reports_the_stages_own_code(tmp_path, cfg, monkeypatch):
+    """A native library's teardown can abort the child (SIGABRT) after the stage ended; the child leaves before it."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import atexit, os\natexit.register(os.abort)\n")
+    monkeypatch.setenv("PYTHONPATH", f"{site}:{os.environ.get('PYTHONPATH', '')}")
+    uri = str(tmp_path / "store")
+    data, base = _upstream(uri, cfg)
+    config = open_store(uri).model_dir(base) / "config.json"
+    config.write_bytes(b"x" * len(config.read_bytes()))
+    with launching(ExecutionConfig(launcher="process")), pytest.raises(StageLaunchError) as err:
+        tasks.sft_task.fn(uri, cfg.sft, data=data, base=base)
+    assert str(err.value).startswith("stage sft: a child process exited with code 1;")  # not -6
 
 
 @pytest.mark.slow  # a child process that imports torch, transformers and prefect (~15 s)
