@@ -733,23 +733,86 @@ def test_reward_loop_with_packing_trains_like_the_padded_loop(tok, reward_model)
 
 
 def test_head_features_are_what_the_score_head_reads(tok, reward_model):
-    from farmflow.methods.reward import head_features
-    from farmflow.models import tokenize_examples
+    from farmflow.models import reward_features, tokenize_examples
 
     model, _ = reward_model
     p_ids, o_ids = tokenize_examples(tok, PROMPTS[:10], RESPONSES[:10])
     max_len = model.config.max_position_embeddings  # as the task passes it, and as `score` cuts
-    features = head_features(model, tok, p_ids, o_ids, max_len, batch_size=3)  # batched by length, in order
+    features = reward_features(model, tok, p_ids, o_ids, max_len, batch_size=3)  # batched by length, in order
     assert features.shape == (10, CFG.hidden_size)
     read = model.score(features)[:, 0]
     assert torch.allclose(read, score(model, tok, PROMPTS[:10], RESPONSES[:10]), atol=1e-5)
     assert len(set(read.tolist())) == 10  # every output read differently: a mix-up would show
 
 
+def _count_reads(model) -> list[int]:
+    """Rows each forward pass of `model`'s backbone reads, appended per call."""
+    reads = []
+    model.base_model.register_forward_hook(lambda _m, _a, out: reads.append(out[0].shape[0]))
+    return reads
+
+
+def test_score_reads_each_distinct_pair_once(tok, reward_model):
+    model, _ = reward_model
+    prompts, responses = PROMPTS[:4] * 2 + PROMPTS[:2], RESPONSES[:4] * 2 + RESPONSES[:2]  # 10 rows, 4 distinct
+    reads = _count_reads(model)
+    seen = []
+    r = score(model, tok, prompts, responses, batch_size=3, progress=seen.append)
+    assert reads == [3, 1] and sum(seen) == 10  # two batches of distinct pairs; the bar counts every row
+    alone = torch.stack([score(model, tok, [p], [o])[0] for p, o in zip(prompts[:4], responses[:4])])
+    assert torch.allclose(r, torch.cat([alone, alone, alone[:2]]), atol=1e-5)  # each row its own pair's reward
+    assert torch.equal(r[:4], r[4:8])  # a repeat is the same read
+
+
+def test_a_feature_memo_reads_a_frozen_backbone_once_for_every_head(tok, reward_model):
+    from farmflow.models import FeatureMemo
+
+    _, folder = reward_model
+    a, b = reward_from_policy(folder, seed=0), reward_from_policy(folder, seed=1)  # one backbone, two heads
+    a_reads, b_reads = _count_reads(a), _count_reads(b)
+    memo = FeatureMemo(backbones=2)
+    args = (tok, PROMPTS[:6], RESPONSES[:6])
+    ra = score(a, *args, memo=memo)
+    rb = score(b, *args, memo=memo)
+    assert a_reads == [6] and b_reads == []  # b's head read a's features
+    assert torch.allclose(rb, score(b, *args), atol=1e-5) and not torch.allclose(ra, rb, atol=1e-3)
+    b_reads.clear()
+    with torch.no_grad():
+        b.base_model.norm.weight.mul_(1.5)  # another backbone: its own features
+    rb2 = score(b, *args, memo=memo)
+    assert b_reads == [6] and torch.allclose(rb2, score(b, *args), atol=1e-5) and not torch.allclose(rb2, rb)
+    c = reward_from_policy(folder, seed=2)
+    with torch.no_grad():
+        c.base_model.norm.weight.mul_(0.5)
+    score(c, *args, memo=memo)  # a third backbone: the memo keeps two, and a's was the least recently used
+    a_reads.clear()
+    assert torch.allclose(score(a, *args, memo=memo), ra, atol=1e-6) and a_reads == [6]
+
+
+def test_frozen_reward_models_on_one_backbone_read_its_features_once(tok, reward_model):
+    from farmflow.config import RewardConfig
+    from farmflow.methods import reward
+    from farmflow.models import FeatureMemo
+
+    _, folder = reward_model
+    cfg = RewardConfig(epochs=3, batch_size=4, lr=1e-2, warmup_ratio=0.0, seed=0, train_backbone=False)
+    pairs = (PROMPTS[:8], RESPONSES[:8], RESPONSES[8:16])
+    memo, alone = FeatureMemo(), reward_from_policy(folder, seed=0)
+    first, second = reward_from_policy(folder, seed=0), reward_from_policy(folder, seed=0)
+    first_reads, second_reads = _count_reads(first), _count_reads(second)
+    m_alone = reward.train_reward(alone, tok, *pairs, [1.0, 2.0] * 4, cfg, 96)
+    m_first = reward.train_reward(first, tok, *pairs, [1.0, 2.0] * 4, cfg, 96, memo=memo)
+    m_second = reward.train_reward(second, tok, *pairs, [2.0, 1.0] * 4, cfg, 96, memo=memo)  # other labels
+    assert first_reads == [16] and second_reads == []
+    assert m_first["train_loss_first"] == pytest.approx(m_alone["train_loss_first"], rel=1e-6)
+    assert m_second["train_loss_last"] != pytest.approx(m_first["train_loss_last"], rel=1e-3)
+    assert not torch.equal(first.score.weight, second.score.weight)
+
+
 def test_a_frozen_backbone_trains_only_the_head_on_features_read_once(tok, reward_model):
     from farmflow.config import RewardConfig
     from farmflow.methods import reward
-    from farmflow.models import batch_order, tokenize_examples
+    from farmflow.models import batch_order, reward_features, tokenize_examples
 
     _, folder = reward_model
     fresh, model = reward_from_policy(folder, seed=0), reward_from_policy(folder, seed=0)
@@ -762,7 +825,7 @@ def test_a_frozen_backbone_trains_only_the_head_on_features_read_once(tok, rewar
     assert metrics["steps"] == 6.0
     # the first step's loss, by hand: Bradley-Terry on the fresh head over the first batch's features
     p_ids, o_ids = tokenize_examples(tok, PROMPTS[:8], RESPONSES[:16])
-    features = reward.head_features(fresh, tok, p_ids * 2, o_ids, 96)
+    features = reward_features(fresh, tok, p_ids * 2, o_ids, 96)
     first = batch_order(8, 4, 6, 0)[0]
     r1, r2 = fresh.score(features[first])[:, 0], fresh.score(features[[8 + i for i in first]])[:, 0]
     target = torch.tensor([prefs[i] - 1.0 for i in first])

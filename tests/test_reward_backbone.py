@@ -99,6 +99,37 @@ def test_a_pretrained_backbone_as_it_is_with_only_the_head_trained(micro_config,
     assert all(torch.equal(v, base[k]) for k, v in trained.items() if k != "score.weight")
 
 
+def test_frozen_reward_models_on_one_pretrained_backbone_read_each_output_once(micro_config, tmp_path):
+    from test_real_farm import tiny_llama_without_pad
+    from transformers import LlamaModel
+
+    from farmflow.models import FEATURES, load_reward
+
+    folder = tiny_llama_without_pad(tmp_path / "hub-model")
+    backbone = {"model": {"pretrained": str(folder)}, "fine_tune": False}
+    sets = [
+        f"store.uri={micro_config.store.uri}",
+        f"reward.backbone={json.dumps(backbone)}",
+        "reward.train_backbone=false",
+    ]
+    FEATURES.clear()
+    reads = []
+    hook = torch.nn.modules.module.register_module_forward_hook(
+        lambda m, _a, out: reads.append(out[0].shape[0]) if isinstance(m, LlamaModel) else None
+    )
+    try:
+        first = _upstream(load_config("synthetic-micro", sets)).reward
+        read_first, reads[:] = sum(reads), []
+        tasks.EXECUTED.clear()
+        second = _upstream(load_config("synthetic-micro", [*sets, "reward.seed=1"])).reward  # another head
+    finally:
+        hook.remove()
+    assert dict(tasks.EXECUTED) == {"train_reward": 1}
+    assert read_first > 0 and reads == []  # its training and held-out outputs were all read for the first
+    a, b = (load_reward(_upstream(micro_config).run.store.model_dir(r))[0] for r in (first, second))
+    assert not torch.equal(a.score.weight, b.score.weight)
+
+
 def test_a_backbone_as_it_is_must_be_pretrained():
     from farmflow.config import ConfigError
 

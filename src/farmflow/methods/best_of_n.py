@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from farmflow.models import sample, score
+from farmflow.models import FeatureMemo, sample, score
 from farmflow.progress import progress
 
 VERSION = "2"  # 2: the artifact keeps every candidate and its reward (candidates.parquet)
@@ -55,8 +55,10 @@ def scored_candidates(
     max_new_tokens: int,
     batch_size: int,
     seed: int,
+    memo: FeatureMemo | None = None,
 ) -> tuple[list[list[str]], list[float]]:
-    """n samples per prompt and the reward of each (flat, prompt-major)."""
+    """n samples per prompt and the reward of each (flat, prompt-major); each distinct sample of a prompt is scored
+    once (`farmflow.models.score`, which takes the `memo`)."""
     with progress("best_of_n: sample", len(prompts), unit="prompt") as bar:
         candidates = sample(
             policy,
@@ -74,7 +76,13 @@ def scored_candidates(
     flat_outputs = [o for c in candidates for o in c]
     with progress("best_of_n: score", len(flat_outputs), unit="sample") as bar:
         rewards = score(
-            reward_model, reward_tokenizer, flat_prompts, flat_outputs, batch_size=batch_size, progress=bar.update
+            reward_model,
+            reward_tokenizer,
+            flat_prompts,
+            flat_outputs,
+            batch_size=batch_size,
+            progress=bar.update,
+            memo=memo,
         ).tolist()
     return candidates, rewards
 

@@ -16,8 +16,9 @@ both outputs after it, several pairs to a row, with the same rewards up to float
 
 With ``train_backbone=False`` only the scalar head trains: the backbone's features (the hidden state the head
 reads at each output's closing </s>) are computed once, before the first step, and every step is a linear
-Bradley–Terry step on them (`head_features`). A pretrained backbone then costs one forward pass per output,
-which makes a pretrained reward model affordable on a CPU.
+Bradley–Terry step on them (`farmflow.models.reward_features`). A pretrained backbone then costs one forward pass per
+distinct output, which makes a pretrained reward model affordable on a CPU; with a feature memo, none for the outputs
+another model on the same backbone read in this process (the study's two reward models train on the same outputs).
 
 Every ``eval_every`` steps the loop can measure the model on held-out pairs (AlpacaFarm's script
 measures every 10 steps and keeps the final model); with ``select="best_val"`` it keeps the weights
@@ -35,7 +36,15 @@ import torch
 import torch.nn.functional as F
 
 from farmflow.config import RewardConfig
-from farmflow.models import batch_order, optimizer_and_schedule, pack_examples, pack_pairs, tokenize_examples
+from farmflow.models import (
+    FeatureMemo,
+    batch_order,
+    optimizer_and_schedule,
+    pack_examples,
+    pack_pairs,
+    reward_features,
+    tokenize_examples,
+)
 from farmflow.models.checkpoint import Checkpointer
 from farmflow.models.runtime import Runtime
 from farmflow.progress import progress
@@ -87,31 +96,6 @@ def pair_rewards(
     return r[:, 0], r[:, 1]
 
 
-@torch.no_grad()
-def head_features(model, tokenizer, p_ids, o_ids, max_len, batch_size: int = 64, progress=None) -> torch.Tensor:
-    """What the scalar head of `model` reads of each (prompt, output), both given as token ids: the backbone's last
-    hidden state where the classifier pools, the last token that is not padding (the output's closing </s>), so that
-    ``model.score(features)`` is the model's reward. Outputs are batched by length (less padding) and returned in
-    the given order, in the model's dtype."""
-    param = next(model.parameters())
-    training = model.training
-    model.eval()
-    order = sorted(range(len(p_ids)), key=lambda i: len(p_ids[i]) + len(o_ids[i]))
-    features = torch.empty((len(p_ids), model.config.hidden_size), dtype=param.dtype, device=param.device)
-    for start in range(0, len(order), batch_size):
-        rows = order[start : start + batch_size]
-        ids, mask, _ = pack_examples(tokenizer, [p_ids[i] for i in rows], [o_ids[i] for i in rows], max_len)
-        ids = ids.to(param.device)
-        hidden = model.base_model(input_ids=ids, attention_mask=mask.to(param.device), use_cache=False)[0]
-        positions = torch.arange(ids.shape[1], device=ids.device)
-        last = (positions * (ids != model.config.pad_token_id)).argmax(-1)  # as the classifier pools
-        features[rows] = hidden[torch.arange(len(rows), device=ids.device), last]
-        if progress:
-            progress(len(rows))
-    model.train(training)
-    return features
-
-
 def train_reward(
     model,
     tokenizer,
@@ -123,6 +107,7 @@ def train_reward(
     max_len: int,
     checkpointer: Checkpointer | None = None,
     evaluate: Callable[[torch.nn.Module], dict[str, float]] | None = None,
+    memo: FeatureMemo | None = None,
 ) -> dict[str, float]:
     """Train `model` in place on preference pairs; returns training metrics.
 
@@ -166,7 +151,7 @@ def train_reward(
     o1_ids, o2_ids = o_ids[: len(prompts)], o_ids[len(prompts) :]
     if frozen:
         with progress("reward: features", len(o_ids), unit="output") as bar:
-            features = head_features(inner, tokenizer, p_ids * 2, o_ids, max_len, progress=bar.update)
+            features = reward_features(inner, tokenizer, p_ids * 2, o_ids, max_len, progress=bar.update, memo=memo)
         f1, f2 = features[: len(prompts)], features[len(prompts) :]
     with progress("reward", total, unit="step", initial=start) as bar:
         for step in range(start, total):

@@ -48,8 +48,11 @@ from farmflow.models.encoding import (
 )
 from farmflow.models.runtime import FULL_STATE, default_device, is_main_process
 from farmflow.models.sampling import (
+    FEATURES,
     SAMPLER_VERSION,
+    FeatureMemo,
     decode_response,
+    reward_features,
     sample,
     sample_ids,
     sample_next,
@@ -335,6 +338,8 @@ def optimizer_and_schedule(
 __all__ = [
     "BOS",
     "EOS",
+    "FEATURES",
+    "FeatureMemo",
     "IGNORE",
     "PAD",
     "SAMPLER_VERSION",
@@ -354,6 +359,7 @@ __all__ = [
     "pack_pairs",
     "pack_rows",
     "prompt_ids",
+    "reward_features",
     "reward_from_policy",
     "sample",
     "sample_ids",

@@ -10,13 +10,15 @@ or on n: best-of-2's candidates are the first two of best-of-4's.
 from __future__ import annotations
 
 import hashlib
+import threading
+from collections import OrderedDict
 from typing import Callable, Sequence
 
 import numpy as np
 import torch
 from transformers import LlamaForCausalLM, LlamaForSequenceClassification, PreTrainedTokenizerFast
 
-from farmflow.models.encoding import encode_examples, left_pad
+from farmflow.models.encoding import left_pad, pack_examples, tokenize_examples
 from farmflow.models.runtime import device_of
 
 SAMPLER_VERSION = "3"  # part of the sampling stages' keys; 3: an over-long prompt keeps its BOS when cut to fit
@@ -188,6 +190,119 @@ def sample(
 
 
 # ---------------------------------------------------------------- reward scores
+Key = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+def _read_distinct(
+    p_ids: Sequence[list[int]],
+    o_ids: Sequence[list[int]],
+    read: Callable[[list[list[int]], list[list[int]]], torch.Tensor],
+    batch_size: int,
+    progress: Callable[[int], None] | None,
+    known: dict[Key, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """``read(prompts, outputs)`` (token ids; one result row per example) of every (prompt, output), stacked in the
+    given order. Each distinct pair is read once, in batches of similar length (less padding), and not at all when
+    `known` holds it; what is read is added to `known`. `progress` counts the given rows (repeats and known ones
+    first)."""
+    keys = [(tuple(p), tuple(o)) for p, o in zip(p_ids, o_ids)]
+    known = {} if known is None else known
+    todo = sorted((k for k in dict.fromkeys(keys) if k not in known), key=lambda k: len(k[0]) + len(k[1]))
+    if progress and len(keys) > len(todo):
+        progress(len(keys) - len(todo))
+    for start in range(0, len(todo), batch_size):
+        batch = todo[start : start + batch_size]
+        for k, row in zip(batch, read([list(p) for p, _ in batch], [list(o) for _, o in batch])):
+            known[k] = row
+        if progress:
+            progress(len(batch))
+    return torch.stack([known[k] for k in keys]) if keys else torch.zeros(0)
+
+
+def backbone_digest(model: LlamaForSequenceClassification) -> str:
+    """A digest of what a reward model's backbone computes: its class, pooling ids and every weight and buffer."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(f"{type(model.base_model).__name__}/{model.config.pad_token_id}".encode())
+    backbone = model.base_model
+    for name, t in [*backbone.named_parameters(), *backbone.named_buffers()]:
+        h.update(f"/{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy())
+    return h.hexdigest()
+
+
+class FeatureMemo:
+    """Backbone features (`reward_features`) already read in this process, per backbone weights.
+
+    A reward model trained with a frozen backbone (``reward.train_backbone=False``) reads an output exactly as every
+    other model on the same backbone does; only its scalar head differs. So reward models trained on the same
+    outputs with other labels (the study's p_sim^ann and greedy ones) and their scoring of the same best-of-n
+    candidates read each output once. Tables are keyed by `backbone_digest` (computing it reads every weight once,
+    about a second per 500 MB), so a backbone that trained shares nothing with another. Keeps the tables of the last
+    `backbones` backbones, on the CPU: hidden size times the dtype's bytes per distinct output.
+    """
+
+    def __init__(self, backbones: int = 2):
+        self.backbones = backbones
+        self._tables: OrderedDict[tuple[str, int], dict[Key, torch.Tensor]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def table(self, model: LlamaForSequenceClassification, max_len: int) -> dict[Key, torch.Tensor]:
+        """The features `model`'s backbone has read with this `max_len`, by (prompt ids, output ids) (a live dict)."""
+        key = (backbone_digest(model), max_len)
+        with self._lock:
+            table = self._tables.pop(key, None)
+            self._tables[key] = table = {} if table is None else table
+            while len(self._tables) > self.backbones:
+                self._tables.popitem(last=False)
+        return table
+
+    def clear(self) -> None:
+        with self._lock:
+            self._tables.clear()
+
+
+FEATURES = FeatureMemo()
+"""The process's feature memo: the stages that read many outputs with one backbone pass it (`score`,
+`farmflow.methods.reward.train_reward`)."""
+
+
+@torch.no_grad()
+def reward_features(
+    model: LlamaForSequenceClassification,
+    tokenizer: PreTrainedTokenizerFast,
+    p_ids: Sequence[list[int]],
+    o_ids: Sequence[list[int]],
+    max_len: int,
+    *,
+    batch_size: int = 64,
+    progress: Callable[[int], None] | None = None,
+    memo: FeatureMemo | None = None,
+) -> torch.Tensor:
+    """What the scalar head of `model` reads of each (prompt, output), both given as token ids: the backbone's last
+    hidden state where the classifier pools, the last token that is not padding (the output's closing </s>), so that
+    ``model.score(features)`` is the model's reward. Rows in the given order, in the model's dtype and on its device;
+    each distinct pair read once (`_read_distinct`), with a `memo` once per backbone in this process."""
+    param = next(model.parameters())
+    training = model.training
+    model.eval()
+
+    def read(p: list[list[int]], o: list[list[int]]) -> torch.Tensor:
+        ids, mask, _ = pack_examples(tokenizer, p, o, max_len)
+        ids = ids.to(param.device)
+        hidden = model.base_model(input_ids=ids, attention_mask=mask.to(param.device), use_cache=False)[0]
+        positions = torch.arange(ids.shape[1], device=ids.device)
+        last = (positions * (ids != model.config.pad_token_id)).argmax(-1)  # as the classifier pools
+        rows = hidden[torch.arange(len(p), device=ids.device), last]
+        return rows.cpu() if memo is not None else rows
+
+    known = memo.table(model, max_len) if memo is not None else None
+    features = _read_distinct(p_ids, o_ids, read, batch_size, progress, known)
+    model.train(training)
+    if not len(p_ids):
+        return torch.zeros((0, model.config.hidden_size), dtype=param.dtype, device=param.device)
+    return features.to(param.device)
+
+
 @torch.no_grad()
 def score(
     reward_model: LlamaForSequenceClassification,
@@ -197,16 +312,27 @@ def score(
     *,
     batch_size: int = 64,
     progress: Callable[[int], None] | None = None,
+    memo: FeatureMemo | None = None,
 ) -> torch.Tensor:
-    """Scalar reward of each (prompt, response), read at the closing </s> token."""
+    """Scalar reward of each (prompt, response), read at the closing </s> token.
+
+    Each distinct pair is read once, in batches of similar length. With a `memo` (`FEATURES`) the reward is the head
+    applied to the backbone's features (`reward_features`), read once per backbone in this process: for reward models
+    that share a frozen backbone. Without, it is the model's own forward pass (which a sharded model needs).
+    """
     reward_model.eval()
+    if not len(prompts):
+        return torch.zeros(0)
     max_len, device = reward_model.config.max_position_embeddings, device_of(reward_model)
-    out = []
-    for start in range(0, len(prompts), batch_size):
-        ids, mask, _ = encode_examples(
-            tokenizer, prompts[start : start + batch_size], responses[start : start + batch_size], max_len
+    p_ids, o_ids = tokenize_examples(tokenizer, prompts, responses)
+    if memo is not None:
+        features = reward_features(
+            reward_model, tokenizer, p_ids, o_ids, max_len, batch_size=batch_size, progress=progress, memo=memo
         )
-        out.append(reward_model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits[:, 0].float().cpu())
-        if progress:
-            progress(len(ids))
-    return torch.cat(out) if out else torch.zeros(0)
+        return reward_model.score(features)[:, 0].float().cpu()
+
+    def read(p: list[list[int]], o: list[list[int]]) -> torch.Tensor:
+        ids, mask, _ = pack_examples(tokenizer, p, o, max_len)
+        return reward_model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits[:, 0].float().cpu()
+
+    return _read_distinct(p_ids, o_ids, read, batch_size, progress)

@@ -75,12 +75,12 @@ def best_of_n_task(
         )
     else:
         from farmflow.methods.best_of_n import scored_candidates
-        from farmflow.models import load_policy, load_reward
+        from farmflow.models import FEATURES, load_policy, load_reward
 
         model, tokenizer = load_policy(run.store.model_dir(policy))
         reward_model, reward_tokenizer = load_reward(run.store.model_dir(reward))
         candidates, rewards = scored_candidates(
-            model, tokenizer, reward_model, reward_tokenizer, prompts_of(rows), **args
+            model, tokenizer, reward_model, reward_tokenizer, prompts_of(rows), **args, memo=FEATURES
         )
     every = [{"id": r["id"], "sample": j, "output": o} for r, c in zip(rows, candidates) for j, o in enumerate(c)]
     return scored_outputs(rows, every, cfg.n, cfg.n, rewards)
@@ -163,7 +163,7 @@ def best_of_n_rescore_task(
     the SFT model and the sampling settings). Keeps the candidates with the new rewards, so
     `best_of_n_prefix` works on it. config: {}. `batch_size` is an option (memory only).
     """
-    from farmflow.models import load_reward, score
+    from farmflow.models import FEATURES, load_reward, score
 
     rows, every, big = read_candidates(run, best_of_n)
     model, tokenizer = load_reward(run.store.model_dir(reward))
@@ -176,6 +176,7 @@ def best_of_n_rescore_task(
             [c["output"] for c in every],
             batch_size=batch_size,
             progress=bar.update,
+            memo=FEATURES,
         ).tolist()
     return scored_outputs(rows, every, big, big, rewards)
 

@@ -152,17 +152,19 @@ def train_reward_task(
     """Bradley–Terry reward model from `sft` (the SFT policy, or `reward.backbone` fine-tuned the same way), trained on
     PREF, measured on val (resumable)."""
     from farmflow.methods.reward import train_reward
-    from farmflow.models import load_tokenizer, reward_from_policy, score
+    from farmflow.models import FEATURES, load_tokenizer, reward_from_policy, score
 
     table = run.store.read_table(preferences)
     train, held = split_rows(table, "pref"), split_rows(table, "val")
     model = reward_from_policy(run.store.model_dir(sft), seed=config.seed)
     tokenizer = load_tokenizer(run.store.model_dir(sft))
     col = lambda rows, k: [r[k] for r in rows]  # noqa: E731
+    # a frozen backbone reads an output as every reward model on it does: read each once in this process
+    memo = None if config.train_backbone else FEATURES
 
     def measure(m, progress=None) -> dict[str, float]:
-        r1 = score(m, tokenizer, prompts_of(held), col(held, "output_1"), progress=progress).tolist()
-        r2 = score(m, tokenizer, prompts_of(held), col(held, "output_2"), progress=progress).tolist()
+        r1 = score(m, tokenizer, prompts_of(held), col(held, "output_1"), progress=progress, memo=memo).tolist()
+        r2 = score(m, tokenizer, prompts_of(held), col(held, "output_2"), progress=progress, memo=memo).tolist()
         return heldout_accuracies(held, r1, r2)
 
     metrics = train_reward(
@@ -176,6 +178,7 @@ def train_reward_task(
         model.config.max_position_embeddings,
         run.checkpointer(checkpoints),
         measure if held else None,
+        memo,
     )
     if held and not config.eval_every:  # otherwise the loop measured the weights it kept and logged each measurement
         with progress("train_reward: val", 2 * len(held), unit="output") as bar:
