@@ -70,6 +70,20 @@ def test_resumed_loop_counts_from_its_checkpoint_and_zero_turns_lines_off(clock,
             pass
 
 
+def test_skipped_units_move_the_bar_but_not_the_rate(clock, caplog):
+    """Rows a loop had no work for (repeats, cached features) count as done, like a resume's `initial`."""
+    caplog.set_level(logging.INFO, logger="farmflow")
+    with progress("reward: features", 100, unit="output") as bar:
+        bar.skip(40)
+        for _ in range(60):
+            clock.now += 1.0
+            bar(1)  # the bar is its own update
+    assert lines(caplog) == [
+        "reward: features: 70/100 outputs (70%), 1.0 outputs/s, 0:30 left",
+        "reward: features: 60 outputs in 60.0s (1.0 outputs/s)",
+    ]
+
+
 def test_inside_a_task_run_the_lines_go_to_the_runs_prefect_logs(clock, caplog):
     caplog.set_level(logging.INFO, logger="prefect.task_runs")  # conftest sets Prefect's level to WARNING
 

@@ -51,7 +51,8 @@ def _clock(seconds: float) -> str:
 
 
 class Progress:
-    """What a stage's loop updates: `update(n)` after each batch, `set_postfix(loss=...)` for its latest values."""
+    """What a stage's loop updates: `update(n)` (or the bar itself, ``bar(n)``) after each batch, `skip(n)` for units
+    it had no work for (cached, repeated), `set_postfix(loss=...)` for its latest values."""
 
     def __init__(self, desc: str, total: int, unit: str, initial: int, show: bool, every_s: float) -> None:
         self.desc, self.total, self.unit, self.initial, self.n = desc, total, unit, initial, initial
@@ -86,6 +87,13 @@ class Progress:
                 self.postfix,
             )
 
+    __call__ = update
+
+    def skip(self, n: int) -> None:
+        """Count `n` units done without work: they move the bar but not the rate (as `initial` does)."""
+        self.initial += n
+        self.update(n)
+
     def set_postfix(self, **values: Any) -> None:
         if self.bar is not None:
             self.bar.set_postfix(**values)
@@ -103,7 +111,8 @@ def progress(desc: str, total: int, unit: str = "it", initial: int = 0) -> Itera
     """Progress of `total` `unit`s (`initial` already done, e.g. when resuming from a checkpoint).
 
     A tqdm bar when stderr is a terminal or FARMFLOW_PROGRESS=1, else periodic log lines (module
-    doc); on exit one log line with the count, the seconds and the speed either way.
+    doc); on exit one log line with the count worked through (not `initial` or skipped units), the seconds and the
+    speed either way.
     """
     show = sys.stderr.isatty() or os.environ.get("FARMFLOW_PROGRESS") == "1"
     raw = os.environ.get("FARMFLOW_PROGRESS_EVERY_S", "30")
@@ -118,5 +127,5 @@ def progress(desc: str, total: int, unit: str = "it", initial: int = 0) -> Itera
         yield bar
     finally:
         secs = bar.close()
-        done = bar.n - initial
+        done = bar.n - bar.initial
         log("%s: %d %ss in %.1fs (%s %ss/s)", desc, done, unit, secs, _rate(done / max(secs, 1e-9)), unit)

@@ -81,7 +81,7 @@ def scored_candidates(
             flat_prompts,
             flat_outputs,
             batch_size=batch_size,
-            progress=bar.update,
+            progress=bar,
             memo=memo,
         ).tolist()
     return candidates, rewards

@@ -151,7 +151,7 @@ def train_reward(
     o1_ids, o2_ids = o_ids[: len(prompts)], o_ids[len(prompts) :]
     if frozen:
         with progress("reward: features", len(o_ids), unit="output") as bar:
-            features = reward_features(inner, tokenizer, p_ids * 2, o_ids, max_len, progress=bar.update, memo=memo)
+            features = reward_features(inner, tokenizer, p_ids * 2, o_ids, max_len, progress=bar, memo=memo)
         f1, f2 = features[: len(prompts)], features[len(prompts) :]
     with progress("reward", total, unit="step", initial=start) as bar:
         for step in range(start, total):

@@ -203,13 +203,13 @@ def _read_distinct(
 ) -> torch.Tensor:
     """``read(prompts, outputs)`` (token ids; one result row per example) of every (prompt, output), stacked in the
     given order. Each distinct pair is read once, in batches of similar length (less padding), and not at all when
-    `known` holds it; what is read is added to `known`. `progress` counts the given rows (repeats and known ones
-    first)."""
+    `known` holds it; what is read is added to `known`. `progress` counts the given rows: repeats and known ones first,
+    through its ``skip`` when it has one (`farmflow.progress.Progress`: they do not count towards the rate)."""
     keys = [(tuple(p), tuple(o)) for p, o in zip(p_ids, o_ids)]
     known = {} if known is None else known
     todo = sorted((k for k in dict.fromkeys(keys) if k not in known), key=lambda k: len(k[0]) + len(k[1]))
     if progress and len(keys) > len(todo):
-        progress(len(keys) - len(todo))
+        getattr(progress, "skip", progress)(len(keys) - len(todo))
     for start in range(0, len(todo), batch_size):
         batch = todo[start : start + batch_size]
         for k, row in zip(batch, read([list(p) for p, _ in batch], [list(o) for _, o in batch])):

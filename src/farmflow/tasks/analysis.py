@@ -59,7 +59,7 @@ def proxy_reward_task(
         model, tokenizer = load_reward(run.store.model_dir(reward))
         with progress("proxy_reward", len(rows), unit="output") as bar:
             outs, prompts = [r["output"] for r in rows], prompts_of(rows)
-            scores = score(model, tokenizer, prompts, outs, batch_size=batch_size, progress=bar.update).tolist()
+            scores = score(model, tokenizer, prompts, outs, batch_size=batch_size, progress=bar).tolist()
     table = pa.Table.from_pylist([r | {"score": float(s)} for r, s in zip(rows, scores)], schema=SCHEMAS["outputs"])
     return Table(table, "outputs", {"mean_reward": sum(scores) / max(1, len(scores)), "n": float(len(scores))})
 
@@ -136,8 +136,8 @@ def reward_report_task(
     with progress("reward_report: score", 2 * len(rows), unit="output") as bar:
         scorers = {
             "reward_model": (
-                score(model, tokenizer, prompts, out_1, batch_size=batch_size, progress=bar.update).tolist(),
-                score(model, tokenizer, prompts, out_2, batch_size=batch_size, progress=bar.update).tolist(),
+                score(model, tokenizer, prompts, out_1, batch_size=batch_size, progress=bar).tolist(),
+                score(model, tokenizer, prompts, out_2, batch_size=batch_size, progress=bar).tolist(),
             )
         }
     scorers["longer_output"] = ([len(o) for o in out_1], [len(o) for o in out_2])

@@ -175,7 +175,7 @@ def best_of_n_rescore_task(
             [prompts[i // big] for i in range(len(every))],
             [c["output"] for c in every],
             batch_size=batch_size,
-            progress=bar.update,
+            progress=bar,
             memo=FEATURES,
         ).tolist()
     return scored_outputs(rows, every, big, big, rewards)

@@ -182,7 +182,7 @@ def train_reward_task(
     )
     if held and not config.eval_every:  # otherwise the loop measured the weights it kept and logged each measurement
         with progress("train_reward: val", 2 * len(held), unit="output") as bar:
-            heldout = measure(model, bar.update)
+            heldout = measure(model, bar)
         metrics.update(heldout)
         recorder("reward").log(int(metrics["steps"]), split="val", **heldout)
     return Model(model, tokenizer, metrics, format="reward")
