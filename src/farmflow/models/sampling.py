@@ -237,8 +237,9 @@ class FeatureMemo:
     other model on the same backbone does; only its scalar head differs. So reward models trained on the same
     outputs with other labels (the study's p_sim^ann and greedy ones) and their scoring of the same best-of-n
     candidates read each output once. Tables are keyed by `backbone_digest` (computing it reads every weight once,
-    about a second per 500 MB), so a backbone that trained shares nothing with another. Keeps the tables of the last
-    `backbones` backbones, on the CPU: hidden size times the dtype's bytes per distinct output.
+    about a second per 500 MB), so a backbone whose weights differ in any way (a fine-tuned one) has a table of its
+    own. Keeps the tables of the last `backbones` backbones, on the CPU: hidden size times the dtype's bytes per
+    distinct output.
     """
 
     def __init__(self, backbones: int = 2):
