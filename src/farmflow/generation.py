@@ -213,8 +213,9 @@ def scored_candidates_vllm(
     field: str = "generation.backend",
 ) -> tuple[list[list[str]], list[float]]:
     """Best-of-n's candidates with vLLM sampling: n per prompt, each scored by the reward model (loaded after the
-    engine is gone); rewards flat, prompt-major, for `farmflow.methods.best_of_n.pick_best`."""
-    from farmflow.models import load_reward, score
+    engine is gone; each distinct candidate once, through the process's feature memo as the hf backend); rewards flat,
+    prompt-major, for `farmflow.methods.best_of_n.pick_best`."""
+    from farmflow.models import FEATURES, load_reward, score
 
     candidates = vllm_sample(
         model_dir,
@@ -229,7 +230,6 @@ def scored_candidates_vllm(
     ENGINES.release()  # the reward model needs the GPU memory the engine holds
     reward_model, reward_tokenizer = load_reward(reward_dir)
     flat_prompts = [p for p, c in zip(prompts, candidates) for _ in c]
-    rewards = score(
-        reward_model, reward_tokenizer, flat_prompts, [o for c in candidates for o in c], batch_size=batch_size
-    ).tolist()
-    return candidates, rewards
+    outputs = [o for c in candidates for o in c]
+    rewards = score(reward_model, reward_tokenizer, flat_prompts, outputs, batch_size=batch_size, memo=FEATURES)
+    return candidates, rewards.tolist()
