@@ -784,8 +784,10 @@ def test_a_feature_memo_reads_a_frozen_backbone_once_for_every_head(tok, reward_
     c = reward_from_policy(folder, seed=2)
     with torch.no_grad():
         c.base_model.norm.weight.mul_(0.5)
-    score(c, *args, memo=memo)  # a third backbone: the memo keeps two, and a's was the least recently used
+    score(c, *args, memo=memo)  # a third backbone: the memo keeps two, and a's (b's before) was the least recently used
     a_reads.clear()
+    b_reads.clear()
+    assert torch.equal(score(b, *args, memo=memo), rb2) and b_reads == []  # the changed b's stays
     assert torch.allclose(score(a, *args, memo=memo), ra, atol=1e-6) and a_reads == [6]
 
 
