@@ -439,3 +439,15 @@ def test_a_launched_child_exits_when_its_flow_process_is_killed_and_its_folder_i
         (folder / PARENT_FILE).write_text(str(pid))
     sweep_orphans(tmp_path)
     assert not dead.exists() and live.exists()
+
+
+@pytest.mark.parametrize(("code", "want"), [(None, 0), (0, 0), (3, 3), ("no spec", 1)])
+def test_a_child_that_exits_reports_the_code_the_interpreter_would(code, want, monkeypatch, capsys):
+    from farmflow.tasks import child
+
+    def exits(_spec):
+        raise SystemExit(code)
+
+    monkeypatch.setattr(child, "child_main", exits)
+    assert child.exit_code("spec.json") == want
+    assert ("no spec" in capsys.readouterr().err) is (code == "no spec")

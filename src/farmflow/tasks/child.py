@@ -53,8 +53,11 @@ def exit_code(spec_path: str) -> int:
     """Run the stage; its exit code (1 with the traceback on stderr when it raised)."""
     try:
         child_main(spec_path)
-    except SystemExit as e:
-        return e.code if isinstance(e.code, int) else 1
+    except SystemExit as e:  # as the interpreter reads it: None is success, a message goes to stderr with 1
+        if e.code is None or isinstance(e.code, int):
+            return e.code or 0
+        print(e.code, file=sys.stderr)
+        return 1
     except BaseException:
         traceback.print_exc()
         return 1
