@@ -148,3 +148,13 @@ def test_lc_smoke_fits_the_same_leaderboard_in_worker_processes_and_in_this_one(
     for runs in r["runs"].values():
         (run,) = runs
         assert run["boards_per_min"] == pytest.approx(60 / run["seconds"])
+
+
+def test_features_smoke_reads_both_precisions_of_the_same_pairs(tmp_path):
+    from bench import features
+
+    r = features.main(["--smoke", "--out", str(tmp_path / "features.json")])
+    (e,) = r["entries"]
+    assert e["contenders"] == ["bfloat16 autocast", "float32"] and e["medians"]["float32"]["rounds"] == 1
+    assert r["setup"]["pairs"] == 32 and 0 < r["feature_error_max"] < 0.05 and r["pair_order_agreement"] > 0.9
+    assert json.loads((tmp_path / "features.json").read_text())["entries"][0]["unit"] == "outputs/s"

@@ -791,6 +791,77 @@ def test_a_feature_memo_reads_a_frozen_backbone_once_for_every_head(tok, reward_
     assert torch.allclose(score(a, *args, memo=memo), ra, atol=1e-6) and a_reads == [6]
 
 
+def test_bfloat16_features_are_read_under_autocast_and_scored_by_a_float32_head(tok, reward_model):
+    from farmflow.models import FeatureMemo, feature_dtype, reward_features
+
+    _, folder = reward_model
+    full, low = reward_from_policy(folder, seed=0), reward_from_policy(folder, seed=0)
+    low.config.farmflow_feature_dtype = "bfloat16"
+    assert feature_dtype(full) == "float32" and feature_dtype(low) == "bfloat16"
+    p_ids, o_ids = tokenize_examples(tok, PROMPTS[:6], RESPONSES[:6])
+    f_full, f_low = (reward_features(m, tok, p_ids, o_ids, m.config.max_position_embeddings) for m in (full, low))
+    assert f_low.dtype == torch.float32 and not torch.equal(f_low, f_full)  # read in bfloat16, kept as the head's
+    assert ((f_low - f_full).norm() / f_full.norm()).item() < 0.03  # bfloat16 products: about 1% apart
+    r_low = score(low, tok, PROMPTS[:6], RESPONSES[:6])  # no memo: still the features' precision, not a full forward
+    assert torch.equal(r_low, low.score(f_low)[:, 0].float())
+    assert not torch.equal(r_low, r_low.bfloat16().float())  # the head ran in float32: rewards not rounded to bfloat16
+    memo = FeatureMemo()
+    reads = _count_reads(low)
+    score(full, tok, PROMPTS[:6], RESPONSES[:6], memo=memo)
+    assert torch.equal(score(low, tok, PROMPTS[:6], RESPONSES[:6], memo=memo), r_low)
+    assert reads == [6]  # one backbone, two precisions: a table each
+
+
+def test_a_frozen_reward_model_scores_in_the_feature_dtype_it_trained_in(tok, reward_model, tmp_path):
+    from farmflow.config import RewardConfig
+    from farmflow.methods import reward
+    from farmflow.models import batch_order, feature_dtype, load_reward, reward_features
+
+    _, folder = reward_model
+    cfg = RewardConfig(
+        epochs=3, batch_size=4, lr=1e-2, warmup_ratio=0.0, seed=0, train_backbone=False, feature_dtype="bfloat16"
+    )
+    fresh, model = reward_from_policy(folder, seed=0), reward_from_policy(folder, seed=0)
+    prefs = [1.0, 2.0] * 4
+    metrics = reward.train_reward(model, tok, PROMPTS[:8], RESPONSES[:8], RESPONSES[8:16], prefs, cfg, 96)
+    fresh.config.farmflow_feature_dtype = "bfloat16"
+    p_ids, o_ids = tokenize_examples(tok, PROMPTS[:8], RESPONSES[:16])
+    features = reward_features(fresh, tok, p_ids * 2, o_ids, 96)
+    first = batch_order(8, 4, 6, 0)[0]
+    r1, r2 = fresh.score(features[first])[:, 0], fresh.score(features[[8 + i for i in first]])[:, 0]
+    target = torch.tensor([prefs[i] - 1.0 for i in first])
+    by_hand = torch.nn.functional.binary_cross_entropy_with_logits(r2 - r1, target)
+    assert metrics["train_loss_first"] == pytest.approx(by_hand.item(), rel=1e-6)  # on the bfloat16-read features
+    full = reward_from_policy(folder, seed=0)
+    m_full = reward.train_reward(
+        full,
+        tok,
+        PROMPTS[:8],
+        RESPONSES[:8],
+        RESPONSES[8:16],
+        prefs,
+        cfg.model_copy(update={"feature_dtype": "float32"}),
+        96,
+    )
+    assert metrics["train_loss_first"] != m_full["train_loss_first"]  # float32's features give another first loss
+    assert model.score.weight.dtype == torch.float32
+    save(model, tok, tmp_path / "rm")
+    loaded, _ = load_reward(tmp_path / "rm")
+    assert feature_dtype(loaded) == "bfloat16"  # recorded with the model
+    expected = model.score(reward_features(model, tok, p_ids * 2, o_ids, model.config.max_position_embeddings))[:, 0]
+    assert torch.equal(score(loaded, tok, PROMPTS[:8] * 2, RESPONSES[:16]), expected)
+
+
+def test_feature_dtype_needs_a_frozen_backbone():
+    from pydantic import ValidationError
+
+    from farmflow.config import RewardConfig
+
+    with pytest.raises(ValidationError, match="feature_dtype='bfloat16' needs train_backbone=False"):
+        RewardConfig(feature_dtype="bfloat16")
+    assert RewardConfig(feature_dtype="bfloat16", train_backbone=False).feature_dtype == "bfloat16"
+
+
 def test_frozen_reward_models_on_one_backbone_read_its_features_once(tok, reward_model):
     from farmflow.config import RewardConfig
     from farmflow.methods import reward

@@ -9,6 +9,7 @@ or on n: best-of-2's candidates are the first two of best-of-4's.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import threading
 from collections import OrderedDict
@@ -230,6 +231,21 @@ def backbone_digest(model: LlamaForSequenceClassification) -> str:
     return h.hexdigest()
 
 
+def feature_dtype(model: LlamaForSequenceClassification) -> str:
+    """The precision `model`'s backbone reads its features in (`RewardConfig.feature_dtype`, recorded in its config as
+    ``farmflow_feature_dtype``; float32 when absent)."""
+    return getattr(model.config, "farmflow_feature_dtype", None) or "float32"
+
+
+def feature_precision(model: LlamaForSequenceClassification) -> contextlib.AbstractContextManager:
+    """Where a reward model's backbone reads features: under autocast to its `feature_dtype` (the weights stay as they
+    are stored; matrix products run in the lower precision, norms and softmax in float32), or as it is."""
+    dtype = feature_dtype(model)
+    if dtype == "float32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_of(model).type, dtype=getattr(torch, dtype))
+
+
 class FeatureMemo:
     """Backbone features (`reward_features`) already read in this process, per backbone weights.
 
@@ -244,12 +260,13 @@ class FeatureMemo:
 
     def __init__(self, backbones: int = 2):
         self.backbones = backbones
-        self._tables: OrderedDict[tuple[str, int], dict[Key, torch.Tensor]] = OrderedDict()
+        self._tables: OrderedDict[tuple[str, int, str], dict[Key, torch.Tensor]] = OrderedDict()
         self._lock = threading.Lock()
 
     def table(self, model: LlamaForSequenceClassification, max_len: int) -> dict[Key, torch.Tensor]:
-        """The features `model`'s backbone has read with this `max_len`, by (prompt ids, output ids) (a live dict)."""
-        key = (backbone_digest(model), max_len)
+        """The features `model`'s backbone has read with this `max_len` in its `feature_dtype`, by (prompt ids, output
+        ids) (a live dict)."""
+        key = (backbone_digest(model), max_len, feature_dtype(model))
         with self._lock:
             table = self._tables.pop(key, None)
             self._tables[key] = table = {} if table is None else table
@@ -281,26 +298,29 @@ def reward_features(
 ) -> torch.Tensor:
     """What the scalar head of `model` reads of each (prompt, output), both given as token ids: the backbone's last
     hidden state where the classifier pools, the last token that is not padding (the output's closing </s>), so that
-    ``model.score(features)`` is the model's reward. Rows in the given order, in the model's dtype and on its device;
-    each distinct pair read once (`_read_distinct`), with a `memo` once per backbone in this process."""
+    ``model.score(features)`` is the model's reward. Read in the model's `feature_precision`; rows in the given order,
+    in the dtype of the head's weights and on the model's device; each distinct pair read once (`_read_distinct`), with
+    a `memo` once per backbone and feature dtype in this process."""
     param = next(model.parameters())
+    head_dtype = model.score.weight.dtype
     training = model.training
     model.eval()
 
     def read(p: list[list[int]], o: list[list[int]]) -> torch.Tensor:
         ids, mask, _ = pack_examples(tokenizer, p, o, max_len)
         ids = ids.to(param.device)
-        hidden = model.base_model(input_ids=ids, attention_mask=mask.to(param.device), use_cache=False)[0]
+        with feature_precision(model):
+            hidden = model.base_model(input_ids=ids, attention_mask=mask.to(param.device), use_cache=False)[0]
         positions = torch.arange(ids.shape[1], device=ids.device)
         last = (positions * (ids != model.config.pad_token_id)).argmax(-1)  # as the classifier pools
-        rows = hidden[torch.arange(len(p), device=ids.device), last]
+        rows = hidden[torch.arange(len(p), device=ids.device), last].to(head_dtype)
         return rows.cpu() if memo is not None else rows
 
     known = memo.table(model, max_len) if memo is not None else None
     features = _read_distinct(p_ids, o_ids, read, batch_size, progress, known)
     model.train(training)
     if not len(p_ids):
-        return torch.zeros((0, model.config.hidden_size), dtype=param.dtype, device=param.device)
+        return torch.zeros((0, model.config.hidden_size), dtype=head_dtype, device=param.device)
     return features.to(param.device)
 
 
@@ -319,14 +339,16 @@ def score(
 
     Each distinct pair is read once, in batches of similar length. With a `memo` (`FEATURES`) the reward is the head
     applied to the backbone's features (`reward_features`), read once per backbone in this process: for reward models
-    that share a frozen backbone. Without, it is the model's own forward pass (which a sharded model needs).
+    that share a frozen backbone. A model whose features are read in lower precision (`feature_dtype`) is read that way
+    too, memo or not, with its head in its own dtype. Otherwise it is the model's own forward pass (which a sharded
+    model needs).
     """
     reward_model.eval()
     if not len(prompts):
         return torch.zeros(0)
     max_len, device = reward_model.config.max_position_embeddings, device_of(reward_model)
     p_ids, o_ids = tokenize_examples(tokenizer, prompts, responses)
-    if memo is not None:
+    if memo is not None or feature_dtype(reward_model) != "float32":
         features = reward_features(
             reward_model, tokenizer, p_ids, o_ids, max_len, batch_size=batch_size, progress=progress, memo=memo
         )
