@@ -268,6 +268,50 @@ def test_overoptimization_is_present_only_when_the_peak_beats_the_end():
     assert found[0]["detail"].startswith("present (best at 4, last 16)")
     assert (found[0]["value"], found[0]["low"], found[0]["high"]) == (100.0, 100.0, 100.0)
     assert found[1]["detail"].startswith("absent (best at 16, last 16)") and found[1]["value"] == 0.0
+    # out of sample: either half of the prompts puts the peaked curve's peak at n = 4, the rising one's at 16
+    held = {f["quantity"]: f for f in found}
+    a = held["out-of-sample over-optimization: best_of_n, reward model on a labels, judged by a"]
+    assert a["value"] == 100.0 and a["detail"] == "present (peaks at 4 and 4 on the two halves, last 16)"
+    g = held["out-of-sample over-optimization: best_of_n, reward model on g labels, judged by g"]
+    assert g["value"] == 0.0 and g["detail"] == "absent (peaks at 16 and 16 on the two halves, last 16)"
+
+
+def test_a_peak_chosen_out_of_sample_does_not_see_a_fall_in_noise():
+    # two prompts, one to a half. Point a wins prompt 0 only, point b prompt 1 only, the last point neither: the best
+    # of the curve's own means (a, 0.5) is 50 points above the last. Out of sample, prompt 0 is scored where prompt 1
+    # peaks (b: 0) and prompt 1 where prompt 0 peaks (a: 0): no fall, whichever prompt lands in which half
+    curve = [
+        {"pressure": 1, "rows": _rows([2.0, 1.0])},
+        {"pressure": 2, "rows": _rows([1.0, 2.0])},
+        {"pressure": 4, "rows": _rows([1.0, 1.0])},
+    ]
+    found = {f["quantity"]: f for f in overoptimization_findings({("p_sim^ann", "best_of_n", "j"): curve}, n_boot=50)}
+    assert found["over-optimization: best_of_n, reward model on p_sim^ann labels, judged by j"]["value"] == 50.0
+    held = found["out-of-sample over-optimization: best_of_n, reward model on p_sim^ann labels, judged by j"]
+    assert held["value"] == 0.0 and held["detail"].startswith("absent (peaks at 2 and 1 on the two halves")
+
+
+def test_over_seeds_a_flat_curve_falls_from_its_own_best_point_but_not_out_of_sample():
+    # 40 seeds of two flat curves (7 points, every label a fair coin, 200 prompts): the best of 7 noisy means lies
+    # about 1.35 SE above the others, so the in-sample fall averages several points and its interval over the seeds
+    # excludes 0; the out-of-sample fall and contrast average 0 within their intervals
+    rng = np.random.default_rng(0)
+
+    def flat():
+        return [{"pressure": 2**k, "rows": _rows(list(rng.choice([1.0, 2.0], 200)))} for k in range(7)]
+
+    per_seed = [
+        overoptimization_findings({("p_sim^ann", "best_of_n", "j"): flat(), ("greedy", "best_of_n", "j"): flat()}, 100)
+        for _ in range(40)
+    ]
+    pooled = {f["quantity"]: f for f in over_seeds(per_seed)}
+    naive = pooled["over-optimization: best_of_n, reward model on greedy labels, judged by j, over 40 seeds"]
+    assert naive["value"] > 3.0 and naive["low"] > 0
+    for q in ("over-optimization: best_of_n, reward model on greedy labels", "over-optimization contrast: best_of_n"):
+        held = next(f for k, f in pooled.items() if k.startswith(f"out-of-sample {q}"))
+        assert held["low"] < 0 < held["high"] and abs(held["value"]) < 2.0, held
+    contrast = pooled["out-of-sample over-optimization contrast: best_of_n, judged by j, over 40 seeds"]
+    assert contrast["detail"].startswith("resolved on ")  # pooled as a contrast, counting resolved seeds
 
 
 def test_the_fig5_contrast_is_p_sim_anns_fall_minus_greedys():
@@ -302,11 +346,16 @@ def test_the_fig5_contrast_is_p_sim_anns_fall_minus_greedys():
     own = {("p_sim^ann", "best_of_n", "p_sim^ann"): ann, ("greedy", "best_of_n", "greedy"): greedy}
     contrasts = [f for f in overoptimization_findings(own, n_boot=300) if "contrast" in f["quantity"]]
     assert [(f["quantity"], f["value"]) for f in contrasts] == [
-        ("over-optimization contrast: best_of_n, each judged by its labeller", pytest.approx(50.0))
+        ("over-optimization contrast: best_of_n, each judged by its labeller", pytest.approx(50.0)),
+        # out of sample the peaks are the same on every prompt (n = 4 for p_sim^ann's, n = 1 for greedy's)
+        ("out-of-sample over-optimization contrast: best_of_n, each judged by its labeller", pytest.approx(50.0)),
     ]
     # a lone labeller has no contrast
     alone = overoptimization_findings({("p_sim^ann", "ppo", "j"): ann}, n_boot=300)
-    assert [f["quantity"] for f in alone] == ["over-optimization: ppo, reward model on p_sim^ann labels, judged by j"]
+    assert [f["quantity"] for f in alone] == [
+        "over-optimization: ppo, reward model on p_sim^ann labels, judged by j",
+        "out-of-sample over-optimization: ppo, reward model on p_sim^ann labels, judged by j",
+    ]
 
 
 def _seed(contrast: float, resolved: bool, fall_present: bool, ppo: bool = True) -> list[dict]:

@@ -330,12 +330,17 @@ def overoptimization_findings(curves: dict[tuple[str, str, str], list[dict]], n_
     with its paired 95% interval; 'present' when the best point is not the last and the interval excludes 0. The
     contrast: p_sim^ann's fall minus greedy's, each from its own best point, paired on the prompts of all four points;
     'resolved' when its interval excludes 0. Besides the contrast under each judge, the paper's own setup: p_sim^ann's
-    curve judged by p_sim^ann against greedy's judged by greedy."""
-    out, falls = [], {}
+    curve judged by p_sim^ann against greedy's judged by greedy.
+
+    Each finding comes twice: from the curve's own best point, and ``out-of-sample`` from a peak chosen on the other
+    half of the prompts (`held_out_peak`), which is not biased upward by the choice of the best of several noisy
+    points ('present' there when the interval lies above 0). Pooled over seeds (`over_seeds`), only the out-of-sample
+    falls average 0 on flat curves."""
+    out, falls, held_out, held_falls = [], {}, [], {}
     for (labeller, family, judge), points in curves.items():
         points = sorted(points, key=lambda p: p["pressure"])
         field = "gold_2" if judge == "gold" else "preference"
-        _, scores = aligned({str(i): [p["rows"]] for i, p in enumerate(points)}, field)
+        ids, scores = aligned({str(i): [p["rows"]] for i, p in enumerate(points)}, field)
         means = [scores[str(i)].mean() for i in range(len(points))]
         best, last = int(np.argmax(means)), len(points) - 1
         d = paired_bootstrap(scores[str(best)], scores[str(last)], n_boot, seed=len(out))
@@ -351,6 +356,20 @@ def overoptimization_findings(curves: dict[tuple[str, str, str], list[dict]], n_
             )
         )
         falls[labeller, family, judge] = (points[best]["rows"], points[last]["rows"], field)
+        peak, peaks = held_out_peak([scores[str(i)] for i in range(len(points))])
+        d = paired_bootstrap(peak, scores[str(last)], n_boot, seed=len(out))
+        at = " and ".join(f"{points[k]['pressure']:g}" for k in peaks)
+        held_out.append(
+            _finding(
+                f"out-of-sample over-optimization: {family}, reward model on {labeller} labels, judged by {judge}",
+                100 * d["estimate"],
+                f"{'present' if d['low'] > 0 else 'absent'} (peaks at {at} on the two halves, last "
+                f"{points[last]['pressure']:g})",
+                100 * d["low"],
+                100 * d["high"],
+            )
+        )
+        held_falls[labeller, family, judge] = (ids, peak - scores[str(last)])
     first, second = LABELLERS
     # per judge: both reward models' curves judged alike; and the paper's own setup, each curve judged by its labeller
     contrasts = [(family, judge, judge, f"judged by {judge}") for (lab, family, judge) in falls if lab == first]
@@ -372,7 +391,42 @@ def overoptimization_findings(curves: dict[tuple[str, str, str], list[dict]], n_
                 100 * d["high"],
             )
         )
-    return out
+        (ids_a, fall_a), (ids_b, fall_b) = (
+            held_falls[first, family, judge_a],
+            held_falls[second, family, judge_b],
+        )
+        common = sorted(set(ids_a) & set(ids_b))
+        at_a, at_b = ({i: j for j, i in enumerate(ids)} for ids in (ids_a, ids_b))
+        d = paired_bootstrap(
+            fall_a[:, [at_a[i] for i in common]], fall_b[:, [at_b[i] for i in common]], n_boot, seed=len(out)
+        )
+        held_out.append(
+            _finding(
+                f"out-of-sample over-optimization contrast: {family}, {how}",
+                100 * d["estimate"],
+                f"{'resolved' if d['excludes_zero'] else 'not resolved'}: {first}'s fall minus {second}'s",
+                100 * d["low"],
+                100 * d["high"],
+            )
+        )
+    return out + held_out
+
+
+def held_out_peak(points: Sequence[np.ndarray], seed: int = 0) -> tuple[np.ndarray, tuple[int, int]]:
+    """Each prompt's score at a curve's peak chosen without it: the prompts split in two halves at random (`seed`),
+    each half scored at the point with the best mean on the other half. Returns those scores, (K, n) like each of
+    `points` (a curve's points in order of pressure, each (K, n) on the same prompts), and the two peaks' indices.
+
+    Why: the best of several noisy means is biased upward (the winner's curse), so the fall from the curve's own best
+    point to its last is positive even where the curve is flat, and pooled over seeds it adds up to a "fall" that no
+    seed shows. A peak chosen on other prompts is not: its mean minus the last point's has expectation 0 on a flat
+    curve, and under a real fall it is the part of the fall that a peak chosen in advance would see."""
+    n = points[0].shape[1]
+    first = np.zeros(n, dtype=bool)
+    first[np.random.default_rng(seed).permutation(n)[: n // 2]] = True
+    means = lambda half: [float(p[:, half].mean()) if half.any() else 0.0 for p in points]  # noqa: E731
+    peak_first, peak_second = int(np.argmax(means(~first))), int(np.argmax(means(first)))
+    return np.where(first, points[peak_first], points[peak_second]), (peak_first, peak_second)
 
 
 def over_seeds(per_seed: Sequence[Sequence[dict]]) -> list[dict]:
@@ -386,7 +440,7 @@ def over_seeds(per_seed: Sequence[Sequence[dict]]) -> list[dict]:
         found = [seed[quantity] for seed in by_seed if quantity in seed]
         values = [f["value"] for f in found]
         _, low, high = replicate_interval(values)
-        if quantity.startswith("over-optimization contrast:"):
+        if "over-optimization contrast:" in quantity:
             resolved = [f["value"] for f in found if f["detail"].startswith("resolved")]
             first, second = LABELLERS
             detail = (

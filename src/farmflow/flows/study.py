@@ -77,7 +77,7 @@ from farmflow.tasks import evaluate_task, sft_snapshot, write_task
 from farmflow.tasks.analysis import overoptimization_task
 
 STUDY_NS = (1, 2, 4, 8, 16, 64)
-VERSION = "7"
+VERSION = "8"  # 8: out-of-sample over-optimization findings
 
 
 def _tables(store, refs: list[dict[str, ArtifactRef]]) -> dict[str, list[list[dict]]]:
