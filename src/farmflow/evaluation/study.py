@@ -262,6 +262,11 @@ def _finding(quantity: str, value: float, detail: str, low: float = math.nan, hi
     return {"quantity": quantity, "value": value, "low": low, "high": high, "detail": detail}
 
 
+def _points(quantity: str, d: dict[str, float], detail: str) -> dict:
+    """A finding of a `paired_bootstrap` difference of scores in [0, 1], in points (×100)."""
+    return _finding(quantity, 100 * d["estimate"], detail, 100 * d["low"], 100 * d["high"])
+
+
 def study_summary(
     sim: dict[str, Sequence[Sequence[dict]]],
     human: dict[str, Sequence[Sequence[dict]]],
@@ -346,13 +351,11 @@ def overoptimization_findings(curves: dict[tuple[str, str, str], list[dict]], n_
         d = paired_bootstrap(scores[str(best)], scores[str(last)], n_boot, seed=len(out))
         present = best != last and bool(d["excludes_zero"])
         out.append(
-            _finding(
+            _points(
                 f"over-optimization: {family}, reward model on {labeller} labels, judged by {judge}",
-                100 * d["estimate"],
+                d,
                 f"{'present' if present else 'absent'} (best at {points[best]['pressure']:g}, "
                 f"last {points[last]['pressure']:g})",
-                100 * d["low"],
-                100 * d["high"],
             )
         )
         falls[labeller, family, judge] = (points[best]["rows"], points[last]["rows"], field)
@@ -360,13 +363,11 @@ def overoptimization_findings(curves: dict[tuple[str, str, str], list[dict]], n_
         d = paired_bootstrap(peak, scores[str(last)], n_boot, seed=len(out))
         at = " and ".join(f"{points[k]['pressure']:g}" for k in peaks)
         held_out.append(
-            _finding(
+            _points(
                 f"out-of-sample over-optimization: {family}, reward model on {labeller} labels, judged by {judge}",
-                100 * d["estimate"],
+                d,
                 f"{'present' if d['low'] > 0 else 'absent'} (peaks at {at} on the two halves, last "
                 f"{points[last]['pressure']:g})",
-                100 * d["low"],
-                100 * d["high"],
             )
         )
         held_falls[labeller, family, judge] = (ids, peak - scores[str(last)])
@@ -383,12 +384,10 @@ def overoptimization_findings(curves: dict[tuple[str, str, str], list[dict]], n_
         _, s = aligned({"a": [best_a], "b": [last_a], "c": [best_b], "d": [last_b]}, field)
         d = paired_bootstrap(s["a"] - s["b"], s["c"] - s["d"], n_boot, seed=len(out))
         out.append(
-            _finding(
+            _points(
                 f"over-optimization contrast: {family}, {how}",
-                100 * d["estimate"],
+                d,
                 f"{'resolved' if d['excludes_zero'] else 'not resolved'}: {first}'s fall minus {second}'s",
-                100 * d["low"],
-                100 * d["high"],
             )
         )
         (ids_a, fall_a), (ids_b, fall_b) = (
@@ -401,12 +400,10 @@ def overoptimization_findings(curves: dict[tuple[str, str, str], list[dict]], n_
             fall_a[:, [at_a[i] for i in common]], fall_b[:, [at_b[i] for i in common]], n_boot, seed=len(out)
         )
         held_out.append(
-            _finding(
+            _points(
                 f"out-of-sample over-optimization contrast: {family}, {how}",
-                100 * d["estimate"],
+                d,
                 f"{'resolved' if d['excludes_zero'] else 'not resolved'}: {first}'s fall minus {second}'s",
-                100 * d["low"],
-                100 * d["high"],
             )
         )
     return out + held_out
