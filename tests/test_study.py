@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -13,6 +14,8 @@ from farmflow import tasks
 from farmflow.evaluation.study import (
     agreement,
     calibrate_sharpness,
+    curves_markdown,
+    curves_over_seeds,
     gold_differences,
     human_like_annotator,
     is_method,
@@ -390,6 +393,76 @@ def test_findings_pooled_over_seeds_take_the_mean_with_a_t_interval_and_count_th
     assert other[1]["value"] == -2.0
 
 
+def _curve(points: dict[tuple[str, float], tuple[float, float]], judges=("p_sim^ann", "greedy")) -> list[dict]:
+    """One seed's best-of-n curve rows: (labeller, n) → (win rate under every judge but greedy's +10, mean gold)."""
+    return [
+        {"labeller": lab, "family": "best_of_n", "pressure": n, "annotator": judge, "mean_gold": gold}
+        | {"win_rate": win + (10.0 if judge == "greedy" else 0.0)}
+        for (lab, n), (win, gold) in points.items()
+        for judge in judges
+    ]
+
+
+def test_curves_pooled_over_seeds_take_each_points_mean_with_a_t_interval():
+    seeds = [
+        _curve({("p_sim^ann", 1): (50.0, 0.60), ("p_sim^ann", 2): (56.0, 0.64), ("greedy", 1): (52.0, 0.61)}),
+        _curve({("p_sim^ann", 1): (54.0, 0.62), ("p_sim^ann", 2): (56.0, 0.66), ("greedy", 1): (48.0, 0.59)}),
+        _curve({("p_sim^ann", 1): (58.0, 0.70)}),  # a seed that drew one point only
+    ]
+    rows = curves_over_seeds(seeds)
+    at = {(r["labeller"], r["judge"], r["pressure"]): r for r in rows}
+    # n = 1 on p_sim^ann's reward model: 50, 54, 58 → mean 54, sd 4, half-width t(2)·4/√3 = 4.303 · 2.309 = 9.937
+    one = at["p_sim^ann", "p_sim^ann", 1.0]
+    assert (one["seeds"], one["mean"]) == (3, pytest.approx(54.0))
+    assert (one["low"], one["high"]) == (pytest.approx(54 - 9.937, abs=1e-3), pytest.approx(54 + 9.937, abs=1e-3))
+    # its gold ×100: 60, 62, 70 → mean 64, sd √28, half-width 4.303 · √28/√3 = 13.146
+    gold = at["p_sim^ann", "gold", 1.0]
+    assert gold["mean"] == pytest.approx(64.0)
+    assert gold["high"] - gold["mean"] == pytest.approx(13.146, abs=1e-3)
+    # n = 2 on two seeds: win rates 56 and 56 (no spread), gold 64 and 66 → 65 ± t(1)·√2/√2 = 12.706
+    assert (at["p_sim^ann", "greedy", 2.0]["mean"], at["p_sim^ann", "greedy", 2.0]["low"]) == (66.0, 66.0)
+    assert at["p_sim^ann", "gold", 2.0]["low"] == pytest.approx(65.0 - 12.706, abs=1e-3)
+    assert at["greedy", "p_sim^ann", 1.0]["mean"] == pytest.approx(50.0) and at["greedy", "gold", 1.0]["seeds"] == 2
+    # ordered by labeller, judge with gold first, pressure; the gold reward pooled once per point, not per judge
+    assert [(r["labeller"], r["judge"], r["pressure"]) for r in rows] == [
+        ("p_sim^ann", "gold", 1.0),
+        ("p_sim^ann", "gold", 2.0),
+        ("p_sim^ann", "p_sim^ann", 1.0),
+        ("p_sim^ann", "p_sim^ann", 2.0),
+        ("p_sim^ann", "greedy", 1.0),
+        ("p_sim^ann", "greedy", 2.0),
+        ("greedy", "gold", 1.0),
+        ("greedy", "p_sim^ann", 1.0),
+        ("greedy", "greedy", 1.0),
+    ]
+    # one seed: the mean without an interval; no gold reward (the real farm): no gold rows
+    single = curves_over_seeds([_curve({("greedy", 4): (40.0, math.nan)})])
+    assert [(r["judge"], r["mean"], math.isnan(r["low"])) for r in single] == [
+        ("p_sim^ann", 40.0, True),
+        ("greedy", 50.0, True),
+    ]
+    table = curves_markdown(rows)
+    assert "| reward model on | judged by | n = 1 | n = 2 |" in table
+    assert "| p_sim^ann | gold | 64.0 [50.9, 77.1] | 65.0 [52.3, 77.7] |" in table
+    assert "| greedy | greedy | 60.0 [34.6, 85.4] | — |" in table
+
+
+def test_the_curves_over_seeds_plot_has_a_panel_per_judge(tmp_path):
+    from farmflow.evaluation.study_plots import plot_curves_over_seeds
+
+    rows = curves_over_seeds(
+        [
+            _curve({("p_sim^ann", n): (50.0 + n + s, 0.6) for n in (1, 2, 4)} | {("greedy", 1): (50.0, 0.6)})
+            for s in range(3)
+        ]
+    )
+    plot_curves_over_seeds(rows, str(tmp_path / "seeds.png"))
+    from PIL import Image
+
+    width, height = Image.open(tmp_path / "seeds.png").size
+    assert width > 2 * height  # three panels (gold, p_sim^ann, greedy) side by side in one row
+
+
 @pytest.mark.usefixtures("prefect_harness")
 @pytest.mark.slow
 def test_study_flow_on_micro_writes_its_table_plots_and_artifacts_then_is_cached(micro_config):
@@ -482,6 +555,23 @@ def test_curves_under_more_seeds_reuse_the_first_and_pool_each_finding(micro_con
     for q, f in first.items():
         seeds = [f["value"], found[f"{q} [replicate 1]"]["value"]]
         assert found[f"{q}, over 2 seeds"]["value"] == pytest.approx(sum(seeds) / 2), q
+    # the curves pooled point by point: each point's gold the mean of the two seeds' (a table, a figure, study.md)
+    assert not (Path(one["artifacts"]["study"]) / "study_curves.parquet").exists()
+    folder = Path(two["artifacts"]["study"])
+    pooled = pq.read_table(folder / "study_curves.parquet").to_pylist()
+    seeds = [
+        pq.read_table(f"{two['artifacts'][k]}/data.parquet").to_pylist()
+        for k in ("overoptimization", "overoptimization@1")
+    ]
+    for lab, n in [("p_sim^ann", 1.0), ("greedy", 2.0)]:
+        golds = [
+            100 * next(r["mean_gold"] for r in rows if (r["labeller"], r["pressure"]) == (lab, n)) for rows in seeds
+        ]
+        point = next(r for r in pooled if (r["labeller"], r["judge"], r["pressure"]) == (lab, "gold", n))
+        assert (point["seeds"], point["mean"]) == (2, pytest.approx(sum(golds) / 2))
+    assert len(pooled) == 2 * 4 * 2  # two reward models × gold and three judges × n = 1, 2
+    assert (folder / "overoptimization_seeds.png").read_bytes()[:4] == b"\x89PNG"
+    assert "best_of_n over 2 seeds: mean over the seeds" in (folder / "study.md").read_text()
     tasks.EXECUTED.clear()
     study_flow(**study, curve_replicates=2)
     assert tasks.EXECUTED == {}

@@ -47,7 +47,8 @@ def validate(
         1,
         "--curve-replicates",
         min=1,
-        help="Draw the over-optimization curves under this many replicates' seeds and pool each finding over them.",
+        help="Draw the over-optimization curves under this many replicates' seeds and pool each finding, and each "
+        "curve point by point, over them.",
     ),
     set_: list[str] = typer.Option([], "--set", help="Override a field (section.field=value)."),
     store: Optional[str] = typer.Option(None, help=STORE_HELP),

@@ -458,6 +458,75 @@ def over_seeds(per_seed: Sequence[Sequence[dict]]) -> list[dict]:
     return out
 
 
+def curves_over_seeds(per_seed: Sequence[Sequence[dict]]) -> list[dict]:
+    """The over-optimization curves of several replicates (seeds), point by point: per reward model (``labeller``),
+    family, judge and pressure, the mean of the seeds' win rates with a 95% Student-t interval over the seeds
+    (``seeds``: how many drew the point); the judge ``gold`` is the mean gold reward ×100. `per_seed`: each seed's
+    ``overoptimization`` rows. Pooled by pressure, not by proxy reward: each seed's reward models score on a scale of
+    their own, while n (or a PPO step) means the same on every seed. Rows ordered by family, labeller, judge (gold
+    first) and pressure."""
+    values: dict[tuple[str, str, str, float], list[float]] = {}
+    for rows in per_seed:
+        gold_seen = set()
+        for r in rows:
+            values.setdefault((r["family"], r["labeller"], r["annotator"], r["pressure"]), []).append(r["win_rate"])
+            gold = (r["family"], r["labeller"], "gold", r["pressure"])
+            if gold not in gold_seen and r["mean_gold"] is not None and not math.isnan(r["mean_gold"]):
+                gold_seen.add(gold)
+                values.setdefault(gold, []).append(100 * r["mean_gold"])
+    order = {part: {} for part in range(3)}
+    for key in values:
+        for part in range(3):
+            order[part].setdefault(key[part], len(order[part]) if key[part] != "gold" else -1)
+    out = []
+    for (family, labeller, judge, pressure), v in sorted(
+        values.items(), key=lambda kv: (*(order[i][kv[0][i]] for i in range(3)), kv[0][3])
+    ):
+        _, low, high = replicate_interval(v)
+        out.append(
+            {
+                "family": family,
+                "labeller": labeller,
+                "judge": judge,
+                "pressure": float(pressure),
+                "seeds": len(v),
+                "mean": float(np.mean(v)),
+                "low": low,
+                "high": high,
+            }
+        )
+    return out
+
+
+def curves_markdown(rows: Sequence[dict]) -> str:
+    """`curves_over_seeds` as Markdown: per family, a line per reward model and judge, a column per pressure, each
+    cell the mean over the seeds [95% interval]."""
+    lines = []
+    for family in dict.fromkeys(r["family"] for r in rows):
+        mine = [r for r in rows if r["family"] == family]
+        pressures = sorted({r["pressure"] for r in mine})
+        seeds = max(r["seeds"] for r in mine)
+        name = "n" if family == "best_of_n" else "step"
+        lines += [
+            f"{family} over {seeds} seeds: mean over the seeds [95% Student-t interval] (gold ×100, win rates in %)",
+            "",
+            "| reward model on | judged by | " + " | ".join(f"{name} = {p:g}" for p in pressures) + " |",
+            "|---|---|" + "---:|" * len(pressures),
+        ]
+        for labeller, judge in dict.fromkeys((r["labeller"], r["judge"]) for r in mine):
+            cells = {r["pressure"]: r for r in mine if (r["labeller"], r["judge"]) == (labeller, judge)}
+            lines.append(
+                f"| {labeller} | {judge} | "
+                + " | ".join(
+                    f"{c['mean']:.1f} [{_f(c['low'], '.1f')}, {_f(c['high'], '.1f')}]" if (c := cells.get(p)) else "—"
+                    for p in pressures
+                )
+                + " |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
 def _f(x: float, fmt: str) -> str:
     return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
 

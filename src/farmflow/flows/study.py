@@ -21,8 +21,9 @@ humans do, and does over-optimization show? (AlpacaFarm Fig. 3, Fig. 5, Table 2;
    between the arms with bootstrap intervals, what the evaluation set resolves, over-optimization per curve and the
    contrast of p_sim^ann's fall with greedy's per judge and with each curve judged by its labeller, as in the paper;
    over C seeds also their mean with a Student-t interval over the seeds),
-   ``study.md``, ``rankings.png``, ``overoptimization.png`` (replicate 0's curves); Prefect markdown and table
-   artifacts.
+   ``study.md``, ``rankings.png``, ``overoptimization.png`` (replicate 0's curves); over C seeds also the curves
+   pooled point by point (``study_curves.parquet``, ``overoptimization_seeds.png``: each point's mean over the seeds
+   with its Student-t band, and a table of them in ``study.md``); Prefect markdown and table artifacts.
 
 Every stage is cached by its key: a rerun executes nothing, a larger K runs only the new replicates.
 """
@@ -48,6 +49,8 @@ from farmflow.evaluation.study import (
     LEFT_OUT,
     SHORT_SFT,
     calibrate_sharpness,
+    curves_markdown,
+    curves_over_seeds,
     gold_differences,
     human_like_annotator,
     is_method,
@@ -58,7 +61,7 @@ from farmflow.evaluation.study import (
     study_summary,
     writers,
 )
-from farmflow.evaluation.study_plots import plot_overoptimization, plot_rankings
+from farmflow.evaluation.study_plots import plot_curves_over_seeds, plot_overoptimization, plot_rankings
 from farmflow.flows.form import MethodName, PresetName, prefect_run_name, run_config, with_form_doc
 from farmflow.flows.overoptimization import (
     best_of_n_points,
@@ -77,7 +80,7 @@ from farmflow.tasks import evaluate_task, sft_snapshot, write_task
 from farmflow.tasks.analysis import overoptimization_task
 
 STUDY_NS = (1, 2, 4, 8, 16, 64)
-VERSION = "8"  # 8: out-of-sample over-optimization findings
+VERSION = "9"  # 9: the curves pooled over seeds
 
 
 def _tables(store, refs: list[dict[str, ArtifactRef]]) -> dict[str, list[list[dict]]]:
@@ -117,15 +120,24 @@ def study_task(
             for r, fs in enumerate(per_seed)
             for f in fs
         ]
-        if len(per_seed) > 1:
+        pooled = curves_over_seeds(curve_rows) if len(curve_rows) > 1 else []
+        if pooled:
             summary += over_seeds(per_seed)
-        markdown = study_markdown(rows, summary, title)
+        markdown = study_markdown(rows, summary, title) + (f"\n{curves_markdown(pooled)}" if pooled else "")
+        tables = {"study_summary.parquet": (pa.Table.from_pylist(summary), "study_summary")}
         with tempfile.TemporaryDirectory() as tmp:
             plot_rankings(rows, summary, f"{tmp}/rankings.png", title)
             files = {"study.md": markdown.encode(), "rankings.png": Path(f"{tmp}/rankings.png").read_bytes()}
             if curve_rows:
                 plot_overoptimization(curve_rows[0], f"{tmp}/overoptimization.png", f"Over-optimization ({title})")
                 files["overoptimization.png"] = Path(f"{tmp}/overoptimization.png").read_bytes()
+            if pooled:
+                plot_curves_over_seeds(pooled, f"{tmp}/overoptimization_seeds.png", f"Over-optimization ({title})")
+                files["overoptimization_seeds.png"] = Path(f"{tmp}/overoptimization_seeds.png").read_bytes()
+                tables["study_curves.parquet"] = (
+                    pa.Table.from_pylist(pooled, schema=SCHEMAS["study_curves"]),
+                    "study_curves",
+                )
         ref = store.put_table(
             "validation_study",
             key,
@@ -135,7 +147,7 @@ def study_task(
             inputs=inputs,
             metrics={q["quantity"]: q["value"] for q in summary if q["quantity"].startswith(("Spearman", "Pearson"))},
             extra_files=files,
-            extra_tables={"study_summary.parquet": (pa.Table.from_pylist(summary), "study_summary")},
+            extra_tables=tables,
         )
     if TaskRunContext.get() is not None:
         markdown = store.read_file(ref, "study.md").decode()
@@ -313,7 +325,8 @@ def run_study(
         and half of sft.epochs).
     writers: Also rank the farm's writers as systems beside the pipeline's (the paper's API models).
     curve_replicates: Draw the over-optimization curves under this many replicates' seeds (their own SFT, labels and
-        reward models; the methods need not be replicated as often) and pool each finding over the seeds.
+        reward models; the methods need not be replicated as often) and pool each finding, and each curve point by
+        point, over the seeds.
 """)
 def study_flow(
     preset: PresetName | None = None,

@@ -213,6 +213,21 @@ SCHEMAS: dict[str, pa.Schema] = {
     # the validation study's findings (study_summary.parquet beside it): one quantity per row with its 95% interval
     # (NaN where none) and a word or two (e.g. 'present' / 'absent' for an over-optimization curve).
     "study_summary": pa.schema([("quantity", _STR), ("value", _F), ("low", _F), ("high", _F), ("detail", _STR)]),
+    # the validation study's over-optimization curves pooled over seeds (study_curves.parquet, with curve_replicates
+    # above 1): per reward model (labeller), family, judge ('gold': mean gold ×100) and pressure, the mean of the
+    # seeds' values with a 95% Student-t interval over the seeds (NaN with one seed).
+    "study_curves": pa.schema(
+        [
+            ("family", _STR),
+            ("labeller", _STR),
+            ("judge", _STR),
+            ("pressure", _F),
+            ("seeds", _I),
+            ("mean", _F),
+            ("low", _F),
+            ("high", _F),
+        ]
+    ),
     # the runs (a row log under _rows/runs/, one chunk per flow run that ends in a leaderboard: compare runs,
     # nightly and manual, and single-method flows): the run (run_id: the last 8 hex digits of its flow-run id,
     # when, which flow, preset, config key, whether it publishes the trend, its leaderboard artifact) followed
