@@ -435,6 +435,8 @@ def test_curves_pooled_over_seeds_take_each_points_mean_with_a_t_interval():
         ("greedy", "p_sim^ann", 1.0),
         ("greedy", "greedy", 1.0),
     ]
+    # p_sim^ann's reward model first whatever order the curve's rows come in (the paper's order, and the plot's colours)
+    assert [r["labeller"] for r in curves_over_seeds([seeds[0][::-1]])][:3] == ["p_sim^ann"] * 3
     # one seed: the mean without an interval; no gold reward (the real farm): no gold rows
     single = curves_over_seeds([_curve({("greedy", 4): (40.0, math.nan)})])
     assert [(r["judge"], r["mean"], math.isnan(r["low"])) for r in single] == [

@@ -463,8 +463,8 @@ def curves_over_seeds(per_seed: Sequence[Sequence[dict]]) -> list[dict]:
     family, judge and pressure, the mean of the seeds' win rates with a 95% Student-t interval over the seeds
     (``seeds``: how many drew the point); the judge ``gold`` is the mean gold reward ×100. `per_seed`: each seed's
     ``overoptimization`` rows. Pooled by pressure, not by proxy reward: each seed's reward models score on a scale of
-    their own, while n (or a PPO step) means the same on every seed. Rows ordered by family, labeller, judge (gold
-    first) and pressure."""
+    their own, while n (or a PPO step) means the same on every seed. Rows ordered by family, labeller (p_sim^ann
+    first), judge (gold first) and pressure."""
     values: dict[tuple[str, str, str, float], list[float]] = {}
     for rows in per_seed:
         gold_seen = set()
@@ -474,7 +474,9 @@ def curves_over_seeds(per_seed: Sequence[Sequence[dict]]) -> list[dict]:
             if gold not in gold_seen and r["mean_gold"] is not None and not math.isnan(r["mean_gold"]):
                 gold_seen.add(gold)
                 values.setdefault(gold, []).append(100 * r["mean_gold"])
+    # families and judges in the order they come, gold first; the labellers in LABELLERS' order (p_sim^ann, greedy)
     order = {part: {} for part in range(3)}
+    order[1] = {labeller: i - len(LABELLERS) for i, labeller in enumerate(LABELLERS)}
     for key in values:
         for part in range(3):
             order[part].setdefault(key[part], len(order[part]) if key[part] != "gold" else -1)

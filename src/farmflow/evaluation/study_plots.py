@@ -119,7 +119,12 @@ def plot_curves_over_seeds(rows: Sequence[dict], path: str, title: str = "Over-o
     families = list(dict.fromkeys(r["family"] for r in rows))
     judges = list(dict.fromkeys(r["judge"] for r in rows))
     fig, axes = plt.subplots(
-        len(families), len(judges), figsize=(3.6 * len(judges), 3.2 * len(families)), dpi=120, squeeze=False
+        len(families),
+        len(judges),
+        figsize=(4.2 * len(judges), 3.4 * len(families)),
+        dpi=120,
+        squeeze=False,
+        layout="constrained",
     )
     for row, family in zip(axes, families):
         for ax, judge in zip(row, judges):
@@ -140,6 +145,5 @@ def plot_curves_over_seeds(rows: Sequence[dict], path: str, title: str = "Over-o
             ax.legend(fontsize=7)
     seeds = max(r["seeds"] for r in rows)
     fig.suptitle(f"{title}: mean over {seeds} seeds, 95% Student-t band")
-    fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
