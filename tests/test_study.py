@@ -573,7 +573,20 @@ def test_curves_under_more_seeds_reuse_the_first_and_pool_each_finding(micro_con
         assert (point["seeds"], point["mean"]) == (2, pytest.approx(sum(golds) / 2))
     assert len(pooled) == 2 * 4 * 2  # two reward models × gold and three judges × n = 1, 2
     assert (folder / "overoptimization_seeds.png").read_bytes()[:4] == b"\x89PNG"
-    assert "best_of_n over 2 seeds: mean over the seeds" in (folder / "study.md").read_text()
+    # study.md: the pooled findings first, then the methods, the pooled curves, and each seed's findings last
+    md = (folder / "study.md").read_text()
+    q = "over-optimization: best_of_n, reward model on greedy labels, judged by gold"
+    order = [
+        f"| {q}, over 2 seeds |",
+        "| method | simulated (p_sim^eval)",
+        "best_of_n over 2 seeds: mean over the seeds",
+        "#### Each seed's over-optimization findings",
+        f"| {q} |",
+        f"| {q} [replicate 1] |",
+    ]
+    assert all(part in md for part in order), [part for part in order if part not in md]
+    assert [md.index(part) for part in order] == sorted(md.index(part) for part in order)
+    assert md.count(f"| {q} |") == 1
     tasks.EXECUTED.clear()
     study_flow(**study, curve_replicates=2)
     assert tasks.EXECUTED == {}

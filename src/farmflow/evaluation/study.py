@@ -533,12 +533,25 @@ def _f(x: float, fmt: str) -> str:
     return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
 
 
-def study_markdown(rows: Sequence[dict], summary: Sequence[dict], title: str = "Validation study") -> str:
-    """The study as Markdown: the findings (quantity, value [95% CI], detail), then one line per method."""
-    lines = [f"### {title}", "", "| finding | value [95% CI] | detail |", "|---|---:|---|"]
+def _findings_table(summary: Sequence[dict]) -> list[str]:
+    lines = ["| finding | value [95% CI] | detail |", "|---|---:|---|"]
     for s in summary:
         ci = f" [{_f(s['low'], '.3g')}, {_f(s['high'], '.3g')}]" if not math.isnan(s["low"]) else ""
         lines.append(f"| {s['quantity']} | {_f(s['value'], '.3g')}{ci} | {s['detail']} |")
+    return lines
+
+
+def study_markdown(
+    rows: Sequence[dict],
+    summary: Sequence[dict],
+    title: str = "Validation study",
+    curves: Sequence[dict] = (),
+    per_seed: Sequence[dict] = (),
+) -> str:
+    """The study as Markdown: the findings (quantity, value [95% CI], detail), then one line per method; with curves
+    drawn under several seeds, the curves pooled over them (`curves_markdown`) and each seed's findings (`per_seed`)
+    after the methods, so that the pooled findings are the ones read first."""
+    lines = [f"### {title}", "", *_findings_table(summary)]
     lines += [
         "",
         "| method | simulated (p_sim^eval) [95% CI] | human-like [95% CI] | mean gold | Δ vs SFT, simulated | "
@@ -561,4 +574,8 @@ def study_markdown(rows: Sequence[dict], summary: Sequence[dict], title: str = "
         )
     k, n = max(r["replicates"] for r in rows), max(r["n"] for r in rows)
     lines += ["", f"{k} replicate(s) × {n} evaluation prompts; intervals: bootstrap over prompts (and replicates)."]
+    if curves:
+        lines += ["", curves_markdown(curves).rstrip("\n")]
+    if per_seed:
+        lines += ["", "#### Each seed's over-optimization findings", "", *_findings_table(per_seed)]
     return "\n".join(lines) + "\n"

@@ -49,7 +49,6 @@ from farmflow.evaluation.study import (
     LEFT_OUT,
     SHORT_SFT,
     calibrate_sharpness,
-    curves_markdown,
     curves_over_seeds,
     gold_differences,
     human_like_annotator,
@@ -115,15 +114,16 @@ def study_task(
         summary = study_summary(sim_rows, human_rows, rows, calibration, n_boot)
         curve_rows = [store.read_table(c).to_pylist() for c in curves]
         per_seed = [overoptimization_findings(curve_points(store, rows), n_boot) for rows in curve_rows]
-        summary += [
+        seed_rows = [
             f | ({"quantity": f"{f['quantity']} [replicate {r}]"} if r else {})
             for r, fs in enumerate(per_seed)
             for f in fs
         ]
         pooled = curves_over_seeds(curve_rows) if len(curve_rows) > 1 else []
-        if pooled:
-            summary += over_seeds(per_seed)
-        markdown = study_markdown(rows, summary, title) + (f"\n{curves_markdown(pooled)}" if pooled else "")
+        # over several seeds the pooled findings lead, and each seed's follow in a section of their own
+        summary += over_seeds(per_seed) if pooled else seed_rows
+        markdown = study_markdown(rows, summary, title, pooled, seed_rows if pooled else ())
+        summary += seed_rows if pooled else []
         tables = {"study_summary.parquet": (pa.Table.from_pylist(summary), "study_summary")}
         with tempfile.TemporaryDirectory() as tmp:
             plot_rankings(rows, summary, f"{tmp}/rankings.png", title)
