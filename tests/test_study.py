@@ -561,6 +561,7 @@ def test_curves_under_more_seeds_reuse_the_first_and_pool_each_finding(micro_con
     assert not (Path(one["artifacts"]["study"]) / "study_curves.parquet").exists()
     folder = Path(two["artifacts"]["study"])
     pooled = pq.read_table(folder / "study_curves.parquet").to_pylist()
+    assert two["curves"] == pooled and one["curves"] == []
     seeds = [
         pq.read_table(f"{two['artifacts'][k]}/data.parquet").to_pylist()
         for k in ("overoptimization", "overoptimization@1")

@@ -306,6 +306,9 @@ def run_study(
         "store": str(run.store.root),
         "rows": run.store.read_table(ref).to_pylist(),
         "findings": run.store.read_table(ref, "study_summary.parquet", "study_summary").to_pylist(),
+        "curves": run.store.read_table(ref, "study_curves.parquet", "study_curves").to_pylist()
+        if len(curves) > 1
+        else [],
         "markdown": run.store.read_file(ref, "study.md").decode(),
         "leaderboard": run.store.read_file(board, "leaderboard.md").decode(),
         "artifacts": {"study": ref.uri, "leaderboard": board.uri}
