@@ -475,15 +475,15 @@ def curves_over_seeds(per_seed: Sequence[Sequence[dict]]) -> list[dict]:
                 gold_seen.add(gold)
                 values.setdefault(gold, []).append(100 * r["mean_gold"])
     # families and judges in the order they come, gold first; the labellers in LABELLERS' order (p_sim^ann, greedy)
-    order = {part: {} for part in range(3)}
-    order[1] = {labeller: i - len(LABELLERS) for i, labeller in enumerate(LABELLERS)}
-    for key in values:
-        for part in range(3):
-            order[part].setdefault(key[part], len(order[part]) if key[part] != "gold" else -1)
+    families, labellers, judges = (list(dict.fromkeys(key[part] for key in values)) for part in range(3))
+    labellers.sort(key=lambda lab: LABELLERS.index(lab) if lab in LABELLERS else len(LABELLERS))
+
+    def order(key: tuple[str, str, str, float]) -> tuple:
+        family, labeller, judge, pressure = key
+        return families.index(family), labellers.index(labeller), judge != "gold", judges.index(judge), pressure
+
     out = []
-    for (family, labeller, judge, pressure), v in sorted(
-        values.items(), key=lambda kv: (*(order[i][kv[0][i]] for i in range(3)), kv[0][3])
-    ):
+    for (family, labeller, judge, pressure), v in sorted(values.items(), key=lambda kv: order(kv[0])):
         _, low, high = replicate_interval(v)
         out.append(
             {

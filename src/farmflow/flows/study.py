@@ -120,10 +120,13 @@ def study_task(
             for f in fs
         ]
         pooled = curves_over_seeds(curve_rows) if len(curve_rows) > 1 else []
-        # over several seeds the pooled findings lead, and each seed's follow in a section of their own
-        summary += over_seeds(per_seed) if pooled else seed_rows
-        markdown = study_markdown(rows, summary, title, pooled, seed_rows if pooled else ())
-        summary += seed_rows if pooled else []
+        if pooled:  # over several seeds the pooled findings lead; each seed's follow in a section of their own
+            summary += over_seeds(per_seed)
+            markdown = study_markdown(rows, summary, title, pooled, seed_rows)
+            summary += seed_rows
+        else:
+            summary += seed_rows
+            markdown = study_markdown(rows, summary, title)
         tables = {"study_summary.parquet": (pa.Table.from_pylist(summary), "study_summary")}
         with tempfile.TemporaryDirectory() as tmp:
             plot_rankings(rows, summary, f"{tmp}/rankings.png", title)
