@@ -64,9 +64,42 @@ def test_ppo_refuses_a_reward_model_whose_tokenizer_is_not_the_policys(micro_con
     )
     up = _upstream(cfg)
     reward = up.reward
-    with pytest.raises(ValueError, match=r"^ppo: the value model starts from the reward model .*\(reward\.backbone\)"):
+    refusal = r"^ppo\.value_from='reward': .*\(reward\.backbone\); set ppo\.value_from=policy"
+    with pytest.raises(ValueError, match=refusal):
         up.run(ppo_task, cfg.ppo, data=up.data, sft=up.sft, reward=reward)
     assert not [r for r in up.run.store.list() if r.stage == "ppo"]
+
+
+def test_ppo_on_a_reward_model_of_another_tokenizer_starts_its_value_model_from_the_policy(micro_config):
+    from safetensors.torch import load_file
+
+    from farmflow.models import value_from_policy
+    from farmflow.tasks.keys import key_config
+
+    other = BACKBONE | {"model": BACKBONE["model"] | {"vocab_size": 320}}
+    sets = [f"store.uri={micro_config.store.uri}", f"reward.backbone={json.dumps(other)}", "ppo.value_from=policy"]
+    cfg = load_config("synthetic-micro", sets)
+    up = _upstream(cfg)
+    assert (
+        load_tokenizer(up.run.store.model_dir(up.reward)).get_vocab()
+        != load_tokenizer(up.run.store.model_dir(up.sft)).get_vocab()
+    )
+    tasks.EXECUTED.clear()
+    ppo = up.run(ppo_task, cfg.ppo, data=up.data, sft=up.sft, reward=up.reward)
+    assert dict(tasks.EXECUTED) == {"ppo": 1} and ppo.stage == "ppo"
+    assert ppo.metrics["steps"] > 0
+
+    # the value model: the SFT policy's transformer, every weight as SFT left it, and a zero head
+    value = value_from_policy(up.run.store.model_dir(up.sft))
+    sft = load_file(next(up.run.store.model_dir(up.sft).glob("*.safetensors")))
+    backbone = value.backbone.state_dict()
+    assert {f"model.{k}" for k in backbone} == set(sft) - {"lm_head.weight"}
+    assert all(torch.equal(v, sft[f"model.{k}"]) for k, v in backbone.items())
+    assert torch.count_nonzero(value.head.weight) == 0 and torch.count_nonzero(value.head.bias) == 0
+
+    # the default, a value model from the reward model, keeps the keys PPO had before the option; 'policy' keys
+    assert "value_from" not in key_config(load_config("synthetic-micro", sets[:2]).ppo)
+    assert key_config(cfg.ppo)["value_from"] == "policy"
 
 
 def test_a_pretrained_backbone_as_it_is_with_only_the_head_trained(micro_config, tmp_path):

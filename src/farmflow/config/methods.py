@@ -181,8 +181,8 @@ class RewardConfig(Section):
         None,
         json_schema_extra={"stage_key": "unless_default"},
         description="Start the reward model from a backbone of its own (a larger model, or a pretrained one) "
-        "instead of the SFT policy (None: the SFT policy, as AlpacaFarm). PPO's value model starts from the reward "
-        "model and reads the policy's tokens, so PPO needs the backbone's tokenizer to be the policy's.",
+        "instead of the SFT policy (None: the SFT policy, as AlpacaFarm). PPO's value model reads the policy's tokens: "
+        "with a backbone of another tokenizer, start it from the policy (ppo.value_from='policy').",
     )
 
     @model_validator(mode="after")
@@ -388,6 +388,13 @@ class PPOConfig(Section):
     )
     vf_coef: float = Field(
         0.1, ge=0, description="Weight of the value loss in the total loss (alpaca_farm vf_coef: 0.1)."
+    )
+    value_from: Literal["reward", "policy"] = Field(
+        "reward",
+        json_schema_extra={"stage_key": "unless_default"},
+        description="What the value model starts from, with a fresh zero-initialized head: 'reward', the reward "
+        "model's backbone (alpaca_farm), or 'policy', the SFT policy's. The value model reads the policy's tokens, so "
+        "a reward model on a backbone with another tokenizer (reward.backbone, e.g. a pretrained one) needs 'policy'.",
     )
     snapshot_every: int = Field(
         0,

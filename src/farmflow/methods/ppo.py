@@ -1,7 +1,8 @@
 """PPO against the reward model with a per-token KL penalty to the SFT policy (AlpacaFarm §3.4; Schulman et al., 2017).
 
 The policy starts from SFT; the value model is the reward model's backbone with a fresh, zero-initialized value head
-(`farmflow.models.value_from_reward`). Each step (the loop's sections below):
+(`farmflow.models.value_from_reward`), or with `value_from='policy'` the SFT policy's (`value_from_policy`: for a
+reward model that reads another tokenizer). Each step (the loop's sections below):
 
 1. **Rollout.** Sample one response per prompt for `rollout_batch_size` unlabeled prompts at `temperature`; score it
    with the reward model; a response that never emits EOS gets `penalty_reward_value` (`farmflow.methods.rl`).

@@ -273,6 +273,15 @@ def value_from_reward(path: str | Path) -> ValueModel:
     return ValueModel(reward.base_model, reward.config.hidden_size).to(default_device())
 
 
+def value_from_policy(path: str | Path) -> ValueModel:
+    """Value model initialized from a policy checkpoint: its transformer backbone without the LM head, a fresh
+    zero-initialized value head."""
+    from transformers import AutoModel
+
+    backbone = _from_pretrained(AutoModel, path)
+    return ValueModel(backbone, backbone.config.hidden_size).to(default_device())
+
+
 def save(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, folder: str | Path) -> None:
     """`save_pretrained` of the model and tokenizer, by the main process only.
 
@@ -372,5 +381,6 @@ __all__ = [
     "score",
     "tokenize_examples",
     "train_tokenizer",
+    "value_from_policy",
     "value_from_reward",
 ]

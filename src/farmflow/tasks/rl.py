@@ -75,18 +75,22 @@ def ppo_task(
 ) -> Model:
     """PPO from the SFT policy against the reward model, on the unlabeled split's prompts."""
     from farmflow.methods.ppo import train_ppo
-    from farmflow.models import load_policy, load_tokenizer, value_from_reward
+    from farmflow.models import load_policy, load_tokenizer, value_from_policy, value_from_reward
 
     prompts = unlabeled_prompts(run, data)
     policy, tokenizer = load_policy(run.store.model_dir(sft))
-    if load_tokenizer(run.store.model_dir(reward)).get_vocab() != tokenizer.get_vocab():
+    reward_vocab = load_tokenizer(run.store.model_dir(reward)).get_vocab()
+    if config.value_from == "reward" and reward_vocab != tokenizer.get_vocab():
         raise ValueError(
-            "ppo: the value model starts from the reward model and reads the policy's tokens, but the reward model's "
-            "tokenizer is not the policy's (reward.backbone); give the reward model a backbone with the policy's "
-            "tokenizer"
+            "ppo.value_from='reward': the value model starts from the reward model and reads the policy's tokens, but "
+            "the reward model's tokenizer is not the policy's (reward.backbone); set ppo.value_from=policy to start it "
+            "from the SFT policy"
         )
     ref_policy, _ = load_policy(run.store.model_dir(sft))
-    value_model = value_from_reward(run.store.model_dir(reward))
+    if config.value_from == "reward":
+        value_model = value_from_reward(run.store.model_dir(reward))
+    else:
+        value_model = value_from_policy(run.store.model_dir(sft))
 
     def snapshot(step: int, model) -> None:
         if config.snapshot_every and step % config.snapshot_every == 0:
