@@ -59,10 +59,10 @@ def test_key_config_is_the_plain_dump_when_nothing_is_excluded():
     ei = cfg.expert_iteration.model_dump(exclude={"train": {"micro_batch_size", "packing", "snapshot_epochs"}})
     assert canonical_json(key_config(cfg.expert_iteration)) == canonical_json(ei)
     for section in (cfg.ppo, cfg.quark):  # so is theirs (it is also their sampling batch; samples do not depend on it)
-        operational = {"micro_batch_size", "snapshot_every"} & set(
-            type(section).model_fields
-        )  # snapshots: extra artifacts
+        # snapshots: extra artifacts; PPO's value_from keys only when not the default, so earlier PPO keys stay
+        operational = {"micro_batch_size", "snapshot_every", "value_from"} & set(type(section).model_fields)
         assert canonical_json(key_config(section)) == canonical_json(section.model_dump(exclude=operational))
+    assert key_config(cfg.ppo.model_copy(update={"value_from": "policy"}))["value_from"] == "policy"
     # generation.backend and batch_size are operational (not in the key)
     generate = {"sample": cfg.generation, "generator": "sft", "control": ""}
     expected = generate | {"sample": cfg.generation.model_dump(exclude={"backend", "batch_size"})}
