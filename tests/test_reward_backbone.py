@@ -74,7 +74,6 @@ def test_ppo_on_a_reward_model_of_another_tokenizer_starts_its_value_model_from_
     from safetensors.torch import load_file
 
     from farmflow.models import value_from_policy
-    from farmflow.tasks.keys import key_config
 
     other = BACKBONE | {"model": BACKBONE["model"] | {"vocab_size": 320}}
     sets = [f"store.uri={micro_config.store.uri}", f"reward.backbone={json.dumps(other)}", "ppo.value_from=policy"]
@@ -96,10 +95,6 @@ def test_ppo_on_a_reward_model_of_another_tokenizer_starts_its_value_model_from_
     assert {f"model.{k}" for k in backbone} == set(sft) - {"lm_head.weight"}
     assert all(torch.equal(v, sft[f"model.{k}"]) for k, v in backbone.items())
     assert torch.count_nonzero(value.head.weight) == 0 and torch.count_nonzero(value.head.bias) == 0
-
-    # the default, a value model from the reward model, keeps the keys PPO had before the option; 'policy' keys
-    assert "value_from" not in key_config(load_config("synthetic-micro", sets[:2]).ppo)
-    assert key_config(cfg.ppo)["value_from"] == "policy"
 
 
 def test_a_pretrained_backbone_as_it_is_with_only_the_head_trained(micro_config, tmp_path):

@@ -79,18 +79,17 @@ def ppo_task(
 
     prompts = unlabeled_prompts(run, data)
     policy, tokenizer = load_policy(run.store.model_dir(sft))
-    reward_vocab = load_tokenizer(run.store.model_dir(reward)).get_vocab()
-    if config.value_from == "reward" and reward_vocab != tokenizer.get_vocab():
+    if config.value_from == "policy":
+        value_model = value_from_policy(run.store.model_dir(sft))
+    elif load_tokenizer(run.store.model_dir(reward)).get_vocab() != tokenizer.get_vocab():
         raise ValueError(
             "ppo.value_from='reward': the value model starts from the reward model and reads the policy's tokens, but "
             "the reward model's tokenizer is not the policy's (reward.backbone); set ppo.value_from=policy to start it "
             "from the SFT policy"
         )
-    ref_policy, _ = load_policy(run.store.model_dir(sft))
-    if config.value_from == "reward":
-        value_model = value_from_reward(run.store.model_dir(reward))
     else:
-        value_model = value_from_policy(run.store.model_dir(sft))
+        value_model = value_from_reward(run.store.model_dir(reward))
+    ref_policy, _ = load_policy(run.store.model_dir(sft))
 
     def snapshot(step: int, model) -> None:
         if config.snapshot_every and step % config.snapshot_every == 0:
