@@ -149,6 +149,9 @@ def test_study_summary_compares_both_arms_with_gold():
     assert found["Spearman (sim, gold)"]["value"] == pytest.approx(1.0)
     assert found["Spearman (human-like, gold)"]["value"] == pytest.approx(-1.0)
     assert found["Spearman (sim, human-like)"]["value"] == pytest.approx(-1.0)
+    # the arm's labels reverse gold here, but what it would converge to with many labels per pair follows gold (q
+    # grows with Δ = 0.1, 0.2, 0.4), so against its expectation the simulator ranks exactly alike
+    assert found["Spearman (sim, human-like expected)"]["value"] == pytest.approx(1.0)
     assert found["human-like agreement (a judgement vs the mode of three others)"]["value"] == 0.7
     # output_2 is 0.1–0.4 of gold better on every pair: the human-like mode prefers it with m(Δ), so a label for
     # output_2 agrees with it with m and one for output_1 with 1 − m
@@ -160,6 +163,27 @@ def test_study_summary_compares_both_arms_with_gold():
     assert found["longer output preferred by p_sim^eval"]["value"] == pytest.approx(39 / 60)
     assert found["longer output preferred by human-like"]["value"] == pytest.approx(39 / 60)
     assert "Spearman (sim, human-like), pipeline systems" not in found  # no baselines, no second set
+
+
+def test_the_expected_human_like_score_of_a_pair_is_q_of_its_gold_difference():
+    from farmflow.evaluation.study import expected_judgements
+
+    def row(i, gold_1, gold_2, same=False):
+        out_2 = "a" if same else "b"
+        return {"id": f"p{i}", "output_1": "a", "output_2": out_2, "gold_1": gold_1, "gold_2": gold_2}
+
+    sharpness = math.log(3) / 0.1  # q = 3/4 at Δ = +0.1, 1/4 at Δ = −0.1
+    human = {
+        "sft": [[row(0, 0.5, 0.6), row(1, 0.6, 0.5), row(2, 0.5, 0.5, same=True)]],
+        # the same prompts in another order, one more that sft lacks (left out: scores are paired on prompts)
+        "dpo": [[row(2, 0.2, 0.4), row(1, 0.5, 0.5), row(0, 0.5, 0.7), row(3, 0.0, 1.0)]],
+    }
+    found = expected_judgements(human, sharpness)
+    assert found["sft"][0].tolist() == pytest.approx([0.75, 0.25, 0.5])  # identical outputs: a sure tie
+    assert found["dpo"][0].tolist() == pytest.approx([0.9, 0.5, 0.9])  # q(0.2) = 9/(9 + 1): the odds square
+    # the labels play no part: rows without any and rows all for output_2 give the same expectation
+    labelled = {m: [[r | {"preference": 2.0} for r in runs[0]]] for m, runs in human.items()}
+    assert expected_judgements(labelled, sharpness)["dpo"].tolist() == found["dpo"].tolist()
 
 
 def test_baselines_stay_out_of_the_methods_ranking():

@@ -14,7 +14,9 @@
   methods lie within a few hundredths of gold of each other); the *pipeline's systems*, the methods plus the
   baselines of lesser quality (the untrained model, SFT stopped after fewer epochs); and *all systems*, those plus
   the farm's writers evaluated as systems (`writers`), as the paper's Fig. 3, whose 0.98 spans systems from LLaMA 7B
-  to GPT-4, ranks its methods beside API models.
+  to GPT-4, ranks its methods beside API models. Each ranking is compared with the human-like arm's expected win
+  rates too (`expected_judgements`: its label noise removed), which tells a shortfall the simulator causes from one
+  the arm's few labels cause.
 * **Over-optimization.** A curve (best-of-n over n) is *over-optimized* under a judge when its best point beats its
   highest-pressure point with a paired 95% interval that excludes 0 (`overoptimization_findings`).
 * **How many prompts.** The half-width of the paired difference to SFT shrinks as 1/√n; `bootstrap.eval_size_for`
@@ -50,6 +52,9 @@ other `HUMAN_OTHERS` labels of the same pair."""
 HUMAN_OTHERS = 3
 """Labels a held-out one is compared with: the cross-annotation set has four human labels per pair."""
 HUMAN = "human-like"
+HUMAN_EXPECTED = "human-like expected"
+"""The human-like arm without its label noise: each pair scored by the probability q that a judgement prefers output_2
+(`expected_judgements`), the win rate it converges to with many judgements per pair."""
 LEFT_OUT = ("untrained",)
 """Baselines always left out of the methods' ranking (their own ranks are NaN)."""
 SHORT_SFT = "sft ({epochs:g} epochs)"
@@ -139,6 +144,25 @@ def calibrate_sharpness(diffs: np.ndarray, target: float = HUMAN_AGREEMENT) -> t
         lo, hi = (mid, hi) if agreement(diffs, math.exp(mid)) < target else (lo, mid)
     s = float(f"{math.exp((lo + hi) / 2):.3g}")
     return s, agreement(diffs, s)
+
+
+def expected_judgements(evaluations: dict[str, Sequence[Sequence[dict]]], sharpness: float) -> dict[str, np.ndarray]:
+    """Every system's (K, n) expected human-like scores on the prompts all of them have: q = sigmoid(sharpness·Δ) per
+    pair (0.5 for identical outputs), where a judgement scores 1 for output_2 and 0 for output_1.
+
+    Why: one judgement per pair at human agreement carries little information (q is near 0.5 for the small gold
+    differences between methods), so the human-like arm's ranking of close systems is mostly label noise. Its expected
+    win rate is what it ranks by in the limit of many judgements per pair; a disagreement between it and the
+    simulator is the simulator's own (its biases), not the arm's noise. `evaluations`: the human-like arm's rows (any
+    arm's rows of the same outputs do, since only gold is read)."""
+    expected = {
+        m: [
+            [r | {HUMAN_EXPECTED: float(q)} for r, q in zip(rows, prefers_second(gold_differences(rows), sharpness))]
+            for rows in runs
+        ]
+        for m, runs in evaluations.items()
+    }
+    return aligned(expected, HUMAN_EXPECTED)[1]
 
 
 def simulated_agreement(rows: Sequence[dict], sharpness: float, others: int = HUMAN_OTHERS) -> float:
@@ -275,8 +299,9 @@ def study_summary(
     n_boot: int = N_BOOT,
 ) -> list[dict]:
     """``study_summary`` rows but over-optimization's: the human-like arm's calibration and p_sim^eval's agreement with
-    its mode, both arms' length and list preferences, Spearman and Pearson between sim, human-like and gold over each
-    of `ranked_sets`, and what the evaluation set resolves (`resolution_rows` of `rows`, the `study_rows`).
+    its mode, both arms' length and list preferences, Spearman and Pearson between sim, human-like and gold, and between
+    sim and the human-like arm's expectation (`expected_judgements`), over each of `ranked_sets`, and what the
+    evaluation set resolves (`resolution_rows` of `rows`, the `study_rows`).
 
     `sim[system][r]` / `human[system][r]`: replicate r's evaluation rows; `calibration`: {"sharpness", "agreement"}."""
     sharpness = calibration["sharpness"]
@@ -306,11 +331,17 @@ def study_summary(
                     f"decisive labels of method pairs that differ; AlpacaEval: humans {humans}%",
                 )
             )
-    scores = {"sim": aligned(sim)[1], HUMAN: aligned(human)[1], "gold": aligned(sim, "gold_2")[1]}
+    scores = {
+        "sim": aligned(sim)[1],
+        HUMAN: aligned(human)[1],
+        "gold": aligned(sim, "gold_2")[1],
+        HUMAN_EXPECTED: expected_judgements(human, sharpness),
+    }
     for suffix, (ranked, described) in ranked_sets(list(sim)).items():
         # (human-like, gold): how well the human-like arm ranks by quality itself, what (sim, human-like) reaches
-        # when the simulator ranks exactly as gold does
-        for a, b in (("sim", HUMAN), ("sim", "gold"), (HUMAN, "gold")):
+        # when the simulator ranks exactly as gold does; (sim, human-like expected): the same comparison without the
+        # arm's label noise, so what remains of a shortfall is the simulator's bias, not the arm's resolving power
+        for a, b in (("sim", HUMAN), ("sim", "gold"), (HUMAN, "gold"), ("sim", HUMAN_EXPECTED)):
             c = ranking_agreement([scores[a][m] for m in ranked], [scores[b][m] for m in ranked], n_boot)
             for name in ("Spearman", "Pearson"):
                 key = name.lower()
