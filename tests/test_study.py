@@ -186,6 +186,33 @@ def test_the_expected_human_like_score_of_a_pair_is_q_of_its_gold_difference():
     assert expected_judgements(labelled, sharpness)["dpo"].tolist() == found["dpo"].tolist()
 
 
+def test_study_rows_score_each_method_under_the_human_like_expectation_too():
+    # 20 prompts; the reference scores 0.5 of gold, sft's answers 0.6, dpo's 0.7. Every human-like label went to the
+    # reference: the arm ties them at 0, while its expectation is q(Δ) on every prompt
+    sharpness = math.log(3) / 0.1  # q(0.1) = 3/4, q(0.2) = 9/10
+
+    def rows(gold, pref):
+        return [
+            {"id": f"p{i}", "output_1": "ref", "output_2": f"{gold}", "gold_1": 0.5, "gold_2": gold, "preference": pref}
+            for i in range(20)
+        ]
+
+    sim = {"sft": [rows(0.6, 2.0)], "dpo": [rows(0.7, 2.0)]}
+    human = {"sft": [rows(0.6, 1.0)], "dpo": [rows(0.7, 1.0)]}
+    found = {r["method"]: r for r in study_rows(sim, human, n_boot=200, sharpness=sharpness)}
+    assert (found["sft"]["human_win_rate"], found["dpo"]["human_resolved"]) == (0.0, "tied")
+    assert found["sft"]["expected_win_rate"] == pytest.approx(75.0)
+    assert found["dpo"]["expected_win_rate"] == pytest.approx(90.0)
+    # the same difference on every prompt: its interval is the point itself, so it is resolved
+    assert found["dpo"]["expected_diff_to_sft"] == pytest.approx(15.0)
+    assert found["dpo"]["expected_diff_low"] == pytest.approx(15.0) and found["dpo"]["expected_resolved"] == "better"
+    assert (found["dpo"]["expected_rank"], found["sft"]["expected_rank"]) == (1.0, 2.0)
+    assert found["sft"]["expected_resolved"] == ""  # the baseline itself
+    # without the sharpness the columns are there, empty
+    plain = {r["method"]: r for r in study_rows(sim, human, n_boot=200)}
+    assert math.isnan(plain["dpo"]["expected_win_rate"]) and plain["dpo"]["expected_resolved"] == ""
+
+
 def test_baselines_stay_out_of_the_methods_ranking():
     assert is_method("dpo") and is_method("sft") and is_method("best_of_16")
     assert not is_method("untrained") and not is_method("sft (4 epochs)")
@@ -530,6 +557,11 @@ def test_study_flow_on_micro_writes_its_table_plots_and_artifacts_then_is_cached
     )
     rows = {r["method"]: r for r in table.to_pylist()}
     assert rows["writer: reference (error 0)"]["mean_gold"] == 1.0  # the flawless writer
+    # the human-like arm's expectation scores every system; the flawless writer's answers beat every reference
+    # output that is wrong, so its expectation lies above 50%
+    assert all(0.0 <= r["expected_win_rate"] <= 100.0 for r in rows.values())
+    assert rows["writer: reference (error 0)"]["expected_win_rate"] > 50.0
+    assert findings["Spearman (sim, human-like expected), all systems"]["detail"].startswith("9 systems:")
     board = pq.read_table(f"{summary['artifacts']['leaderboard']}/data.parquet").column("method").to_pylist()
     assert sorted(board) == ["best_of_4", "ppo", "sft", "untrained"]  # the shortened SFTs and writers are the study's
     assert findings["human-like agreement (a judgement vs the mode of three others)"]["value"] == pytest.approx(

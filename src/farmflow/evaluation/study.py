@@ -185,24 +185,32 @@ def study_rows(
     human: dict[str, Sequence[Sequence[dict]]],
     baseline: str = "sft",
     n_boot: int = N_BOOT,
+    sharpness: float | None = None,
 ) -> list[dict]:
     """One ``validation_study`` row per method: win rate under each arm [95% CI], mean gold, difference to `baseline`
-    under each arm [paired 95% CI] and whether it is resolved, and the method's rank under each arm and by gold.
+    under each arm [paired 95% CI] and whether it is resolved, and the method's rank under each arm and by gold. With
+    the human-like arm's `sharpness`, the same under its expectation (``expected_*``, `expected_judgements`: what the
+    arm resolves with its label noise removed, on the same prompts); without it those columns are NaN.
 
     `sim[method][r]` / `human[method][r]`: replicate r's evaluation rows of the method under each arm."""
     _, s = aligned(sim)
     _, h = aligned(human)
     _, g = aligned(sim, "gold_2")
+    arms = {"sim": s, "human": h}
+    if sharpness is not None:
+        arms["expected"] = expected_judgements(human, sharpness)
     methods = list(sim)
     ranked = [m for m in methods if is_method(m)]
     ranks = {
         arm: dict(zip(ranked, rankdata(-np.array([scores[m].mean() for m in ranked]))))
-        for arm, scores in (("sim", s), ("human", h), ("gold", g))
+        for arm, scores in (arms | {"gold": g}).items()
     }
     rows = []
     for i, m in enumerate(methods):
         row = {"method": m, "family": method_family(m), "replicates": s[m].shape[0], "n": s[m].shape[1]}
-        for arm, scores in (("sim", s), ("human", h)):
+        row |= {f"expected_{c}": math.nan for c in ("win_rate", "low", "high", "diff_to_sft", "diff_low", "diff_high")}
+        row |= {"expected_resolved": "", "expected_rank": math.nan}
+        for arm, scores in arms.items():
             wr = bootstrap_mean(scores[m], n_boot, seed=i)
             row |= {
                 f"{arm}_win_rate": 100 * wr["estimate"],
@@ -221,7 +229,7 @@ def study_rows(
                     f"{arm}_resolved": ("better" if d["low"] > 0 else "worse") if d["excludes_zero"] else "tied",
                 }
         row["mean_gold"] = float(g[m].mean()) if g[m].size else math.nan
-        for arm in ("sim", "human", "gold"):
+        for arm in ranks:
             row[f"{arm}_rank"] = float(ranks[arm].get(m, math.nan))
         rows.append(row)
     rows.sort(key=lambda r: -r["sim_win_rate"])
@@ -586,22 +594,23 @@ def study_markdown(
     lines += [
         "",
         "| method | simulated (p_sim^eval) [95% CI] | human-like [95% CI] | mean gold | Δ vs SFT, simulated | "
-        "Δ vs SFT, human-like | ranks sim / human / gold |",
-        "|---|---:|---:|---:|---:|---:|---|",
+        "Δ vs SFT, human-like | human-like expected: win rate, Δ vs SFT | ranks sim / human / gold |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         diffs = [
             "—"
-            if not r[f"{a}_resolved"]
+            if not r.get(f"{a}_resolved")
             else f"{r[f'{a}_diff_to_sft']:+.1f} [{r[f'{a}_diff_low']:+.1f}, {r[f'{a}_diff_high']:+.1f}] "
             f"{r[f'{a}_resolved']}"
-            for a in ("sim", "human")
+            for a in ("sim", "human", "expected")
         ]
+        expected = _f(r.get("expected_win_rate", math.nan), ".1f") + ("" if diffs[2] == "—" else f", {diffs[2]}")
         ranks = " / ".join(_f(r[f"{a}_rank"], "g") for a in ("sim", "human", "gold"))
         lines.append(
             f"| {r['method']} | {r['sim_win_rate']:.1f} [{r['sim_low']:.1f}, {r['sim_high']:.1f}] | "
             f"{r['human_win_rate']:.1f} [{r['human_low']:.1f}, {r['human_high']:.1f}] | {_f(r['mean_gold'], '.3f')} | "
-            f"{diffs[0]} | {diffs[1]} | {ranks} |"
+            f"{diffs[0]} | {diffs[1]} | {expected} | {ranks} |"
         )
     k, n = max(r["replicates"] for r in rows), max(r["n"] for r in rows)
     lines += ["", f"{k} replicate(s) × {n} evaluation prompts; intervals: bootstrap over prompts (and replicates)."]

@@ -110,7 +110,7 @@ def study_task(
     ref = store.get("validation_study", key)
     if ref is None:
         sim_rows, human_rows = _tables(store, sim), _tables(store, human)
-        rows = study_rows(sim_rows, human_rows, n_boot=n_boot)
+        rows = study_rows(sim_rows, human_rows, n_boot=n_boot, sharpness=calibration["sharpness"])
         summary = study_summary(sim_rows, human_rows, rows, calibration, n_boot)
         curve_rows = [store.read_table(c).to_pylist() for c in curves]
         per_seed = [overoptimization_findings(curve_points(store, rows), n_boot) for rows in curve_rows]

@@ -208,6 +208,15 @@ SCHEMAS: dict[str, pa.Schema] = {
             ("sim_rank", _F),
             ("human_rank", _F),
             ("gold_rank", _F),
+            # the human-like arm's expectation (its label noise removed): NaN / '' where not computed
+            ("expected_win_rate", _F),
+            ("expected_low", _F),
+            ("expected_high", _F),
+            ("expected_diff_to_sft", _F),
+            ("expected_diff_low", _F),
+            ("expected_diff_high", _F),
+            ("expected_resolved", _STR),
+            ("expected_rank", _F),
         ]
     ),
     # the validation study's findings (study_summary.parquet beside it): one quantity per row with its 95% interval
