@@ -1,10 +1,13 @@
 """Reliability of the API annotators against the real loopback server: injected faults, a killed process."""
 
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
-from procs import run_and_kill_when
+from procs import python_env, run_and_kill_when
 from test_api_annotators import KEY, judge, make_rows, pool
 
 from farmflow.annotators import annotate
@@ -106,6 +109,39 @@ def test_sigkill_mid_run_re_asks_only_the_requests_in_flight(monkeypatch, tmp_pa
         assert totals["cached"] >= answered - 4  # journaled answers count, not only the chunks written before the kill
     log = open_store(store).read_rows("annotations", "annotations").to_pylist()
     assert len(log) == len({r["key"] for r in log}) == 600
+
+
+KILLED_BETWEEN_APPEND_AND_EMPTY = """
+import os, signal, sys
+sys.path.insert(0, {tests!r})
+import farmflow.annotators.journal as journal
+from test_api_annotators import make_rows, pool, judge
+from farmflow.annotators import annotate
+journal.Journal.committed = lambda self: os.kill(os.getpid(), signal.SIGKILL)  # dies right after a chunk's append
+annotate(make_rows(60, seed=4), pool(judge(base_url={url!r}), max_in_flight=1, chunk_size=25), {store!r})
+"""
+
+
+def test_a_kill_between_a_chunks_append_and_the_journal_emptying_commits_no_row_twice(monkeypatch, tmp_path):
+    """The first chunk is in the log and still in the journal when the process dies: recovery skips those rows,
+    so the log holds each answer once and the rerun asks only the pairs never answered."""
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    store = str(tmp_path / "store")
+    srv = JudgeServer(JudgeConfig())
+    with srv as url:
+        code = KILLED_BETWEEN_APPEND_AND_EMPTY.format(tests=str(ROOT / "tests"), url=url, store=store)
+        done = subprocess.run([sys.executable, "-c", code], env=python_env(), capture_output=True, timeout=120)
+        assert done.returncode == -signal.SIGKILL, done.stderr.decode()[-2000:]
+        assert open_store(store).read_rows("annotations", "annotations").num_rows == 25
+        journals = list((tmp_path / "store" / "_journal" / "annotations").glob("*.jsonl"))
+        assert [len(p.read_text().splitlines()) for p in journals] == [25]  # the same 25 rows, journaled
+
+        asked = srv.state.stats["items_answered"]
+        _, totals = annotate(make_rows(60, seed=4), pool(judge(base_url=url), max_in_flight=1, chunk_size=25), store)
+        assert totals["cached"] == 25 and totals["judged"] == 35 == srv.state.stats["items_answered"] - asked
+    log = open_store(store).read_rows("annotations", "annotations").to_pylist()
+    assert len(log) == len({r["key"] for r in log}) == 60
+    assert not list((tmp_path / "store" / "_journal" / "annotations").glob("*.jsonl"))
 
 
 def test_retry_after_is_honored(monkeypatch, tmp_path):

@@ -169,10 +169,22 @@ def _from_journal(row: dict) -> dict:
 
 
 def recover(store) -> int:
-    """Commit to the row log the journaled rows of runs that died before writing them (see `journal`)."""
+    """Commit to the row log the journaled rows of runs that died before writing them (see `journal`).
 
-    def commit(rows: list[dict]) -> None:
-        store.append_rows(NAMESPACE, to_table([_from_journal(r) for r in rows]), NAMESPACE)
+    A run killed after a chunk reached the log but before its journal was emptied leaves rows that are
+    already committed: a row is recognised by its key and the moment it was answered, and skipped."""
+    committed: set[tuple[str, datetime]] | None = None
+
+    def commit(rows: list[dict]) -> int:
+        nonlocal committed
+        if committed is None:
+            log_ = store.read_rows(NAMESPACE, NAMESPACE).select(["key", "created"]).to_pylist()
+            committed = {(r["key"], r["created"]) for r in log_}
+        new = [r for r in map(_from_journal, rows) if (r["key"], r["created"]) not in committed]
+        if new:
+            store.append_rows(NAMESPACE, to_table(new), NAMESPACE)
+            committed |= {(r["key"], r["created"]) for r in new}
+        return len(new)
 
     return journal.recover(journal_dir(store), commit)
 

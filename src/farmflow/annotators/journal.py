@@ -7,7 +7,9 @@ as it arrives, to a JSON-lines journal on local disk: one file per run, locked (
 while the run lives, emptied whenever a chunk reaches the store and deleted when the run
 ends. The operating system keeps what was written even if the process is SIGKILLed, so the
 next run (`recover`) finds the journal of a dead run unlocked and commits its rows; a
-crash or kill then re-asks only the requests that were in flight.
+crash or kill then re-asks only the requests that were in flight. A kill between a chunk's
+append and the journal's emptying leaves rows in both, so the commit skips rows the store
+already holds.
 
 A journal is local to a machine: a run on another machine against the same S3 store does
 not see it.
@@ -56,8 +58,9 @@ class Journal:
         self.file.close()
 
 
-def recover(folder: Path, commit: Callable[[list[dict]], None]) -> int:
-    """Commit the rows of every journal in `folder` whose run is gone (its lock is free); returns how many."""
+def recover(folder: Path, commit: Callable[[list[dict]], int]) -> int:
+    """Commit the rows of every journal in `folder` whose run is gone (its lock is free); returns how many
+    `commit` reports committed (it may skip rows the store already holds)."""
     if not folder.is_dir():
         return 0
     total = 0
@@ -80,8 +83,7 @@ def recover(folder: Path, commit: Callable[[list[dict]], None]) -> int:
                 except json.JSONDecodeError:  # a line cut short by a crash of the machine itself
                     continue
             if rows:
-                commit(rows)
-                total += len(rows)
+                total += commit(rows)
             path.unlink(missing_ok=True)
     return total
 
