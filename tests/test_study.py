@@ -25,6 +25,7 @@ from farmflow.evaluation.study import (
     overoptimization_findings,
     resolution_rows,
     simulated_agreement,
+    study_markdown,
     study_rows,
     study_summary,
     writers,
@@ -208,6 +209,11 @@ def test_study_rows_score_each_method_under_the_human_like_expectation_too():
     assert found["dpo"]["expected_diff_low"] == pytest.approx(15.0) and found["dpo"]["expected_resolved"] == "better"
     assert (found["dpo"]["expected_rank"], found["sft"]["expected_rank"]) == (1.0, 2.0)
     assert found["sft"]["expected_resolved"] == ""  # the baseline itself
+    # study.md: the expectation's win rate and difference beside the arms', its rank among the others
+    lines = study_markdown(list(found.values()), []).splitlines()
+    dpo = next(line for line in lines if line.startswith("| dpo |"))
+    # ranks: both arms' win rates tie (100 and 100, 0 and 0); the expectation and gold put dpo first
+    assert dpo.endswith("| 90.0, +15.0 [+15.0, +15.0] better | 1.5 / 1.5 / 1 / 1 |")
     # without the sharpness the columns are there, empty
     plain = {r["method"]: r for r in study_rows(sim, human, n_boot=200)}
     assert math.isnan(plain["dpo"]["expected_win_rate"]) and plain["dpo"]["expected_resolved"] == ""

@@ -594,7 +594,7 @@ def study_markdown(
     lines += [
         "",
         "| method | simulated (p_sim^eval) [95% CI] | human-like [95% CI] | mean gold | Δ vs SFT, simulated | "
-        "Δ vs SFT, human-like | human-like expected: win rate, Δ vs SFT | ranks sim / human / gold |",
+        "Δ vs SFT, human-like | human-like expected: win rate, Δ vs SFT | ranks sim / human / expected / gold |",
         "|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
@@ -606,7 +606,7 @@ def study_markdown(
             for a in ("sim", "human", "expected")
         ]
         expected = _f(r.get("expected_win_rate", math.nan), ".1f") + ("" if diffs[2] == "—" else f", {diffs[2]}")
-        ranks = " / ".join(_f(r[f"{a}_rank"], "g") for a in ("sim", "human", "gold"))
+        ranks = " / ".join(_f(r.get(f"{a}_rank", math.nan), "g") for a in ("sim", "human", "expected", "gold"))
         lines.append(
             f"| {r['method']} | {r['sim_win_rate']:.1f} [{r['sim_low']:.1f}, {r['sim_high']:.1f}] | "
             f"{r['human_win_rate']:.1f} [{r['human_low']:.1f}, {r['human_high']:.1f}] | {_f(r['mean_gold'], '.3f')} | "
