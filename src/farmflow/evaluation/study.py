@@ -600,13 +600,13 @@ def study_markdown(
     for r in rows:
         diffs = [
             "—"
-            if not r.get(f"{a}_resolved")
+            if not r[f"{a}_resolved"]
             else f"{r[f'{a}_diff_to_sft']:+.1f} [{r[f'{a}_diff_low']:+.1f}, {r[f'{a}_diff_high']:+.1f}] "
             f"{r[f'{a}_resolved']}"
             for a in ("sim", "human", "expected")
         ]
-        expected = _f(r.get("expected_win_rate", math.nan), ".1f") + ("" if diffs[2] == "—" else f", {diffs[2]}")
-        ranks = " / ".join(_f(r.get(f"{a}_rank", math.nan), "g") for a in ("sim", "human", "expected", "gold"))
+        expected = _f(r["expected_win_rate"], ".1f") + ("" if diffs[2] == "—" else f", {diffs[2]}")
+        ranks = " / ".join(_f(r[f"{a}_rank"], "g") for a in ("sim", "human", "expected", "gold"))
         lines.append(
             f"| {r['method']} | {r['sim_win_rate']:.1f} [{r['sim_low']:.1f}, {r['sim_high']:.1f}] | "
             f"{r['human_win_rate']:.1f} [{r['human_low']:.1f}, {r['human_high']:.1f}] | {_f(r['mean_gold'], '.3f')} | "
