@@ -11,6 +11,7 @@ import pytest
 from prefect_server import all_artifacts
 
 from farmflow import tasks
+from farmflow.evaluation.bootstrap import N_BOOT
 from farmflow.evaluation.study import (
     agreement,
     calibrate_sharpness,
@@ -20,6 +21,7 @@ from farmflow.evaluation.study import (
     human_like_annotator,
     is_method,
     is_writer,
+    labelled_arm_agreement,
     majority,
     over_seeds,
     overoptimization_findings,
@@ -153,6 +155,15 @@ def test_study_summary_compares_both_arms_with_gold():
     # the arm's labels reverse gold here, but what it would converge to with many labels per pair follows gold (q
     # grows with Δ = 0.1, 0.2, 0.4), so against its expectation the simulator ranks exactly alike
     assert found["Spearman (sim, human-like expected)"]["value"] == pytest.approx(1.0)
+    # the yardstick: the arm's expectation against arms drawn from it (the 20 labels per method are that draw's size)
+    from farmflow.evaluation.study import expected_judgements
+
+    q = expected_judgements(human, sharpness)
+    same = [np.zeros((1, 20), dtype=bool)] * 3
+    yardstick = labelled_arm_agreement([q[m] for m in gold], same, n_draws=N_BOOT)
+    assert found["Spearman (human-like expected, human-like draws)"]["value"] == yardstick["spearman"]
+    assert found["Pearson (human-like expected, human-like draws)"]["high"] == yardstick["pearson_high"]
+    assert 0.5 < yardstick["spearman"] < 1.0  # q 0.75, 0.9, 0.99 on 20 pairs: mostly, not always, in gold's order
     assert found["human-like agreement (a judgement vs the mode of three others)"]["value"] == 0.7
     # output_2 is 0.1–0.4 of gold better on every pair: the human-like mode prefers it with m(Δ), so a label for
     # output_2 agrees with it with m and one for output_1 with 1 − m
@@ -185,6 +196,29 @@ def test_the_expected_human_like_score_of_a_pair_is_q_of_its_gold_difference():
     # the labels play no part: rows without any and rows all for output_2 give the same expectation
     labelled = {m: [[r | {"preference": 2.0} for r in runs[0]]] for m, runs in human.items()}
     assert expected_judgements(labelled, sharpness)["dpo"].tolist() == found["dpo"].tolist()
+
+
+def test_a_labelled_arm_drawn_from_its_expectation_agrees_with_it_as_computed_by_hand():
+    one = np.zeros((1, 1), dtype=bool)
+    # two systems judged once each, q = 0.6 and 0.4: the draw ranks them alike with 0.6·0.6, reversed with 0.4·0.4,
+    # and ties them (no ranking, left out) otherwise, so Spearman averages (0.36 − 0.16) / 0.52
+    c = labelled_arm_agreement([np.full((1, 1), 0.6), np.full((1, 1), 0.4)], [one, one], n_draws=40_000)
+    assert c["spearman"] == pytest.approx(0.2 / 0.52, abs=0.02)
+    assert (c["spearman_low"], c["spearman_high"]) == (-1.0, 1.0)
+    # judgements without noise (q 0 or 1) are their expectation: every draw agrees exactly
+    sure = [np.array([[1.0, 1.0, 0.0]]), np.array([[1.0, 0.0, 0.0]]), np.array([[0.0, 0.0, 0.0]])]
+    none = [np.zeros((1, 3), dtype=bool)] * 3
+    c = labelled_arm_agreement(sure, none, n_draws=50)
+    assert (c["spearman"], c["spearman_low"], c["spearman_high"]) == (1.0, 1.0, 1.0)
+    assert c["pearson"] == pytest.approx(1.0)
+    # a pair of identical outputs is a tie (0.5) in every draw, not a coin: between a sure win and a sure loss it
+    # keeps the middle rank (drawn as a coin it would tie one of the two and Spearman would fall to 0.87)
+    middle = labelled_arm_agreement(
+        [np.ones((1, 1)), np.full((1, 1), 0.5), np.zeros((1, 1))], [one, ~one, one], n_draws=50
+    )
+    assert middle["spearman"] == 1.0
+    with pytest.raises(ValueError, match="systems"):
+        labelled_arm_agreement([np.ones((1, 2))], [np.zeros((1, 2), dtype=bool)])
 
 
 def test_study_rows_score_each_method_under_the_human_like_expectation_too():

@@ -16,7 +16,8 @@
   the farm's writers evaluated as systems (`writers`), as the paper's Fig. 3, whose 0.98 spans systems from LLaMA 7B
   to GPT-4, ranks its methods beside API models. Each ranking is compared with the human-like arm's expected win
   rates too (`expected_judgements`: its label noise removed), which tells a shortfall the simulator causes from one
-  the arm's few labels cause.
+  the arm's few labels cause; and `labelled_arm_agreement` says how far those labels let any ranking agree with the
+  arm (its expectation's own agreement with draws of it), the yardstick for Spearman (sim, human-like).
 * **Over-optimization.** A curve (best-of-n over n) is *over-optimized* under a judge when its best point beats its
   highest-pressure point with a paired 95% interval that excludes 0 (`overoptimization_findings`).
 * **How many prompts.** The half-width of the paired difference to SFT shrinks as 1/√n; `bootstrap.eval_size_for`
@@ -37,8 +38,10 @@ from farmflow.evaluation.bootstrap import (
     bootstrap_mean,
     eval_size_for,
     paired_bootstrap,
+    pearson,
     rankdata,
     ranking_agreement,
+    spearman,
 )
 from farmflow.evaluation.human import preference_rates
 from farmflow.evaluation.leaderboard import method_family
@@ -163,6 +166,58 @@ def expected_judgements(evaluations: dict[str, Sequence[Sequence[dict]]], sharpn
         for m, runs in evaluations.items()
     }
     return aligned(expected, HUMAN_EXPECTED)[1]
+
+
+def identical_outputs(evaluations: dict[str, Sequence[Sequence[dict]]]) -> dict[str, np.ndarray]:
+    """Every system's (K, n) mask of the pairs that show the same output twice, on the prompts all of them have (the
+    alignment of `expected_judgements`): any judge, the human-like arm included, calls those a tie."""
+    marked = {
+        m: [[r | {"identical": float(r["output_1"] == r["output_2"])} for r in rows] for rows in runs]
+        for m, runs in evaluations.items()
+    }
+    return {m: a.astype(bool) for m, a in aligned(marked, "identical")[1].items()}
+
+
+def labelled_arm_agreement(
+    expected: Sequence[np.ndarray],
+    identical: Sequence[np.ndarray],
+    n_draws: int = N_BOOT,
+    confidence: float = 0.95,
+    seed: int = 0,
+) -> dict[str, float]:
+    """How far a labelled arm's own noise lets any ranking agree with it: Spearman and Pearson between the arm's
+    expected win rates and those of arms drawn from it, mean over `n_draws` draws and the central `confidence` range.
+
+    `expected[i]`, `identical[i]`: system i's (K, n) probabilities q that a judgement prefers its output
+    (`expected_judgements`) and its pairs of identical outputs (`identical_outputs`, scored 0.5 without noise). Each
+    draw labels every other pair once, as the arm does: 1 with probability q, else 0. Why: a simulator that ranked
+    the systems exactly as the arm's expectation does is the best one can hope for, and it still meets one draw of
+    the labelled arm; where the systems lie closer than the arm's labels resolve, that agreement is well below 1, so
+    it is the yardstick for Spearman (sim, human-like), not 1. Draws where either side is constant are left out."""
+    q = np.stack([np.asarray(e, dtype=float) for e in expected])  # (systems, K, n)
+    tie = np.stack([np.asarray(t, dtype=bool) for t in identical])
+    if q.shape != tie.shape or q.ndim != 3 or q.shape[0] < 2:
+        raise ValueError(f"expected and identical must be (systems ≥ 2, K, n) of one shape, got {q.shape}, {tie.shape}")
+    rng = np.random.default_rng(seed)
+    target = q.mean(axis=(1, 2))
+    chunk = max(1, 2_000_000 // q.size)  # draws per batch of random numbers, to bound memory
+    means = []
+    for start in range(0, n_draws, chunk):
+        size = min(chunk, n_draws - start)
+        labels = (rng.random((size, *q.shape)) < q).astype(float)
+        means.append(np.where(tie, 0.5, labels).mean(axis=(2, 3)))  # (size, systems)
+    drawn = np.concatenate(means)
+    out: dict[str, float] = {}
+    for name, fn in (("spearman", spearman), ("pearson", pearson)):
+        values = fn(np.broadcast_to(target, drawn.shape), drawn)
+        values = values[~np.isnan(values)]
+        lo, hi = np.quantile(values, [(1 - confidence) / 2, (1 + confidence) / 2]) if len(values) else (math.nan,) * 2
+        out |= {
+            name: float(values.mean()) if len(values) else math.nan,
+            f"{name}_low": float(lo),
+            f"{name}_high": float(hi),
+        }
+    return out
 
 
 def simulated_agreement(rows: Sequence[dict], sharpness: float, others: int = HUMAN_OTHERS) -> float:
@@ -294,6 +349,14 @@ def _finding(quantity: str, value: float, detail: str, low: float = math.nan, hi
     return {"quantity": quantity, "value": value, "low": low, "high": high, "detail": detail}
 
 
+def _correlations(between: str, c: dict[str, float], detail: str) -> list[dict]:
+    """The Spearman and Pearson findings of `c` (keys spearman, spearman_low, …), named "{Name} {between}"."""
+    return [
+        _finding(f"{name} {between}", c[name.lower()], detail, c[f"{name.lower()}_low"], c[f"{name.lower()}_high"])
+        for name in ("Spearman", "Pearson")
+    ]
+
+
 def _points(quantity: str, d: dict[str, float], detail: str) -> dict:
     """A finding of a `paired_bootstrap` difference of scores in [0, 1], in points (×100)."""
     return _finding(quantity, 100 * d["estimate"], detail, 100 * d["low"], 100 * d["high"])
@@ -308,8 +371,9 @@ def study_summary(
 ) -> list[dict]:
     """``study_summary`` rows but over-optimization's: the human-like arm's calibration and p_sim^eval's agreement with
     its mode, both arms' length and list preferences, Spearman and Pearson between sim, human-like and gold, and between
-    sim and the human-like arm's expectation (`expected_judgements`), over each of `ranked_sets`, and what the
-    evaluation set resolves (`resolution_rows` of `rows`, the `study_rows`).
+    sim and the human-like arm's expectation (`expected_judgements`), the expectation's own agreement with labelled
+    draws of the arm (`labelled_arm_agreement`), over each of `ranked_sets`, and what the evaluation set resolves
+    (`resolution_rows` of `rows`, the `study_rows`).
 
     `sim[system][r]` / `human[system][r]`: replicate r's evaluation rows; `calibration`: {"sharpness", "agreement"}."""
     sharpness = calibration["sharpness"]
@@ -345,23 +409,21 @@ def study_summary(
         "gold": aligned(sim, "gold_2")[1],
         HUMAN_EXPECTED: expected_judgements(human, sharpness),
     }
+    ties = identical_outputs(human)
     for suffix, (ranked, described) in ranked_sets(list(sim)).items():
         # (human-like, gold): how well the human-like arm ranks by quality itself, what (sim, human-like) reaches
         # when the simulator ranks exactly as gold does; (sim, human-like expected): the same comparison without the
         # arm's label noise, so what remains of a shortfall is the simulator's bias, not the arm's resolving power
         for a, b in (("sim", HUMAN), ("sim", "gold"), (HUMAN, "gold"), ("sim", HUMAN_EXPECTED)):
             c = ranking_agreement([scores[a][m] for m in ranked], [scores[b][m] for m in ranked], n_boot)
-            for name in ("Spearman", "Pearson"):
-                key = name.lower()
-                summary.append(
-                    _finding(
-                        f"{name} ({a}, {b}){suffix}",
-                        c[key],
-                        f"{described}; bootstrap over prompts",
-                        c[f"{key}_low"],
-                        c[f"{key}_high"],
-                    )
-                )
+            summary += _correlations(f"({a}, {b}){suffix}", c, f"{described}; bootstrap over prompts")
+        c = labelled_arm_agreement([scores[HUMAN_EXPECTED][m] for m in ranked], [ties[m] for m in ranked], n_boot)
+        summary += _correlations(
+            f"({HUMAN_EXPECTED}, {HUMAN} draws){suffix}",
+            c,
+            f"{described}; what a ranking equal to the arm's expectation reaches against one labelled draw of the "
+            f"arm, the yardstick for (sim, {HUMAN}): mean and central 95% of {n_boot} draws",
+        )
     return summary + resolution_rows(rows)
 
 
