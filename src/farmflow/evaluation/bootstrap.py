@@ -61,7 +61,9 @@ def resampled_means(scores: np.ndarray, reps: np.ndarray, prompts: np.ndarray) -
     return np.take_along_axis(per_prompt, prompts, axis=1).mean(axis=1)
 
 
-def _interval(estimate: float, boot: np.ndarray, confidence: float) -> dict[str, float]:
+def draws_interval(estimate: float, boot: np.ndarray, confidence: float) -> dict[str, float]:
+    """`estimate` with the central `confidence` range of its draws `boot` (widened to hold the estimate): estimate,
+    low, high, se (the draws' standard deviation)."""
     lo, hi = np.quantile(boot, [(1 - confidence) / 2, (1 + confidence) / 2])
     # a constant statistic must give a zero-width interval exactly (quantile interpolation can add rounding)
     lo, hi = (estimate, estimate) if np.ptp(boot) == 0 else (float(lo), float(hi))
@@ -79,7 +81,7 @@ def bootstrap_mean(
     """Mean of `scores` (K, n) with its bootstrap interval: estimate, low, high, se (the bootstrap SE)."""
     a = as_matrix(scores)
     reps, prompts = draws(*a.shape, n_boot=n_boot, seed=seed)
-    return _interval(float(a.mean()), resampled_means(a, reps, prompts), confidence)
+    return draws_interval(float(a.mean()), resampled_means(a, reps, prompts), confidence)
 
 
 def paired_bootstrap(
@@ -99,7 +101,7 @@ def paired_bootstrap(
         raise ValueError(f"paired arms need the same (replicates, prompts) shape, got {a.shape} and {b.shape}")
     d = a - b
     reps, prompts = draws(*d.shape, n_boot=n_boot, seed=seed)
-    out = _interval(float(d.mean()), resampled_means(d, reps, prompts), confidence)
+    out = draws_interval(float(d.mean()), resampled_means(d, reps, prompts), confidence)
     out["excludes_zero"] = float(out["low"] > 0 or out["high"] < 0)
     return out
 
@@ -160,7 +162,7 @@ def ranking_agreement(
         boot = fn(bx, by)
         boot = boot[~np.isnan(boot)]
         point = float(fn(mx, my))
-        iv = _interval(point, boot, confidence) if len(boot) else {"low": math.nan, "high": math.nan}
+        iv = draws_interval(point, boot, confidence) if len(boot) else {"low": math.nan, "high": math.nan}
         out |= {name: point, f"{name}_low": iv["low"], f"{name}_high": iv["high"]}
     return out
 

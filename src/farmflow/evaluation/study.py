@@ -36,6 +36,7 @@ from farmflow.evaluation.analysis import normalize
 from farmflow.evaluation.bootstrap import (
     N_BOOT,
     bootstrap_mean,
+    draws_interval,
     eval_size_for,
     paired_bootstrap,
     pearson,
@@ -190,10 +191,10 @@ def labelled_arm_agreement(
 
     `expected[i]`, `identical[i]`: system i's (K, n) probabilities q that a judgement prefers its output
     (`expected_judgements`) and its pairs of identical outputs (`identical_outputs`, scored 0.5 without noise). Each
-    draw labels every other pair once, as the arm does: 1 with probability q, else 0. Why: a simulator that ranked
-    the systems exactly as the arm's expectation does is the best one can hope for, and it still meets one draw of
-    the labelled arm; where the systems lie closer than the arm's labels resolve, that agreement is well below 1, so
-    it is the yardstick for Spearman (sim, human-like), not 1. Draws where either side is constant are left out."""
+    draw labels every other pair once, as the arm does: 1 with probability q, else 0. Why: even a simulator that
+    ranked the systems exactly as the arm would with unlimited labels meets only one labelled draw of it; where the
+    systems lie closer than the arm's labels resolve, that agreement is well below 1, so it is the yardstick for
+    Spearman (sim, human-like), not 1. Draws where either side is constant are left out."""
     q = np.stack([np.asarray(e, dtype=float) for e in expected])  # (systems, K, n)
     tie = np.stack([np.asarray(t, dtype=bool) for t in identical])
     if q.shape != tie.shape or q.ndim != 3 or q.shape[0] < 2:
@@ -211,12 +212,9 @@ def labelled_arm_agreement(
     for name, fn in (("spearman", spearman), ("pearson", pearson)):
         values = fn(np.broadcast_to(target, drawn.shape), drawn)
         values = values[~np.isnan(values)]
-        lo, hi = np.quantile(values, [(1 - confidence) / 2, (1 + confidence) / 2]) if len(values) else (math.nan,) * 2
-        out |= {
-            name: float(values.mean()) if len(values) else math.nan,
-            f"{name}_low": float(lo),
-            f"{name}_high": float(hi),
-        }
+        none = {"estimate": math.nan, "low": math.nan, "high": math.nan}
+        iv = draws_interval(float(values.mean()), values, confidence) if len(values) else none
+        out |= {name: iv["estimate"], f"{name}_low": iv["low"], f"{name}_high": iv["high"]}
     return out
 
 
