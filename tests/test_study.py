@@ -22,6 +22,7 @@ from farmflow.evaluation.study import (
     is_method,
     is_writer,
     labelled_arm_agreement,
+    labelled_arm_size,
     majority,
     over_seeds,
     overoptimization_findings,
@@ -164,6 +165,11 @@ def test_study_summary_compares_both_arms_with_gold():
     assert found["Spearman (human-like expected, human-like draws)"]["value"] == yardstick["spearman"]
     assert found["Pearson (human-like expected, human-like draws)"]["high"] == yardstick["pearson_high"]
     assert 0.5 < yardstick["spearman"] < 1.0  # q 0.75, 0.9, 0.99 on 20 pairs: mostly, not always, in gold's order
+    size = found["judgements per pair for the yardstick to reach 0.9"]
+    # 20 labels per system already give 0.91 here, so one judgement per pair reaches the goal
+    assert yardstick["spearman"] > 0.9
+    assert size["value"] == labelled_arm_size([q[m] for m in gold], same)["judgements"] == 1
+    assert "1 × 20 labels per system" in size["detail"]
     assert found["human-like agreement (a judgement vs the mode of three others)"]["value"] == 0.7
     # output_2 is 0.1–0.4 of gold better on every pair: the human-like mode prefers it with m(Δ), so a label for
     # output_2 agrees with it with m and one for output_1 with 1 − m
@@ -219,6 +225,35 @@ def test_a_labelled_arm_drawn_from_its_expectation_agrees_with_it_as_computed_by
     assert middle["spearman"] == 1.0
     with pytest.raises(ValueError, match="systems"):
         labelled_arm_agreement([np.ones((1, 2))], [np.zeros((1, 2), dtype=bool)])
+
+
+def test_the_yardstick_grows_with_judgements_per_pair_as_the_binomial_says():
+    # two systems, one pair each, q = 0.6 and 0.4, each pair judged m times: the draw ranks them alike when the
+    # first gets more of its m labels than the second, reversed when fewer, and ties them (left out) otherwise, so
+    # the mean Spearman is (P(X > Y) − P(X < Y)) / (1 − P(X = Y)) with X ~ Bin(m, 0.6), Y ~ Bin(m, 0.4)
+    def exact(m: int) -> float:
+        x = [math.comb(m, k) * 0.6**k * 0.4 ** (m - k) for k in range(m + 1)]
+        y = [math.comb(m, k) * 0.4**k * 0.6 ** (m - k) for k in range(m + 1)]
+        above = sum(x[i] * y[j] for i in range(m + 1) for j in range(i))
+        below = sum(x[i] * y[j] for i in range(m + 1) for j in range(i + 1, m + 1))
+        return (above - below) / (above + below)
+
+    assert (round(exact(1), 4), round(exact(5), 4), round(exact(6), 4)) == (0.3846, 0.5841, 0.6157)
+    one = np.zeros((1, 1), dtype=bool)
+    q = [np.full((1, 1), 0.6), np.full((1, 1), 0.4)]
+    assert labelled_arm_agreement(q, [one, one], 100_000, judgements=6)["spearman"] == pytest.approx(exact(6), abs=0.01)
+    # 0.6 lies between m = 5 and m = 6 (7 Monte Carlo SEs from either at 100,000 draws); 0.7 between 9 and 10
+    found = labelled_arm_size(q, [one, one], goal=0.6, n_draws=100_000)
+    assert found["judgements"] == 6
+    assert found["spearman"] == pytest.approx(exact(6), abs=0.01)
+    assert labelled_arm_size(q, [one, one], goal=0.7, n_draws=100_000)["judgements"] == 10
+    # an arm without noise is at its goal with the labels it has; two systems 0.04 apart are not within 8 labels
+    sure = [np.array([[1.0, 1.0]]), np.array([[1.0, 0.0]])]
+    assert labelled_arm_size(sure, [np.zeros((1, 2), dtype=bool)] * 2)["judgements"] == 1
+    close = labelled_arm_size([np.full((1, 1), 0.52), np.full((1, 1), 0.48)], [one, one], most=8)
+    assert math.isnan(close["judgements"]) and 0 < close["spearman"] < 0.3
+    with pytest.raises(ValueError, match="judgements"):
+        labelled_arm_agreement(q, [one, one], judgements=0)
 
 
 def test_study_rows_score_each_method_under_the_human_like_expectation_too():

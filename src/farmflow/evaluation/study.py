@@ -17,7 +17,8 @@
   to GPT-4, ranks its methods beside API models. Each ranking is compared with the human-like arm's expected win
   rates too (`expected_judgements`: its label noise removed), which tells a shortfall the simulator causes from one
   the arm's few labels cause; and `labelled_arm_agreement` says how far those labels let any ranking agree with the
-  arm (its expectation's own agreement with draws of it), the yardstick for Spearman (sim, human-like).
+  arm (its expectation's own agreement with draws of it), the yardstick for Spearman (sim, human-like);
+  `labelled_arm_size`, how many times the labels it would take for the yardstick to reach the goal of 0.9.
 * **Over-optimization.** A curve (best-of-n over n) is *over-optimized* under a judge when its best point beats its
   highest-pressure point with a paired 95% interval that excludes 0 (`overoptimization_findings`).
 * **How many prompts.** The half-width of the paired difference to SFT shrinks as 1/√n; `bootstrap.eval_size_for`
@@ -185,27 +186,34 @@ def labelled_arm_agreement(
     n_draws: int = N_BOOT,
     confidence: float = 0.95,
     seed: int = 0,
+    judgements: int = 1,
 ) -> dict[str, float]:
     """How far a labelled arm's own noise lets any ranking agree with it: Spearman and Pearson between the arm's
     expected win rates and those of arms drawn from it, mean over `n_draws` draws and the central `confidence` range.
 
     `expected[i]`, `identical[i]`: system i's (K, n) probabilities q that a judgement prefers its output
     (`expected_judgements`) and its pairs of identical outputs (`identical_outputs`, scored 0.5 without noise). Each
-    draw labels every other pair once, as the arm does: 1 with probability q, else 0. Why: even a simulator that
-    ranked the systems exactly as the arm would with unlimited labels meets only one labelled draw of it; where the
-    systems lie closer than the arm's labels resolve, that agreement is well below 1, so it is the yardstick for
-    Spearman (sim, human-like), not 1. Draws where either side is constant are left out."""
+    draw labels every other pair `judgements` times (once, as the arm does; more says what a larger evaluation would
+    reach): the share of the labels that are 1, each 1 with probability q. Why: even a simulator that ranked the
+    systems exactly as the arm would with unlimited labels meets only one labelled draw of it; where the systems lie
+    closer than the arm's labels resolve, that agreement is well below 1, so it is the yardstick for Spearman (sim,
+    human-like), not 1. Draws where either side is constant are left out."""
     q = np.stack([np.asarray(e, dtype=float) for e in expected])  # (systems, K, n)
     tie = np.stack([np.asarray(t, dtype=bool) for t in identical])
     if q.shape != tie.shape or q.ndim != 3 or q.shape[0] < 2:
         raise ValueError(f"expected and identical must be (systems ≥ 2, K, n) of one shape, got {q.shape}, {tie.shape}")
+    if judgements < 1:
+        raise ValueError(f"judgements must be at least 1, got {judgements}")
     rng = np.random.default_rng(seed)
     target = q.mean(axis=(1, 2))
     chunk = max(1, 2_000_000 // q.size)  # draws per batch of random numbers, to bound memory
     means = []
     for start in range(0, n_draws, chunk):
         size = min(chunk, n_draws - start)
-        labels = (rng.random((size, *q.shape)) < q).astype(float)
+        if judgements == 1:  # a Bernoulli draw from uniforms: the single-label yardstick's published stream
+            labels = (rng.random((size, *q.shape)) < q).astype(float)
+        else:
+            labels = rng.binomial(judgements, q, (size, *q.shape)) / judgements
         means.append(np.where(tie, 0.5, labels).mean(axis=(2, 3)))  # (size, systems)
     drawn = np.concatenate(means)
     out: dict[str, float] = {}
@@ -216,6 +224,44 @@ def labelled_arm_agreement(
         iv = draws_interval(float(values.mean()), values, confidence) if len(values) else none
         out |= {name: iv["estimate"], f"{name}_low": iv["low"], f"{name}_high": iv["high"]}
     return out
+
+
+def labelled_arm_size(
+    expected: Sequence[np.ndarray],
+    identical: Sequence[np.ndarray],
+    goal: float = 0.9,
+    n_draws: int = 500,
+    most: int = 4096,
+    seed: int = 0,
+) -> dict[str, float]:
+    """The fewest judgements per pair at which the yardstick (`labelled_arm_agreement`'s mean Spearman) reaches `goal`:
+    a labelled arm with that many times the evaluation's prompts (or seeds) lets a ranking equal to its expectation
+    agree with it at `goal` on average. Returns {"judgements": m, "spearman": the yardstick at m} (m is NaN, and
+    the Spearman the one at `most`, when even `most` does not reach it).
+
+    Why: where the yardstick lies below the goal, no simulator can meet the goal against this arm at this size; this
+    says how much larger the evaluation would have to be. It sizes label noise only: each system's expected win rate
+    stays the one measured here, so prompt-to-prompt and seed-to-seed variation of the systems themselves is not in
+    it. Doubling, then bisection over integers; each trial is one `labelled_arm_agreement` of `n_draws` draws (the
+    mean's Monte Carlo error is about 0.01 at 500)."""
+
+    def yardstick(m: int) -> float:
+        return labelled_arm_agreement(expected, identical, n_draws, seed=seed, judgements=m)["spearman"]
+
+    low, high, at_high = 0, 1, yardstick(1)
+    while not at_high >= goal:
+        if high >= most:
+            return {"judgements": math.nan, "spearman": at_high}
+        low, high = high, min(2 * high, most)
+        at_high = yardstick(high)
+    while high - low > 1:  # yardstick(low) < goal <= yardstick(high)
+        middle = (low + high) // 2
+        at_middle = yardstick(middle)
+        if at_middle >= goal:
+            high, at_high = middle, at_middle
+        else:
+            low = middle
+    return {"judgements": float(high), "spearman": at_high}
 
 
 def simulated_agreement(rows: Sequence[dict], sharpness: float, others: int = HUMAN_OTHERS) -> float:
@@ -366,11 +412,13 @@ def study_summary(
     rows: Sequence[dict],
     calibration: dict,
     n_boot: int = N_BOOT,
+    goal: float = 0.9,
 ) -> list[dict]:
     """``study_summary`` rows but over-optimization's: the human-like arm's calibration and p_sim^eval's agreement with
     its mode, both arms' length and list preferences, Spearman and Pearson between sim, human-like and gold, and between
     sim and the human-like arm's expectation (`expected_judgements`), the expectation's own agreement with labelled
-    draws of the arm (`labelled_arm_agreement`), over each of `ranked_sets`, and what the evaluation set resolves
+    draws of the arm (`labelled_arm_agreement`) and the judgements per pair at which that reaches Spearman `goal`
+    (`labelled_arm_size`), over each of `ranked_sets`, and what the evaluation set resolves
     (`resolution_rows` of `rows`, the `study_rows`).
 
     `sim[system][r]` / `human[system][r]`: replicate r's evaluation rows; `calibration`: {"sharpness", "agreement"}."""
@@ -421,6 +469,17 @@ def study_summary(
             c,
             f"{described}; what a ranking equal to the arm's expectation reaches against one labelled draw of the "
             f"arm, the yardstick for (sim, {HUMAN}): mean and central 95% of {n_boot} draws",
+        )
+        size = labelled_arm_size([scores[HUMAN_EXPECTED][m] for m in ranked], [ties[m] for m in ranked], goal)
+        k, n = scores[HUMAN][ranked[0]].shape
+        summary.append(
+            _finding(
+                f"judgements per pair for the yardstick to reach {goal:g}{suffix}",
+                size["judgements"],
+                f"{described}; {k} × {n} labels per system now; that many times the prompts (or seeds) lets a "
+                f"ranking equal to the arm's expectation reach Spearman {size['spearman']:.2f} against its labels "
+                f"(label noise only: the systems' expected win rates held at this run's)",
+            )
         )
     return summary + resolution_rows(rows)
 

@@ -79,7 +79,7 @@ from farmflow.tasks import evaluate_task, sft_snapshot, write_task
 from farmflow.tasks.analysis import overoptimization_task
 
 STUDY_NS = (1, 2, 4, 8, 16, 64)
-VERSION = "11"  # 11: what a ranking equal to the arm's expectation reaches against the labelled arm
+VERSION = "12"  # 12: the judgements per pair at which the yardstick reaches the goal
 
 
 def _tables(store, refs: list[dict[str, ArtifactRef]]) -> dict[str, list[list[dict]]]:
