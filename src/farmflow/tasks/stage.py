@@ -11,7 +11,8 @@ key, checkpointer), its config, its input `ArtifactRef`s and options, and return
    for that run's commit and returns it (single flight: two runs needing one stage compute it once; a dead holder's
    lease expires);
 4. holding the lease, counts the run (`EXECUTED`), calls the function, commits its result with the config, the
-   inputs and the run's seconds, drops its checkpoints, releases the lease and logs the stage's summary line.
+   inputs and the run's seconds, gives the memory it freed back to the system (`release_memory`), drops its
+   checkpoints, releases the lease and logs the stage's summary line.
 
 Prefect's cache key is the same stage key and the persisted result is the `ArtifactRef` as JSON, so a rerun with the
 same config does not even enter the task. Options (``checkpoints``, ``batch_size``, ``backend``) are not part of the
@@ -24,7 +25,9 @@ stage named in ``execution.gpu_stages`` with ``execution.launcher`` 'process' or
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import gc
 import inspect
 import threading
 import time
@@ -191,9 +194,13 @@ def run_stage(
             return hit
         run = StageRun(store, store_uri, stage.name, key)
         started = time.perf_counter()
-        with training_metrics.recording(stage.name, key, LAUNCH.get(), config):  # the loop's per-step rows (if any)
-            out = fn(run, config, **params)
-            ref = commit(run, out, config, inputs, time.perf_counter() - started)
+        try:
+            with training_metrics.recording(stage.name, key, LAUNCH.get(), config):  # the loop's per-step rows
+                out = fn(run, config, **params)
+                ref = commit(run, out, config, inputs, time.perf_counter() - started)
+            del out
+        finally:
+            release_memory()
     if run.ckpt is not None:
         run.ckpt.clear()
     if stage.summary and ref is not None:  # None: a launched child's other processes, which do not write
@@ -204,6 +211,28 @@ def run_stage(
             stage.summary(metrics) if callable(stage.summary) else stage.summary.format_map(metrics),
         )
     return ref
+
+
+def release_memory() -> None:
+    """Give the memory a finished stage freed back to the system: collect garbage, then trim glibc's heaps.
+
+    Why: a stage loads models of hundreds of MB and drops them when it returns, but glibc keeps freed chunks in its
+    per-thread heaps for reuse, and the next stage, often on another thread (`farmflow.flows.fan_out`), allocates in
+    another heap. A flow of many model stages (the study's replicates with a pretrained reward model) then holds
+    gigabytes it no longer uses. ``malloc_trim(0)`` returns the free pages of every heap; elsewhere than glibc it is
+    not there and only the collection runs."""
+    gc.collect()
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL(None).malloc_trim  # the C library this process already has loaded
+    except (AttributeError, OSError):  # not glibc (macOS, musl without it)
+        return None
 
 
 def commit(
