@@ -74,6 +74,9 @@ def test_replicates_widen_the_interval_when_seeds_disagree():
 
 def test_ranks_and_correlations():
     assert rankdata(np.array([10.0, 30.0, 20.0, 20.0])).tolist() == [1.0, 4.0, 2.5, 2.5]
+    # along the last axis, row by row: all tied, none tied, two tied at the bottom
+    rows = np.array([[1.0, 1.0, 1.0], [3.0, 1.0, 2.0], [2.0, 2.0, 1.0], [5.0, 4.0, 4.0]])
+    assert rankdata(rows).tolist() == [[2.0, 2.0, 2.0], [3.0, 1.0, 2.0], [2.5, 2.5, 1.0], [3.0, 1.5, 1.5]]
     assert spearman(np.array([1.0, 2.0, 3.0]), np.array([10.0, 20.0, 90.0])) == pytest.approx(1.0)
     assert pearson(np.array([1.0, 2.0, 3.0]), np.array([3.0, 2.0, 1.0])) == pytest.approx(-1.0)
     # one swap among 4: d² = 2, Spearman = 1 − 6·2 / (4·15) = 0.8

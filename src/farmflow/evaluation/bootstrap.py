@@ -107,18 +107,23 @@ def paired_bootstrap(
 
 
 def rankdata(x: np.ndarray) -> np.ndarray:
-    """Ranks 1..m along the last axis, ties given their average rank (as scipy.stats.rankdata)."""
+    """Ranks 1..m along the last axis, ties (NaNs among them) given their average rank (as scipy.stats.rankdata)."""
     x = np.asarray(x, dtype=float)
+    m = x.shape[-1]
     order = np.argsort(x, axis=-1, kind="stable")
+    xs = np.take_along_axis(x, order, axis=-1)
+    same = (xs[..., 1:] == xs[..., :-1]) | (np.isnan(xs[..., 1:]) & np.isnan(xs[..., :-1]))  # as the one before
+    at = np.broadcast_to(np.arange(m), xs.shape)
+    first = np.maximum.accumulate(np.where(np.concatenate([np.zeros_like(same[..., :1]), same], -1), 0, at), -1)
+    last = np.flip(
+        np.minimum.accumulate(
+            np.flip(np.where(np.concatenate([same, np.zeros_like(same[..., :1])], -1), m, at), -1), -1
+        ),
+        -1,
+    )
     ranks = np.empty_like(x)
-    np.put_along_axis(ranks, order, np.arange(1, x.shape[-1] + 1, dtype=float) * np.ones_like(x), axis=-1)
-    flat_x, flat_r = x.reshape(-1, x.shape[-1]), ranks.reshape(-1, x.shape[-1])
-    for row_x, row_r in zip(flat_x, flat_r):
-        values, inverse, counts = np.unique(row_x, return_inverse=True, return_counts=True)
-        if len(values) < len(row_x):  # average the ranks of tied values
-            sums = np.bincount(inverse, weights=row_r)
-            row_r[:] = (sums / counts)[inverse]
-    return flat_r.reshape(x.shape)
+    np.put_along_axis(ranks, order, (first + last) / 2 + 1, axis=-1)  # a tie group's ranks first+1 … last+1
+    return ranks
 
 
 def pearson(x: np.ndarray, y: np.ndarray) -> np.ndarray:
