@@ -210,7 +210,7 @@ def labelled_arm_agreement(
     means = []
     for start in range(0, n_draws, chunk):
         size = min(chunk, n_draws - start)
-        if judgements == 1:  # a Bernoulli draw from uniforms: the single-label yardstick's published stream
+        if judgements == 1:  # one label: a Bernoulli draw from uniforms, the stream the yardstick findings come from
             labels = (rng.random((size, *q.shape)) < q).astype(float)
         else:
             labels = rng.binomial(judgements, q, (size, *q.shape)) / judgements

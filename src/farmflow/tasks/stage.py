@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import gc
 import inspect
 import threading
 import time
@@ -214,14 +213,14 @@ def run_stage(
 
 
 def release_memory() -> None:
-    """Give the memory a finished stage freed back to the system: collect garbage, then trim glibc's heaps.
+    """Give the memory a finished stage freed back to the system: trim glibc's heaps (``malloc_trim(0)``, about a
+    millisecond).
 
-    Why: a stage loads models of hundreds of MB and drops them when it returns, but glibc keeps freed chunks in its
-    per-thread heaps for reuse, and the next stage, often on another thread (`farmflow.flows.fan_out`), allocates in
-    another heap. A flow of many model stages (the study's replicates with a pretrained reward model) then holds
-    gigabytes it no longer uses. ``malloc_trim(0)`` returns the free pages of every heap; elsewhere than glibc it is
-    not there and only the collection runs."""
-    gc.collect()
+    Why: a stage loads models of hundreds of MB and drops them when it returns (by reference count: models hold no
+    reference cycles, so a garbage collection frees nothing more), but glibc keeps freed chunks in its per-thread
+    heaps for reuse, and the next stage, often on another thread (`farmflow.flows.fan_out`), allocates in another
+    heap. A flow of many model stages (the study's replicates with a pretrained reward model) then holds gigabytes it
+    no longer uses. Elsewhere than glibc there is nothing to call."""
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
