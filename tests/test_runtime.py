@@ -9,7 +9,7 @@ from test_models import CFG, PROMPTS, RESPONSES, plain_sft
 from farmflow.config import DPOConfig, RewardConfig, SFTConfig
 from farmflow.methods import dpo, reward, sft
 from farmflow.models import build_policy, encode_examples, reward_from_policy, save, train_tokenizer
-from farmflow.models.runtime import Runtime
+from farmflow.models.runtime import Runtime, mixed_precision
 from farmflow.tasks.core import key_config
 
 N = 16  # examples (pairs): 2 optimizer steps of 8
@@ -108,6 +108,42 @@ def test_cpu_runtime_is_the_plain_loop_bit_for_bit_without_autocast(tok):
     plain_sft(plain, tok, cfg, N)
     for (name, p), q in zip(model.named_parameters(), plain.parameters()):
         assert torch.equal(p, q), name
+
+
+def test_mixed_precision_by_weights_dtype_device_and_cpu_flags():
+    native, emulated = {"avx2", "avx512_bf16"}, {"avx2", "fma"}
+    assert mixed_precision(torch.bfloat16, True, set()) == "bf16"
+    assert mixed_precision(torch.float16, True, set()) == "fp16"
+    assert mixed_precision(torch.float32, True, native) == "no"
+    assert mixed_precision(torch.bfloat16, False, native) == "bf16"
+    assert mixed_precision(torch.bfloat16, False, {"amx_bf16"}) == "bf16"
+    assert mixed_precision(torch.bfloat16, False, emulated) == "no"  # emulated bf16 is slower than float32
+    assert mixed_precision(torch.float16, False, native | {"avx512_fp16"}) == "no"  # no loss scaler on a CPU
+    assert mixed_precision(torch.float32, False, native) == "no"
+
+
+@pytest.mark.parametrize("flags", [{"avx2", "avx512_bf16"}, {"avx2", "fma"}])
+def test_bf16_weights_on_a_cpu_train_mixed_only_where_it_is_native(tok, monkeypatch, flags):
+    """With native bfloat16 the CPU trains bf16 weights as a GPU does: autocast over float32 master weights, saved back
+    in bfloat16, the first loss within bfloat16 rounding of the float32 model's. Where bfloat16 is emulated they train
+    as stored."""
+    import farmflow.models.runtime as runtime
+
+    monkeypatch.setattr(runtime, "cpu_flags", lambda: flags)
+    mixed = "avx512_bf16" in flags
+    cfg = SFTConfig(epochs=1, batch_size=8, lr=3e-3, warmup_ratio=0.0)
+    model, reference = _policy(tok).to(torch.bfloat16), _policy(tok)
+    seen = []
+    model.model.layers[0].mlp.down_proj.register_forward_hook(
+        lambda m, i, o: seen.append((torch.is_autocast_enabled("cpu"), m.weight.dtype, o.dtype))
+    )
+    metrics = sft.train_sft(model, tok, PROMPTS[:N], RESPONSES[:N], cfg, 128)
+    first = sft.train_sft(reference, tok, PROMPTS[:N], RESPONSES[:N], cfg, 128)["train_loss_first"]
+    assert seen and set(seen) == {
+        (True, torch.float32, torch.bfloat16) if mixed else (False, torch.bfloat16, torch.bfloat16)
+    }
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}  # saved back in its own dtype
+    assert metrics["train_loss_first"] == pytest.approx(first, rel=2e-2)
 
 
 def test_runtime_on_cpu_splits_nothing_and_needs_no_gpu(tok):

@@ -46,7 +46,7 @@ from farmflow.models.encoding import (
     prompt_ids,
     tokenize_examples,
 )
-from farmflow.models.runtime import FULL_STATE, default_device, is_main_process
+from farmflow.models.runtime import FULL_STATE, cpu_flags, default_device, is_main_process, slow_half_precision
 from farmflow.models.sampling import (
     FEATURES,
     SAMPLER_VERSION,
@@ -137,21 +137,6 @@ def random_llama(
         tie_word_embeddings=tie,
     )
     return LlamaForCausalLM(config)
-
-
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags (Linux /proc/cpuinfo; empty elsewhere)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    return {f for line in text.splitlines() if line.startswith("flags") for f in line.split(":", 1)[1].split()}
-
-
-def slow_half_precision(dtype: str, on_gpu: bool, flags: set[str]) -> bool:
-    """Whether `dtype` weights would run on a CPU that emulates them (much slower than float32)."""
-    native = {"bfloat16": {"avx512_bf16", "amx_bf16"}, "float16": {"avx512_fp16", "amx_fp16"}}.get(dtype)
-    return native is not None and not on_gpu and not (native & flags)
 
 
 def load_pretrained(cfg: ModelConfig) -> tuple[torch.nn.Module, PreTrainedTokenizerFast]:
