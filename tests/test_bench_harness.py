@@ -158,3 +158,14 @@ def test_features_smoke_reads_both_precisions_of_the_same_pairs(tmp_path):
     assert e["contenders"] == ["bfloat16 autocast", "float32"] and e["medians"]["float32"]["rounds"] == 1
     assert r["setup"]["pairs"] == 32 and 0 < r["feature_error_max"] < 0.05 and r["pair_order_agreement"] > 0.9
     assert json.loads((tmp_path / "features.json").read_text())["entries"][0]["unit"] == "outputs/s"
+
+
+def test_mixed_precision_smoke_trains_both_dtypes_on_the_same_pairs(tmp_path):
+    from bench import mixed_precision
+
+    r = mixed_precision.main(["--smoke", "--out", str(tmp_path / "mixed.json")])
+    (e,) = r["entries"]
+    assert e["contenders"] == ["bfloat16 weights", "float32 weights"] and r["setup"]["pairs"] == 32
+    (bf_first, _), (fp_first, _) = r["losses"]["bfloat16 weights"], r["losses"]["float32 weights"]
+    assert bf_first == pytest.approx(fp_first, rel=0.05)  # the same pairs from the same weights
+    assert json.loads((tmp_path / "mixed.json").read_text())["entries"][0]["unit"] == "pairs/s"

@@ -1,0 +1,110 @@
+"""Fine-tuning a pretrained reward model on a CPU: bfloat16 weights (mixed precision) against float32 weights.
+
+What `reward.train_backbone=true` on a pretrained backbone spends its time on: `farmflow.methods.reward.train_reward`,
+forward and backward through every layer for both outputs of each pair. With `model.dtype=bfloat16` on a CPU that has
+native bfloat16 (avx512_bf16 or AMX), `farmflow.models.runtime.Runtime` trains under bfloat16 autocast over float32
+master weights, as on a GPU; with float32 weights it trains as a plain PyTorch loop. Model: SmolLM2-135M-Instruct
+from the model cache (`farmflow models get smollm2-135m-instruct`) with a fresh scalar head, saved once in each dtype;
+pairs: the lookup farm's SFT prompts, each with its demonstration against the next prompt's (preference 1), the
+validation study's reward settings (batch 16, lr 1e-5, no packing). Every round trains a fresh copy on the same pairs
+for one epoch; reported: pairs/s, median and range, the ratio, and both sides' first and last training losses (the
+same batches from the same weights: they should agree to bfloat16 rounding).
+
+``--smoke`` (CI): a tiny random Llama, 32 pairs, one round. Writes bench/results/mixed_precision.json.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench.features import MODEL, lookup_pairs
+from bench.harness import ROOT, arguments, entry, interleave, machine, save, values
+
+OUT = ROOT / "bench" / "results" / "mixed_precision.json"
+
+
+def checkpoints(folder: Path, smoke: bool, prompts: list[str], outputs: list[str]) -> tuple[dict[str, Path], str]:
+    """The same backbone saved in float32 and in bfloat16; the reward model is built from either as the pipeline's
+    reward stage builds it (`farmflow.models.reward_from_policy`)."""
+    from farmflow.config import ModelConfig
+    from farmflow.models import build_policy, load_pretrained, save, train_tokenizer
+
+    if smoke:
+        tok = train_tokenizer(prompts + outputs, 384)
+        model = build_policy(ModelConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64), tok)
+        what = "tiny random Llama (smoke)"
+    else:
+        model, tok = load_pretrained(ModelConfig(pretrained=MODEL, max_seq_len=256))
+        what = MODEL
+    paths = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        paths[str(dtype).removeprefix("torch.")] = path = folder / str(dtype)
+        save(model.to(dtype), tok, path)
+    return paths, what
+
+
+def side(path: Path, pairs: tuple[list[str], list[str], list[str]], losses: dict, name: str):
+    from farmflow.config import RewardConfig
+    from farmflow.methods.reward import train_reward
+    from farmflow.models import load_tokenizer, reward_from_policy
+
+    cfg = RewardConfig(epochs=1, batch_size=16, lr=1e-5, train_backbone=True)
+    tok = load_tokenizer(path)
+    prompts, out_1, out_2 = pairs
+
+    def run() -> dict:
+        model = reward_from_policy(path, seed=0)
+        start = time.perf_counter()
+        metrics = train_reward(model, tok, prompts, out_1, out_2, [1.0] * len(prompts), cfg, 256)
+        seconds = time.perf_counter() - start
+        losses.setdefault(name, [metrics["train_loss_first"], metrics["train_loss_last"]])
+        return {"seconds": seconds, "pairs_per_s": len(prompts) / seconds}
+
+    return run
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = arguments(__doc__, OUT, 5, "a tiny random Llama and 32 pairs: seconds, for CI")
+    parser.add_argument("--pairs", type=int, default=96, help="pairs trained per round (one epoch, batch 16)")
+    args = parser.parse_args(argv)
+    n = 32 if args.smoke else args.pairs
+    prompts, outputs = lookup_pairs(n + 1)
+    pairs = (prompts[:n], outputs[:n], outputs[1 : n + 1])
+    losses: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        paths, what = checkpoints(Path(tmp), args.smoke, prompts, outputs)
+        runs = interleave(
+            {
+                "bfloat16 weights": side(paths["bfloat16"], pairs, losses, "bfloat16 weights"),
+                "float32 weights": side(paths["float32"], pairs, losses, "float32 weights"),
+            },
+            rounds=1 if args.smoke else args.rounds,
+            warmup=0 if args.smoke else 1,
+        )
+    from farmflow.models.runtime import cpu_flags, mixed_precision
+
+    mixed = mixed_precision(torch.bfloat16, torch.cuda.is_available(), cpu_flags())
+    results = {
+        "machine": machine(),
+        "setup": {"model": what, "pairs": n, "batch_size": 16, "bfloat16_precision": mixed},
+        "entries": [
+            entry(
+                f"reward model fine-tuning, {what}, {n} lookup-farm pairs",
+                "pairs/s",
+                {name: values(rs, "pairs_per_s") for name, rs in runs.items()},
+                note=f"bfloat16 weights train with mixed precision {mixed!r}; training loss first/last: "
+                + ", ".join(f"{k} {a:.4f}/{b:.4f}" for k, (a, b) in losses.items()),
+            )
+        ],
+        "runs": runs,
+        "losses": losses,
+    }
+    return save(results, args.out)
+
+
+if __name__ == "__main__":
+    main()
