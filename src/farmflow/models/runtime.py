@@ -7,7 +7,7 @@ One `Runtime` per training loop wraps an `accelerate.Accelerator`:
 * **mixed precision** from the weights' dtype (`ModelConfig.dtype`): on a GPU, bf16/fp16
   weights train with bf16/fp16 autocast and float32 master copies of the trained parameters,
   and are saved back in their own dtype. On a CPU with native bfloat16 (avx512_bf16 or AMX),
-  bf16 weights do the same (SmolLM2-135M's forward and backward: 2.2x float32's on a 2-core
+  bf16 weights do the same (SmolLM2-135M's reward model trains 2.4x as fast as in float32 on a 2-core
   EPYC); otherwise nothing changes: no autocast, the model trains in the dtype it has (float32
   for the synthetic farm), exactly as without a runtime;
 * **data parallelism and gradient accumulation**: every process builds the same global batch
