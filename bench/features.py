@@ -37,21 +37,28 @@ def lookup_pairs(n: int) -> tuple[list[str], list[str]]:
     return [p for p, _ in pairs], [o for _, o in pairs]
 
 
-def reward_model(folder: Path, smoke: bool, prompts: list[str], outputs: list[str]):
-    """A reward model (fresh head) on SmolLM2-135M-Instruct, or on a tiny random Llama for `smoke`, saved to and loaded
-    from `folder` as the pipeline's reward stage does (`farmflow.models.reward_from_policy`)."""
+def backbone(smoke: bool, prompts: list[str], outputs: list[str]):
+    """SmolLM2-135M-Instruct as the validation study loads it (float32, a pad token of its own), or for `smoke` a tiny
+    random Llama with a tokenizer trained on the texts: (model, tokenizer, what it is)."""
     from farmflow.config import ModelConfig
-    from farmflow.models import build_policy, load_pretrained, reward_from_policy, save, train_tokenizer
+    from farmflow.models import build_policy, load_pretrained, train_tokenizer
 
     if smoke:
         tok = train_tokenizer(prompts + outputs, 384)
         model = build_policy(ModelConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64), tok)
-        what = "tiny random Llama (smoke)"
-    else:
-        model, tok = load_pretrained(ModelConfig(pretrained=MODEL, max_seq_len=256))
-        what = f"{MODEL} (fp32 weights)"
+        return model, tok, "tiny random Llama (smoke)"
+    model, tok = load_pretrained(ModelConfig(pretrained=MODEL, max_seq_len=256))
+    return model, tok, MODEL
+
+
+def reward_model(folder: Path, smoke: bool, prompts: list[str], outputs: list[str]):
+    """A reward model (fresh head) on `backbone`, saved to and loaded from `folder` as the pipeline's reward stage does
+    (`farmflow.models.reward_from_policy`)."""
+    from farmflow.models import reward_from_policy, save
+
+    model, tok, what = backbone(smoke, prompts, outputs)
     save(model, tok, folder)
-    return reward_from_policy(folder, seed=0).eval(), tok, what
+    return reward_from_policy(folder, seed=0).eval(), tok, what if smoke else f"{what} (fp32 weights)"
 
 
 def side(model, tok, p_ids, o_ids, dtype: str, got: dict):

@@ -21,25 +21,18 @@ from pathlib import Path
 
 import torch
 
-from bench.features import MODEL, lookup_pairs
+from bench.features import backbone, lookup_pairs
 from bench.harness import ROOT, arguments, entry, interleave, machine, save, values
 
 OUT = ROOT / "bench" / "results" / "mixed_precision.json"
 
 
 def checkpoints(folder: Path, smoke: bool, prompts: list[str], outputs: list[str]) -> tuple[dict[str, Path], str]:
-    """The same backbone saved in float32 and in bfloat16; the reward model is built from either as the pipeline's
-    reward stage builds it (`farmflow.models.reward_from_policy`)."""
-    from farmflow.config import ModelConfig
-    from farmflow.models import build_policy, load_pretrained, save, train_tokenizer
+    """The same backbone (`bench.features.backbone`) saved in float32 and in bfloat16; the reward model is built from
+    either as the pipeline's reward stage builds it (`farmflow.models.reward_from_policy`)."""
+    from farmflow.models import save
 
-    if smoke:
-        tok = train_tokenizer(prompts + outputs, 384)
-        model = build_policy(ModelConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64), tok)
-        what = "tiny random Llama (smoke)"
-    else:
-        model, tok = load_pretrained(ModelConfig(pretrained=MODEL, max_seq_len=256))
-        what = MODEL
+    model, tok, what = backbone(smoke, prompts, outputs)
     paths = {}
     for dtype in (torch.float32, torch.bfloat16):
         paths[str(dtype).removeprefix("torch.")] = path = folder / str(dtype)
