@@ -44,6 +44,7 @@ A loop reads like this (see `farmflow.methods.sft`)::
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 from typing import Any
@@ -123,31 +124,32 @@ def all_gather_objects(obj: Any) -> list[Any]:
     return out
 
 
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags (Linux /proc/cpuinfo; empty elsewhere)."""
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (Linux /proc/cpuinfo, read once per process; empty elsewhere)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return set()
-    return {f for line in text.splitlines() if line.startswith("flags") for f in line.split(":", 1)[1].split()}
+        return frozenset()
+    return frozenset(f for line in text.splitlines() if line.startswith("flags") for f in line.split(":", 1)[1].split())
 
 
-def slow_half_precision(dtype: str, on_gpu: bool, flags: set[str]) -> bool:
+def slow_half_precision(dtype: str, on_gpu: bool, flags: set[str] | frozenset[str]) -> bool:
     """Whether `dtype` weights would run on a CPU that emulates them (much slower than float32)."""
     native = {"bfloat16": {"avx512_bf16", "amx_bf16"}, "float16": {"avx512_fp16", "amx_fp16"}}.get(dtype)
     return native is not None and not on_gpu and not (native & flags)
 
 
-def mixed_precision(dtype: torch.dtype, on_gpu: bool, flags: set[str]) -> str:
+def mixed_precision(dtype: torch.dtype, on_gpu: bool, flags: set[str] | frozenset[str]) -> str:
     """Accelerate's mixed precision for weights of `dtype`: bf16/fp16 autocast over float32 master weights on a GPU,
     bf16 on a CPU that computes it natively (`flags`: `cpu_flags`), else "no" (train as stored).
 
     fp16 never mixes on a CPU (no loss scaler there), nor bf16 on one that emulates it (slower than float32).
     """
     name = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "no")
-    if not on_gpu and (name == "fp16" or slow_half_precision("bfloat16", False, flags)):
-        return "no"
-    return name
+    if on_gpu:
+        return name
+    return "bf16" if name == "bf16" and not slow_half_precision("bfloat16", False, flags) else "no"
 
 
 class Runtime:
