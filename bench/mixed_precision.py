@@ -1,16 +1,20 @@
-"""Fine-tuning a pretrained reward model on a CPU: bfloat16 weights (mixed precision) against float32 weights.
+"""Fine-tuning a pretrained reward model on a CPU: bfloat16 weights (mixed precision) against float32 weights, and
+the top blocks only (`reward.train_layers`) against every block.
 
 What `reward.train_backbone=true` on a pretrained backbone spends its time on: `farmflow.methods.reward.train_reward`,
 forward and backward through every layer for both outputs of each pair. With `model.dtype=bfloat16` on a CPU that has
 native bfloat16 (avx512_bf16 or AMX), `farmflow.models.runtime.Runtime` trains under bfloat16 autocast over float32
-master weights, as on a GPU; with float32 weights it trains as a plain PyTorch loop. Model: SmolLM2-135M-Instruct
+master weights, as on a GPU; with float32 weights it trains as a plain PyTorch loop. With ``reward.train_layers=k``
+(``--top``, default 4 of SmolLM2's 30 blocks) each step still reads every block forward, but the backward pass stops at
+the lowest of the top k and the frozen blocks stay in bfloat16. Model: SmolLM2-135M-Instruct
 from the model cache (`farmflow models get smollm2-135m-instruct`) with a fresh scalar head, saved once in each dtype;
 pairs: the lookup farm's SFT prompts, each with its demonstration against the next prompt's (preference 1), the
 validation study's reward settings (batch 16, lr 1e-5, no packing). Every round trains a fresh copy on the same pairs
-for one epoch; reported: pairs/s, median and range, the ratio, and both sides' first and last training losses (the
+for one epoch; reported: pairs/s, median and range, the ratios, and each side's first and last training losses (the
 same batches from the same weights: they should agree to bfloat16 rounding).
 
-``--smoke`` (CI): a tiny random Llama, 32 pairs, one round. Writes bench/results/mixed_precision.json.
+``--smoke`` (CI): a tiny random Llama (its one block as the top), 32 pairs, one round. Writes
+bench/results/mixed_precision.json.
 """
 
 from __future__ import annotations
@@ -40,12 +44,12 @@ def checkpoints(folder: Path, smoke: bool, prompts: list[str], outputs: list[str
     return paths, what
 
 
-def side(path: Path, pairs: tuple[list[str], list[str], list[str]], losses: dict, name: str):
+def side(path: Path, pairs: tuple[list[str], list[str], list[str]], losses: dict, name: str, top: int | None = None):
     from farmflow.config import RewardConfig
     from farmflow.methods.reward import train_reward
     from farmflow.models import load_tokenizer, reward_from_policy
 
-    cfg = RewardConfig(epochs=1, batch_size=16, lr=1e-5, train_backbone=True)
+    cfg = RewardConfig(epochs=1, batch_size=16, lr=1e-5, train_backbone=True, train_layers=top)
     tok = load_tokenizer(path)
     prompts, out_1, out_2 = pairs
 
@@ -63,8 +67,11 @@ def side(path: Path, pairs: tuple[list[str], list[str], list[str]], losses: dict
 def main(argv: list[str] | None = None) -> dict:
     parser = arguments(__doc__, OUT, 5, "a tiny random Llama and 32 pairs: seconds, for CI")
     parser.add_argument("--pairs", type=int, default=96, help="pairs trained per round (one epoch, batch 16)")
+    parser.add_argument("--top", type=int, default=4, help="top blocks the third contender trains")
     args = parser.parse_args(argv)
     n = 32 if args.smoke else args.pairs
+    top = 1 if args.smoke else args.top
+    partial = f"bfloat16 weights, train_layers={top}"
     prompts, outputs = lookup_pairs(n + 1)
     pairs = (prompts[:n], outputs[:n], outputs[1 : n + 1])
     losses: dict = {}
@@ -74,6 +81,7 @@ def main(argv: list[str] | None = None) -> dict:
             {
                 "bfloat16 weights": side(paths["bfloat16"], pairs, losses, "bfloat16 weights"),
                 "float32 weights": side(paths["float32"], pairs, losses, "float32 weights"),
+                partial: side(paths["bfloat16"], pairs, losses, partial, top),
             },
             rounds=1 if args.smoke else args.rounds,
             warmup=0 if args.smoke else 1,
@@ -83,15 +91,22 @@ def main(argv: list[str] | None = None) -> dict:
     mixed = mixed_precision(torch.bfloat16, torch.cuda.is_available(), cpu_flags())
     results = {
         "machine": machine(),
-        "setup": {"model": what, "pairs": n, "batch_size": 16, "bfloat16_precision": mixed},
+        "setup": {"model": what, "pairs": n, "batch_size": 16, "bfloat16_precision": mixed, "train_layers": top},
         "entries": [
             entry(
                 f"reward model fine-tuning, {what}, {n} lookup-farm pairs",
                 "pairs/s",
                 {name: values(rs, "pairs_per_s") for name, rs in runs.items()},
                 note=f"bfloat16 weights train with mixed precision {mixed!r}; training loss first/last: "
-                + ", ".join(f"{k} {a:.4f}/{b:.4f}" for k, (a, b) in losses.items()),
-            )
+                + ", ".join(f"{k} {a:.4f}/{b:.4f}" for k, (a, b) in losses.items() if k != partial),
+            ),
+            entry(
+                f"reward model fine-tuning, {what}, {n} lookup-farm pairs: reward.train_layers={top} vs every block",
+                "pairs/s",
+                {name: values(runs[name], "pairs_per_s") for name in (partial, "bfloat16 weights")},
+                note="training loss first/last: "
+                + ", ".join(f"{k} {a:.4f}/{b:.4f}" for k, (a, b) in losses.items() if k != "float32 weights"),
+            ),
         ],
         "runs": runs,
         "losses": losses,

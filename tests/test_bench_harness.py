@@ -164,8 +164,11 @@ def test_mixed_precision_smoke_trains_both_dtypes_on_the_same_pairs(tmp_path):
     from bench import mixed_precision
 
     r = mixed_precision.main(["--smoke", "--out", str(tmp_path / "mixed.json")])
-    (e,) = r["entries"]
+    e, top = r["entries"]
     assert e["contenders"] == ["bfloat16 weights", "float32 weights"] and r["setup"]["pairs"] == 32
+    assert top["contenders"] == ["bfloat16 weights, train_layers=1", "bfloat16 weights"]
     (bf_first, _), (fp_first, _) = r["losses"]["bfloat16 weights"], r["losses"]["float32 weights"]
     assert bf_first == pytest.approx(fp_first, rel=0.05)  # the same pairs from the same weights
+    # the tiny model's one block is its top: the same model trained, the same losses up to rounding
+    assert r["losses"]["bfloat16 weights, train_layers=1"] == pytest.approx(r["losses"]["bfloat16 weights"], rel=0.05)
     assert json.loads((tmp_path / "mixed.json").read_text())["entries"][0]["unit"] == "pairs/s"

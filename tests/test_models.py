@@ -910,6 +910,42 @@ def test_a_frozen_backbone_trains_only_the_head_on_features_read_once(tok, rewar
         assert torch.equal(trained[name], p) is (not name.startswith("score")), name  # the head moved, nothing else
 
 
+def test_train_layers_trains_the_top_blocks_and_stops_the_backward_pass_below_them(tok, tmp_path):
+    from farmflow.config import RewardConfig
+    from farmflow.methods import reward
+
+    save(build_policy(CFG.model_copy(update={"num_layers": 2}), tok), tok, tmp_path / "two")
+    cfg = RewardConfig(epochs=1, batch_size=4, lr=1e-2, warmup_ratio=0.0, seed=0, train_layers=1)
+    args = (tok, PROMPTS[:8], RESPONSES[:8], RESPONSES[8:16], [1.0, 2.0] * 4)
+    fresh, top, whole = (reward_from_policy(tmp_path / "two", seed=0) for _ in range(3))
+    below = {"top": [], "whole": []}  # backward passes through the lower block
+    for name, model in (("top", top), ("whole", whole)):
+        model.base_model.layers[0].register_full_backward_hook(lambda *_, name=name: below[name].append(1))
+    m_top = reward.train_reward(top, *args, cfg, 96)
+    m_whole = reward.train_reward(whole, *args, cfg.model_copy(update={"train_layers": None}), 96)
+    assert below == {"top": [], "whole": [1, 1]} and m_top["steps"] == 2.0
+    assert m_top["train_loss_first"] == m_whole["train_loss_first"]  # the same model and batch before any step
+    assert m_top["train_loss_last"] != m_whole["train_loss_last"]
+    trained = dict(top.named_parameters())
+    for name, p in fresh.named_parameters():
+        moves = name.startswith(("score", "model.layers.1.", "model.norm"))
+        assert torch.equal(trained[name], p) is (not moves), name  # the top block, the final norm and the head moved
+    too_many = cfg.model_copy(update={"train_layers": 3})
+    with pytest.raises(ValueError, match=r"^reward.train_layers=3: the backbone has 2 transformer blocks$"):
+        reward.train_reward(reward_from_policy(tmp_path / "two", seed=0), *args, too_many, 96)
+
+
+def test_train_layers_needs_a_trained_backbone():
+    from pydantic import ValidationError
+
+    from farmflow.config import RewardConfig
+
+    with pytest.raises(ValidationError, match="train_layers needs train_backbone=True"):
+        RewardConfig(train_layers=2, train_backbone=False)
+    with pytest.raises(ValidationError, match="greater than or equal to 1"):
+        RewardConfig(train_layers=0)
+
+
 class ScriptedMeasure:
     """A held-out measurement that returns scripted accuracies in call order and keeps the weights it was shown."""
 

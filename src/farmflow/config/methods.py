@@ -168,6 +168,16 @@ class RewardConfig(Section):
         "already separate; many cheap epochs and a higher lr, ~1e-3, suit it). One process; no checkpoints (a "
         "restart recomputes the features).",
     )
+    train_layers: int | None = Field(
+        None,
+        ge=1,
+        json_schema_extra={"stage_key": "unless_default"},
+        description="With train_backbone=True, train only the backbone's top this many transformer blocks (and its "
+        "final norm) with the head; the embeddings and lower blocks stay as initialized. Each step still reads every "
+        "block forward, but the backward pass stops at the lowest trained block and the optimizer holds state for the "
+        "trained blocks only (SmolLM2-135M, top 4 of 30 blocks: BENCHMARKS.md). None: every block (AlpacaFarm). "
+        "Between a frozen backbone's linear probe and full fine-tuning; one process or DDP (not FSDP/DeepSpeed).",
+    )
     feature_dtype: Literal["float32", "bfloat16"] = Field(
         "float32",
         json_schema_extra={"stage_key": "unless_default"},
@@ -189,6 +199,10 @@ class RewardConfig(Section):
     def _selection_needs_measurements(self) -> "RewardConfig":
         if self.select == "best_val" and self.eval_every == 0:
             raise ValueError("select='best_val' needs eval_every > 0 (the steps between val measurements)")
+        if self.train_layers is not None and not self.train_backbone:
+            raise ValueError(
+                "train_layers needs train_backbone=True: it is how many of the backbone's top blocks train"
+            )
         if self.feature_dtype != "float32" and self.train_backbone:
             raise ValueError(
                 f"feature_dtype={self.feature_dtype!r} needs train_backbone=False: it is the precision a frozen "

@@ -22,6 +22,9 @@ another model on the same backbone read in this process (the study's two reward 
 ``feature_dtype="bfloat16"`` reads them under bfloat16 autocast (SmolLM2-135M: 2.7x faster on a 2-core CPU with native
 bfloat16) while the head stays float32; the model records it, so it scores later as it trained.
 
+``train_layers=k`` sits between the two: the top k transformer blocks train with the head, the rest stay as
+initialized (`farmflow.models.train_top_layers`), so each step's backward pass stops at the lowest trained block.
+
 Every ``eval_every`` steps the loop can measure the model on held-out pairs (AlpacaFarm's script
 measures every 10 steps and keeps the final model); with ``select="best_val"`` it keeps the weights
 of the measurement with the highest held-out accuracy instead, for a reward model that starts to
@@ -48,6 +51,7 @@ from farmflow.models import (
     reward_features,
     slow_half_precision,
     tokenize_examples,
+    train_top_layers,
 )
 from farmflow.models.checkpoint import Checkpointer
 from farmflow.models.runtime import Runtime
@@ -133,6 +137,10 @@ def train_reward(
             raise ValueError("reward.train_backbone=False trains the head in one process: launch it without workers")
         model.base_model.requires_grad_(False)  # before the optimizer, which takes the trainable parameters only
         checkpointer = None  # the head trains in seconds; the features are the cost, and a restart recomputes them
+    elif cfg.train_layers is not None:
+        if rt.sharded:
+            raise ValueError("reward.train_layers trains part of the backbone: launch it in one process or with DDP")
+        train_top_layers(model, cfg.train_layers, "reward.train_layers")  # before the optimizer, as above
     opt, sched = optimizer_and_schedule(model, cfg.lr, cfg.weight_decay, total, cfg.warmup_ratio)
     model, opt = rt.prepare(model, opt)
     ckpt = rt.checkpointer(checkpointer or Checkpointer(None, "reward", "", 0))

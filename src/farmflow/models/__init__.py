@@ -309,6 +309,31 @@ def batch_order(n: int, batch_size: int, steps: int, seed: int) -> list[list[int
     return batches
 
 
+def train_top_layers(model: torch.nn.Module, top: int, field: str = "train_layers") -> None:
+    """Freeze `model`'s backbone except its top `top` transformer blocks and its final norm (in place).
+
+    The embeddings and the lower blocks stop requiring gradients, so autograd's backward pass stops at the lowest
+    trained block: a step costs a forward pass through every block and a backward pass through `top` of them, and the
+    optimizer (`optimizer_and_schedule`) holds state for the trained parameters only. Heads outside the backbone (a
+    reward model's `score`) keep training. `field` names the setting in the error raised when the model has no list
+    of blocks or fewer than `top` of them.
+    """
+    base = model.base_model
+    blocks = getattr(base, "layers", None)
+    if blocks is None:
+        blocks = getattr(base, "h", None)  # GPT-2 style
+    if not isinstance(blocks, torch.nn.ModuleList):
+        raise ValueError(f"{field}={top}: {type(base).__name__} has no list of transformer blocks to train the top of")
+    if top > len(blocks):
+        raise ValueError(f"{field}={top}: the backbone has {len(blocks)} transformer blocks")
+    base.requires_grad_(False)
+    for block in blocks[len(blocks) - top :]:
+        block.requires_grad_(True)
+    for name in ("norm", "ln_f"):  # the final norm reads the top block's output
+        if isinstance(getattr(base, name, None), torch.nn.Module):
+            getattr(base, name).requires_grad_(True)
+
+
 def optimizer_and_schedule(
     model: torch.nn.Module,
     lr: float,
@@ -366,6 +391,7 @@ __all__ = [
     "score",
     "tokenize_examples",
     "train_tokenizer",
+    "train_top_layers",
     "value_from_policy",
     "value_from_reward",
 ]
