@@ -11,8 +11,8 @@ from the model cache (`farmflow models get smollm2-135m-instruct`) with a fresh 
 pairs: the lookup farm's SFT prompts, each with its demonstration against the next prompt's (preference 1), the
 validation study's reward settings (batch 16, lr 1e-5, no packing). Every round trains a fresh copy on the same pairs
 for one epoch; reported: pairs/s, median and range, the ratios, and each side's first and last training losses (the
-first is the same batch on the same weights, so the two dtypes agree to bfloat16 rounding; later ones drift apart, as
-Adam's first steps move each weight by about lr times the sign of its gradient, which rounding flips where it is small).
+first is the same batch on the same weights, so the two dtypes agree to bfloat16 rounding; later ones are taken after
+updates that the rounding has already moved apart, so they need not agree).
 
 ``--smoke`` (CI): a tiny random Llama (its one block as the top), 32 pairs, one round. Writes
 bench/results/mixed_precision.json.
