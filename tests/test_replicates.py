@@ -46,6 +46,19 @@ def test_replicate_r_shifts_every_seed_but_the_data_splits():
         replicate_config(cfg, -1)
 
 
+def test_one_seed_for_every_stage_is_a_replicate_of_a_preset_whose_seeds_are_0():
+    from farmflow.config import PRESETS
+    from farmflow.flows.form import with_seed
+
+    # the study's --seed 1000·r (the run form's seed knob) therefore reads and writes replicate r's cache entries
+    for name in PRESETS:
+        cfg = load_config(name)
+        assert with_seed(cfg, 3 * SEED_STEP) == replicate_config(cfg, 3), name
+    moved = load_config("synthetic-micro", ["reward.seed=5"])
+    assert with_seed(moved, SEED_STEP) != replicate_config(moved, 1)  # 1000, not 1005: only the zero seeds line up
+    assert with_seed(moved, SEED_STEP).data == moved.data
+
+
 def _nan_free(rows):
     return [{k: (None if v != v else v) for k, v in r.items()} for r in rows]
 

@@ -722,6 +722,14 @@ def test_curves_under_more_seeds_reuse_the_first_and_pool_each_finding(micro_con
     tasks.EXECUTED.clear()
     study_flow(**study, curve_replicates=2)
     assert tasks.EXECUTED == {}
+    # the study of one seed under replicate 1's seeds (`study validate --seed 1000`) draws that replicate's curves
+    # from the cache: a seed studied alone pools with the others later, and the other way round
+    from farmflow.flows.form import with_seed
+    from farmflow.flows.replicates import SEED_STEP
+
+    alone = study_flow(**(study | {"advanced": with_seed(micro_config, SEED_STEP)}))
+    assert alone["artifacts"]["overoptimization"] == two["artifacts"]["overoptimization@1"]
+    assert not {"sft", "annotate", "train_reward"} & set(tasks.EXECUTED)
 
 
 @pytest.mark.usefixtures("prefect_harness")

@@ -50,6 +50,12 @@ def validate(
         help="Draw the over-optimization curves under this many replicates' seeds and pool each finding, and each "
         "curve point by point, over them.",
     ),
+    seed: Optional[int] = typer.Option(
+        None,
+        "--seed",
+        help="One seed for every stage but the data splits, as the run form's seed knob (replicate r of a preset whose "
+        "seeds are 0 is seed 1000·r, so its stages come from, and go to, the same cache entries).",
+    ),
     set_: list[str] = typer.Option([], "--set", help="Override a field (section.field=value)."),
     store: Optional[str] = typer.Option(None, help=STORE_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
@@ -61,6 +67,10 @@ def validate(
     if not 0.5 < agreement < 1:
         raise UsageError(f"--agreement must lie between 0.5 (coin flips) and 1, got {agreement}")
     cfg = load(preset, set_, store)
+    if seed is not None:
+        from farmflow.flows.form import with_seed  # the flows package loads Prefect: only when a seed is set
+
+        cfg = with_seed(cfg, seed)
     if any(not 0 <= e < cfg.sft.epochs for e in sft_epochs):
         raise UsageError(f"--sft-epochs must lie between 0 and the preset's sft.epochs ({cfg.sft.epochs:g})")
     if cfg.data.source != "synthetic":
