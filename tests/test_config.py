@@ -191,6 +191,8 @@ def test_unknown_field_inside_a_list_item():
         (["pairs.top_p=0"], "'pairs.top_p'"),
         (["data.families=[]"], "'data.families'"),
         (["model.vocab_size=100"], "'model.vocab_size'"),
+        (["sft.seed=-1"], "'sft.seed'"),  # numpy's generators refuse negative seeds: refused here, not mid-run
+        (["evaluation.annotator.seed=-3"], "'evaluation.annotator.seed'"),
     ],
 )
 def test_invalid_value_names_the_field(overrides, field):
@@ -373,6 +375,7 @@ def test_config_diff_shows_an_annotator_preset_as_one_row_and_presets_one_line_e
         (["demo", "--preset", "nope"], "unknown preset"),
         (["overopt", "--n", "4", "--n", "0"], "Invalid value for '--n'"),
         (["study", "validate", "--n", "0"], "Invalid value for '--n'"),
+        (["study", "validate", "--seed", "-1"], "Invalid value for '--seed'"),
         (["study", "validate", "--set", "reward.backbone.model.hidden_size=64"], "'reward.backbone' is not set"),
         (["judge-server", "--port", "99999"], "Invalid value for '--port'"),
         (["overopt", "--labeller", "bogus"], "--labeller: unknown annotator(s) ['bogus']; known: p_sim^ann, greedy"),

@@ -53,6 +53,7 @@ def validate(
     seed: Optional[int] = typer.Option(
         None,
         "--seed",
+        min=0,
         help="One seed for every stage but the data splits, as the run form's seed knob (replicate r of a preset whose "
         "seeds are 0 is seed 1000·r, so its stages come from, and go to, the same cache entries).",
     ),

@@ -230,7 +230,7 @@ class AnnotatorConfig(Section):
         "(paper's p_sim^ann: 0.5, i.e. 25% of labels flipped and half the API cost; p_sim^eval: 0).",
     )
     seed: int = Field(
-        0, description="Seed for annotator assignment, output order, label noise and (oracle) judgement noise."
+        0, ge=0, description="Seed for annotator assignment, output order, label noise and (oracle) judgement noise."
     )
     base_url: str | None = Field(
         None,

@@ -56,7 +56,7 @@ class DataConfig(Section):
         description="Filled in on validation: SHA-256 of each local data file that exists, so an edited file is a new "
         "data stage key (kept as given where the file is not on this machine).",
     )
-    seed: int = Field(0, description="Seed for task generation and split assignment.")
+    seed: int = Field(0, ge=0, description="Seed for task generation and split assignment.")
     families: list[str] = Field(
         default_factory=lambda: ["arithmetic", "sort", "reverse", "list_items", "max_number", "categorize"],
         min_length=1,

@@ -25,7 +25,7 @@ class SFTConfig(Section):
         0.03, ge=0, lt=1, description="Fraction of steps with linear warmup; cosine decay after (paper: 0.03)."
     )
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay (paper: 0).")
-    seed: int = Field(0, description="Seed for data order.")
+    seed: int = Field(0, ge=0, description="Seed for data order.")
     micro_batch_size: int | None = Field(
         None,
         ge=1,
@@ -75,7 +75,7 @@ class SampleConfig(Section):
         description="Prompts per generation batch (memory and speed only: each sample has its own random stream, so "
         "the samples do not depend on it; not part of the stage key).",
     )
-    seed: int = Field(0, description="Seed of the sampling generator.")
+    seed: int = Field(0, ge=0, description="Seed of the sampling generator.")
     backend: Literal["hf", "vllm"] = Field(
         "hf",
         json_schema_extra={"stage_key": False},
@@ -125,7 +125,7 @@ class RewardConfig(Section):
         0.03, ge=0, lt=1, description="Fraction of steps with linear warmup; cosine decay after (AlpacaFarm: 0.03)."
     )
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay (AlpacaFarm: 0).")
-    seed: int = Field(0, description="Seed for data order and the fresh scalar head.")
+    seed: int = Field(0, ge=0, description="Seed for data order and the fresh scalar head.")
     micro_batch_size: int | None = Field(
         None,
         ge=1,
@@ -220,7 +220,7 @@ class BestOfNConfig(Section):
     )
     temperature: float = Field(1.0, gt=0, description="Sampling temperature of the candidates (paper: 1.0).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold for candidates.")
-    seed: int = Field(0, description="Seed of the candidate sampler.")
+    seed: int = Field(0, ge=0, description="Seed of the candidate sampler.")
 
 
 class RewardConditioningConfig(Section):
@@ -266,7 +266,7 @@ class DPOConfig(Section):
         0.03, ge=0, lt=1, description="Fraction of steps with linear warmup; cosine decay after (AlpacaFarm: 0.03)."
     )
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay (AlpacaFarm: 0).")
-    seed: int = Field(0, description="Seed for data order.")
+    seed: int = Field(0, ge=0, description="Seed for data order.")
     micro_batch_size: int | None = Field(
         None,
         ge=1,
@@ -305,7 +305,7 @@ class ExpertIterationConfig(Section):
         description="Fine-tuning from the SFT initialization on the selected outputs (AlpacaFarm expiter.sh: 3 epochs, "
         "lr 2e-5, batch 128).",
     )
-    seed: int = Field(0, description="Seed of the candidate sampler.")
+    seed: int = Field(0, ge=0, description="Seed of the candidate sampler.")
 
 
 class PPOConfig(Section):
@@ -418,7 +418,7 @@ class PPOConfig(Section):
         "over-optimization curves (0: off). Not part of PPO's key: a committed PPO run without these snapshots is "
         "trained again with the same seed to add them, and the over-optimization flow's PPO is the comparison's.",
     )
-    seed: int = Field(0, description="Seed for prompt order, rollout sampling and minibatch order.")
+    seed: int = Field(0, ge=0, description="Seed for prompt order, rollout sampling and minibatch order.")
 
 
 class QuarkConfig(Section):
@@ -491,4 +491,4 @@ class QuarkConfig(Section):
         description="Score given to responses that never emit EOS, so they rank last (the value PPO uses; "
         "alpaca_farm's Quark applies none: None).",
     )
-    seed: int = Field(0, description="Seed for prompt order, rollout sampling and minibatch order.")
+    seed: int = Field(0, ge=0, description="Seed for prompt order, rollout sampling and minibatch order.")

@@ -71,7 +71,7 @@ class ModelConfig(Section):
     vocab_size: int = Field(
         1024, ge=300, le=MAX_WIDTH, description="Size of the byte-level BPE vocabulary trained on the farm's text."
     )
-    seed: int = Field(0, description="Seed for weight initialization.")
+    seed: int = Field(0, ge=0, description="Seed for weight initialization.")
     lora: LoraConfig | None = Field(
         None,
         description="Train policies through LoRA adapters (SFT, FeedME, reward conditioning, expert iteration, DPO, "
