@@ -4,10 +4,13 @@ the top blocks only (`reward.train_layers`) against every block.
 What `reward.train_backbone=true` on a pretrained backbone spends its time on: `farmflow.methods.reward.train_reward`,
 forward and backward through every layer for both outputs of each pair. With `model.dtype=bfloat16` on a CPU that has
 native bfloat16 (avx512_bf16 or AMX), `farmflow.models.runtime.Runtime` trains under bfloat16 autocast over float32
-master weights, as on a GPU; with float32 weights it trains as a plain PyTorch loop. With ``reward.train_layers=k``
-(``--top``, default 4 of SmolLM2's 30 blocks) each step still reads every block forward, but the backward pass stops at
-the lowest of the top k and the frozen blocks stay in bfloat16. Model: SmolLM2-135M-Instruct
-from the model cache (`farmflow models get smollm2-135m-instruct`) with a fresh scalar head, saved once in each dtype;
+master weights, as on a GPU; on a CPU that emulates bfloat16 (AVX2 only) it upcasts the bfloat16 weights and trains in
+float32, so there both sides should run at float32's speed (bench/results/mixed_precision_avx2.json: this bench with
+``--pairs 32 --rounds 3 --out`` that file, on such a CPU); with float32 weights it trains as a plain PyTorch loop.
+With ``reward.train_layers=k`` (``--top``, default 4 of SmolLM2's 30 blocks) each step still reads every block
+forward, but the backward pass stops at the lowest of the top k and the frozen blocks stay in bfloat16 (under mixed
+precision). Model: SmolLM2-135M-Instruct from the model cache (`farmflow models get smollm2-135m-instruct`) with a
+fresh scalar head, saved once in each dtype;
 pairs: the lookup farm's SFT prompts, each with its demonstration against the next prompt's (preference 1), the
 validation study's reward settings (batch 16, lr 1e-5, no packing). Every round trains a fresh copy on the same pairs
 for one epoch; reported: pairs/s, median and range, the ratios, and each side's first and last training losses (the

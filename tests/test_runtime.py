@@ -126,7 +126,7 @@ def test_mixed_precision_by_weights_dtype_device_and_cpu_flags():
 def test_bf16_weights_on_a_cpu_train_mixed_only_where_it_is_native(tok, monkeypatch, flags):
     """With native bfloat16 the CPU trains bf16 weights as a GPU does: autocast over float32 master weights, saved back
     in bfloat16, the first loss within bfloat16 rounding of the float32 model's. Where bfloat16 is emulated they train
-    as stored."""
+    in float32 (no autocast), saved back in bfloat16."""
     import farmflow.models.runtime as runtime
 
     monkeypatch.setattr(runtime, "cpu_flags", lambda: flags)
@@ -140,10 +140,31 @@ def test_bf16_weights_on_a_cpu_train_mixed_only_where_it_is_native(tok, monkeypa
     metrics = sft.train_sft(model, tok, PROMPTS[:N], RESPONSES[:N], cfg, 128)
     first = sft.train_sft(reference, tok, PROMPTS[:N], RESPONSES[:N], cfg, 128)["train_loss_first"]
     assert seen and set(seen) == {
-        (True, torch.float32, torch.bfloat16) if mixed else (False, torch.bfloat16, torch.bfloat16)
+        (True, torch.float32, torch.bfloat16) if mixed else (False, torch.float32, torch.float32)
     }
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}  # saved back in its own dtype
     assert metrics["train_loss_first"] == pytest.approx(first, rel=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_weights_a_cpu_cannot_mix_train_as_their_float32_copy_would(tok, monkeypatch, dtype):
+    """Where the CPU emulates bfloat16 (and for float16 on any CPU) half-precision weights train as float32 master
+    weights: the result is exactly the float32 copy of the stored weights trained, then rounded back once. Trained as
+    stored, most updates of a small learning rate round away (bfloat16 keeps 8 bits: a weight of 0.05 moves in steps
+    of 2.4e-4): here 15% of the bfloat16 weights would move, against 36% rounded back from float32."""
+    import farmflow.models.runtime as runtime
+
+    monkeypatch.setattr(runtime, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    cfg = SFTConfig(epochs=2, batch_size=4, lr=1e-5, warmup_ratio=0.0)
+    model = _policy(tok).to(dtype)
+    start = [p.detach().clone() for p in model.parameters()]
+    copy32 = _policy(tok).to(dtype).float()  # the same stored weights, as float32
+    sft.train_sft(model, tok, PROMPTS[:N], RESPONSES[:N], cfg, 128)
+    sft.train_sft(copy32, tok, PROMPTS[:N], RESPONSES[:N], cfg, 128)
+    for (name, p), q in zip(model.named_parameters(), copy32.parameters()):
+        assert p.dtype == dtype and torch.equal(p, q.to(dtype)), name
+    moved = sum(int((p != s).sum()) for p, s in zip(model.parameters(), start))
+    assert moved > 0.25 * sum(p.numel() for p in model.parameters())
 
 
 def test_runtime_on_cpu_splits_nothing_and_needs_no_gpu(tok):

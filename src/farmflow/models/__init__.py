@@ -154,8 +154,8 @@ def load_pretrained(cfg: ModelConfig) -> tuple[torch.nn.Module, PreTrainedTokeni
     local = Path(source).is_dir()
     if slow_half_precision(cfg.dtype, torch.cuda.is_available(), cpu_flags()):
         log(
-            "model.dtype %s on a CPU without native bfloat16/float16 (no avx512_bf16, amx, avx512_fp16): training and "
-            "sampling run several times slower than float32; set model.dtype=float32",
+            "model.dtype %s on a CPU without native bfloat16/float16 (no avx512_bf16, amx, avx512_fp16): training "
+            "computes in float32, but sampling and scoring run many times slower than float32; set model.dtype=float32",
             cfg.dtype,
         )
     revision = None if local else cfg.revision

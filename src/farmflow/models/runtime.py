@@ -8,8 +8,10 @@ One `Runtime` per training loop wraps an `accelerate.Accelerator`:
   weights train with bf16/fp16 autocast and float32 master copies of the trained parameters,
   and are saved back in their own dtype. On a CPU with native bfloat16 (avx512_bf16 or AMX),
   bf16 weights do the same (SmolLM2-135M's reward model trains 2.4x as fast as in float32 on a 2-core
-  EPYC); otherwise nothing changes: no autocast, the model trains in the dtype it has (float32
-  for the synthetic farm), exactly as without a runtime;
+  EPYC). Half-precision weights the CPU cannot mix (fp16, no loss scaler there; bf16 where it is
+  emulated, far slower than float32) train in float32, every parameter upcast, and are saved back in their
+  dtype: float32 is the fast path there, and updates of a small learning rate are not rounded
+  away as in pure half precision. Float32 weights: no autocast, exactly as without a runtime;
 * **data parallelism and gradient accumulation**: every process builds the same global batch
   (`farmflow.models.batch_order` is a pure function of the step), takes its contiguous share
   and splits it into micro-batches (`micro_batches`). Each micro-batch's loss is weighted by
@@ -179,7 +181,10 @@ class Runtime:
         self.share = batch_size // self.processes
         self.micro = min(micro_batch_size or self.share, self.share)
         self.accumulation = math.ceil(self.share / self.micro)
-        self.precision = mixed_precision(self.dtype, state.device.type == "cuda", cpu_flags())
+        on_gpu = state.device.type == "cuda"
+        self.precision = mixed_precision(self.dtype, on_gpu, cpu_flags())
+        # half-precision weights a CPU cannot mix: computed and updated in float32, saved back in their dtype
+        self.upcast = not on_gpu and self.precision == "no" and self.dtype in (torch.bfloat16, torch.float16)
         acc = AcceleratorState._shared_state
         if acc and acc.get("_mixed_precision") not in (None, self.precision) and self.processes == 1:
             AcceleratorState._reset_state()  # one process, a stage with another dtype: a fresh state, not an error
@@ -227,7 +232,7 @@ class Runtime:
 
     def prepare(self, model: torch.nn.Module, *rest: Any) -> tuple:
         """Place the model (and other modules, optimizers) with the accelerator; float32 master weights under mixed
-        precision.
+        precision, every weight in float32 where half precision is upcast.
 
         `model` is the one that `farmflow.models.save` will save (the policy).
         """
@@ -235,7 +240,7 @@ class Runtime:
             self.original = self.unwrap(model)
         for m in (model, *rest):
             if isinstance(m, torch.nn.Module):
-                m.to(self.device)
+                m.to(self.device, torch.float32) if self.upcast else m.to(self.device)
                 for p in m.parameters() if self.precision != "no" else ():
                     if p.requires_grad and p.dtype != torch.float32:
                         p.data = p.data.float()
@@ -328,5 +333,5 @@ class Runtime:
             if self.dtype != torch.float32:
                 state = {k: (v.to(self.dtype) if v.is_floating_point() else v) for k, v in state.items()}
             self.original.__dict__[FULL_STATE] = state if self.is_main else None
-        elif self.precision != "no":
+        elif self.precision != "no" or self.upcast:
             self.original.to(self.dtype)
