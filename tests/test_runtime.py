@@ -167,6 +167,46 @@ def test_half_weights_a_cpu_cannot_mix_train_as_their_float32_copy_would(tok, mo
     assert moved > 0.25 * sum(p.numel() for p in model.parameters())
 
 
+@pytest.mark.parametrize("native", [False, True])
+def test_loaded_half_weights_compute_in_float32_where_emulated_and_save_back_in_their_dtype(
+    tok, monkeypatch, tmp_path, native
+):
+    """A bfloat16 checkpoint loaded on a CPU that emulates bfloat16 computes in float32 (sampling, scoring, training)
+    and a stage that trains it saves it back in bfloat16, the same weights as its float32 copy trained and rounded.
+    With native bfloat16 it loads as stored."""
+    import json
+
+    import farmflow.models.runtime as runtime
+    from farmflow.models import load_policy, load_reward
+    from farmflow.models.runtime import STORED_DTYPE
+
+    monkeypatch.setattr(runtime, "cpu_flags", lambda: frozenset({"avx2", "avx512_bf16"} if native else {"avx2"}))
+    save(_policy(tok).to(torch.bfloat16), tok, tmp_path / "policy")
+    model, _ = load_policy(tmp_path / "policy")
+    assert next(model.parameters()).dtype == (torch.bfloat16 if native else torch.float32)
+    assert model.__dict__.get(STORED_DTYPE) == (None if native else torch.bfloat16)
+    scorer = reward_from_policy(tmp_path / "policy")
+    save(scorer, tok, tmp_path / "reward")
+    assert {p.dtype for p in load_reward(tmp_path / "reward")[0].parameters()} == (
+        {torch.bfloat16} if native else {torch.float32}
+    )
+    if native:
+        return
+    monkeypatch.setattr(runtime, "cpu_flags", lambda: frozenset({"avx512_bf16"}))  # loads as stored
+    copy32 = load_policy(tmp_path / "policy")[0].float()
+    monkeypatch.setattr(runtime, "cpu_flags", lambda: frozenset({"avx2"}))
+    cfg = SFTConfig(epochs=1, batch_size=8, lr=1e-4, warmup_ratio=0.0)
+    sft.train_sft(model, tok, PROMPTS[:N], RESPONSES[:N], cfg, 128)
+    sft.train_sft(copy32, tok, PROMPTS[:N], RESPONSES[:N], cfg, 128)
+    assert STORED_DTYPE not in model.__dict__
+    save(model, tok, tmp_path / "trained")
+    assert json.loads((tmp_path / "trained" / "config.json").read_text())["dtype"] == "bfloat16"
+    monkeypatch.setattr(runtime, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
+    trained, _ = load_policy(tmp_path / "trained")
+    for (name, p), q in zip(trained.named_parameters(), copy32.parameters()):
+        assert p.dtype == torch.bfloat16 and torch.equal(p, q.to(torch.bfloat16)), name
+
+
 def test_runtime_on_cpu_splits_nothing_and_needs_no_gpu(tok):
     rt = Runtime(_policy(tok), batch_size=10, micro_batch_size=4, name="t")
     assert (rt.device.type, rt.precision, rt.processes, rt.accumulation) == ("cpu", "no", 1, 3)

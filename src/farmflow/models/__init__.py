@@ -46,7 +46,14 @@ from farmflow.models.encoding import (
     prompt_ids,
     tokenize_examples,
 )
-from farmflow.models.runtime import FULL_STATE, cpu_flags, default_device, is_main_process, slow_half_precision
+from farmflow.models.runtime import (
+    FULL_STATE,
+    cpu_flags,
+    default_device,
+    for_compute,
+    is_main_process,
+    slow_half_precision,
+)
 from farmflow.models.sampling import (
     FEATURES,
     SAMPLER_VERSION,
@@ -154,8 +161,8 @@ def load_pretrained(cfg: ModelConfig) -> tuple[torch.nn.Module, PreTrainedTokeni
     local = Path(source).is_dir()
     if slow_half_precision(cfg.dtype, torch.cuda.is_available(), cpu_flags()):
         log(
-            "model.dtype %s on a CPU without native bfloat16/float16 (no avx512_bf16, amx, avx512_fp16): training "
-            "computes in float32, but sampling and scoring run many times slower than float32; set model.dtype=float32",
+            "model.dtype %s on a CPU without native bfloat16/float16 (no avx512_bf16, amx, avx512_fp16): stored in "
+            "it, computed in float32 here",
             cfg.dtype,
         )
     revision = None if local else cfg.revision
@@ -202,7 +209,7 @@ def _from_pretrained(cls, path: str | Path, **kwargs: Any):
     (recorded as farmflow_attn_implementation: Hugging Face's config.json does not keep it)."""
     config = Path(path) / "config.json"
     attn = json.loads(config.read_text()).get("farmflow_attn_implementation") if config.is_file() else None
-    return cls.from_pretrained(str(path), **({"attn_implementation": attn} if attn else {}), **kwargs)
+    return for_compute(cls.from_pretrained(str(path), **({"attn_implementation": attn} if attn else {}), **kwargs))
 
 
 def load_policy(path: str | Path) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]:

@@ -11,7 +11,9 @@ One `Runtime` per training loop wraps an `accelerate.Accelerator`:
   EPYC). Half-precision weights the CPU cannot mix (fp16, no loss scaler there; bf16 where it is
   emulated, far slower than float32) train in float32, every parameter upcast, and are saved back in their
   dtype: float32 is the fast path there, and updates of a small learning rate are not rounded
-  away as in pure half precision. Float32 weights: no autocast, exactly as without a runtime;
+  away as in pure half precision. The loaders upcast such weights already (`for_compute`), so
+  sampling and scoring compute in float32 there too. Float32 weights: no autocast, exactly as
+  without a runtime;
 * **data parallelism and gradient accumulation**: every process builds the same global batch
   (`farmflow.models.batch_order` is a pure function of the step), takes its contiguous share
   and splits it into micro-batches (`micro_batches`). Each micro-batch's loss is weighted by
@@ -56,6 +58,9 @@ import torch
 FULL_STATE = "farmflow_full_state"
 """Attribute of a model trained under FSDP/DeepSpeed: its gathered full state dict (rank 0), for
 `farmflow.models.save`."""
+STORED_DTYPE = "farmflow_stored_dtype"
+"""Attribute of a loaded model that computes in float32 where its half-precision weights would be emulated
+(`for_compute`): the dtype it is stored in, which training saves it back in."""
 
 
 def process_state():
@@ -142,6 +147,24 @@ def slow_half_precision(dtype: str, on_gpu: bool, flags: set[str] | frozenset[st
     return native is not None and not on_gpu and not (native & flags)
 
 
+def for_compute(model: torch.nn.Module) -> torch.nn.Module:
+    """`model`, in place, as it computes fastest here: half-precision weights this machine would emulate (bfloat16
+    without avx512_bf16/AMX, float16 without avx512_fp16/AMX; never on a GPU) upcast to float32, their stored dtype
+    kept on the model (`STORED_DTYPE`) for `Runtime` to save them back in. Float32 is several times faster than
+    emulated half precision, and its scores differ from the stored weights' only by half-precision rounding."""
+    dtype = next(model.parameters()).dtype
+    name = str(dtype).removeprefix("torch.")
+    if slow_half_precision(name, default_device().type == "cuda", cpu_flags()):
+        model.to(torch.float32)
+        model.__dict__[STORED_DTYPE] = dtype
+    return model
+
+
+def stored_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype `model`'s weights are stored (and saved) in: their own, or the one `for_compute` upcast from."""
+    return model.__dict__.get(STORED_DTYPE) or next(model.parameters()).dtype
+
+
 def mixed_precision(dtype: torch.dtype, on_gpu: bool, flags: set[str] | frozenset[str]) -> str:
     """Accelerate's mixed precision for weights of `dtype`: bf16/fp16 autocast over float32 master weights on a GPU,
     bf16 on a CPU that computes it natively (`flags`: `cpu_flags`), else "no" (train as stored).
@@ -169,7 +192,7 @@ class Runtime:
         from accelerate.state import AcceleratorState
 
         self.name = name
-        self.dtype = next(model.parameters()).dtype  # the stored dtype (model.dtype); saved back in it
+        self.dtype = stored_dtype(model)  # saved back in it
         state = process_state()
         self.processes, self.rank = state.num_processes, state.process_index
         if batch_size % self.processes:
@@ -335,3 +358,4 @@ class Runtime:
             self.original.__dict__[FULL_STATE] = state if self.is_main else None
         elif self.precision != "no" or self.upcast:
             self.original.to(self.dtype)
+            self.original.__dict__.pop(STORED_DTYPE, None)  # back in its stored dtype
