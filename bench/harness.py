@@ -109,6 +109,15 @@ def save(results: dict[str, Any], out: Path) -> dict[str, Any]:
     return results
 
 
+def native_bf16() -> bool:
+    """Whether this machine computes bfloat16 natively: a GPU, or a CPU with avx512_bf16/AMX."""
+    import torch
+
+    from farmflow.models.runtime import cpu_flags, slow_half_precision
+
+    return not slow_half_precision("bfloat16", torch.cuda.is_available(), cpu_flags())
+
+
 def machine() -> dict[str, Any]:
     """The machine, versions and date a result was measured on."""
     import torch
@@ -123,6 +132,7 @@ def machine() -> dict[str, Any]:
     return {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "cpus": os.cpu_count(),
+        "native_bf16": native_bf16(),  # bfloat16 results differ by kind on a CPU (farmflow.models.runtime)
         "platform": platform.platform(),
         "python": platform.python_version(),
         "torch": torch.__version__,

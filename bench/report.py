@@ -51,8 +51,9 @@ def render(results: Path = RESULTS) -> str:
         data = json.loads(path.read_text())
         m = data.get("machine", {})
         load = m.get("load_average")
+        bf16 = {True: ", native bf16", False: ", bf16 emulated"}.get(m.get("native_bf16"), "")
         when = (
-            f"{m.get('cpus', '?')} CPUs{', ' + m['gpu'] if m.get('gpu') else ''}"
+            f"{m.get('cpus', '?')} CPUs{', ' + m['gpu'] if m.get('gpu') else ''}{bf16}"
             f"{f', load {load[0]:.0f}' if load else ''}, {str(m.get('date', ''))[:10]}"
         )
         if not data.get("entries"):

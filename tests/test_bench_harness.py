@@ -61,6 +61,8 @@ def test_sampling_smoke_writes_entries_and_report_renders_them(tmp_path):
     md = report.render(tmp_path / "results")
     table = [line for line in md.splitlines() if line.startswith("| sampling |")]
     assert len(table) == 3 and f"**{data['entries'][0]['ratio']:.2f}×**" in table[0] and "≥ 1.5×" in table[0]
+    native = data["machine"]["native_bf16"]
+    assert ("native bf16" in table[0], "bf16 emulated" in table[0]) == (native, not native)
     assert "`bench/results/legacy.json`" in md
 
 
