@@ -162,7 +162,7 @@ def load_pretrained(cfg: ModelConfig) -> tuple[torch.nn.Module, PreTrainedTokeni
     if slow_half_precision(cfg.dtype, torch.cuda.is_available(), cpu_flags()):
         log(
             "model.dtype %s on a CPU without native bfloat16/float16 (no avx512_bf16, amx, avx512_fp16): stored in "
-            "it, computed in float32 here",
+            "it, later stages compute in float32 here",
             cfg.dtype,
         )
     revision = None if local else cfg.revision

@@ -150,8 +150,8 @@ def slow_half_precision(dtype: str, on_gpu: bool, flags: set[str] | frozenset[st
 def for_compute(model: torch.nn.Module) -> torch.nn.Module:
     """`model`, in place, as it computes fastest here: half-precision weights this machine would emulate (bfloat16
     without avx512_bf16/AMX, float16 without avx512_fp16/AMX; never on a GPU) upcast to float32, their stored dtype
-    kept on the model (`STORED_DTYPE`) for `Runtime` to save them back in. Float32 is several times faster than
-    emulated half precision, and its scores differ from the stored weights' only by half-precision rounding."""
+    kept on the model (`STORED_DTYPE`) for `Runtime` to save them back in. Float32 is far faster than emulated half
+    precision, and its scores differ from the stored weights' only by half-precision rounding."""
     dtype = next(model.parameters()).dtype
     name = str(dtype).removeprefix("torch.")
     if slow_half_precision(name, default_device().type == "cuda", cpu_flags()):
@@ -167,7 +167,8 @@ def stored_dtype(model: torch.nn.Module) -> torch.dtype:
 
 def mixed_precision(dtype: torch.dtype, on_gpu: bool, flags: set[str] | frozenset[str]) -> str:
     """Accelerate's mixed precision for weights of `dtype`: bf16/fp16 autocast over float32 master weights on a GPU,
-    bf16 on a CPU that computes it natively (`flags`: `cpu_flags`), else "no" (train as stored).
+    bf16 on a CPU that computes it natively (`flags`: `cpu_flags`), else "no" (no autocast; `Runtime` upcasts
+    half-precision weights that cannot mix).
 
     fp16 never mixes on a CPU (no loss scaler there), nor bf16 on one that emulates it (slower than float32).
     """
@@ -263,7 +264,10 @@ class Runtime:
             self.original = self.unwrap(model)
         for m in (model, *rest):
             if isinstance(m, torch.nn.Module):
-                m.to(self.device, torch.float32) if self.upcast else m.to(self.device)
+                if self.upcast:
+                    m.to(self.device, torch.float32)
+                else:
+                    m.to(self.device)
                 for p in m.parameters() if self.precision != "no" else ():
                     if p.requires_grad and p.dtype != torch.float32:
                         p.data = p.data.float()
