@@ -207,6 +207,45 @@ def test_loaded_half_weights_compute_in_float32_where_emulated_and_save_back_in_
         assert p.dtype == torch.bfloat16 and torch.equal(p, q.to(torch.bfloat16)), name
 
 
+@pytest.mark.parametrize("flags", [{"avx2", "avx512_bf16"}, {"avx2"}])
+def test_a_snapshot_of_half_weights_saves_in_their_dtype_as_the_trained_model_does(tok, monkeypatch, tmp_path, flags):
+    """Mid-training a bfloat16 model computes over float32 weights (master weights under autocast, or upcast where
+    bfloat16 is emulated); a snapshot saves them rounded to bfloat16, as the trained model is saved: same dtype, same
+    bytes, embeddings still tied to the output layer (float32 would double the file)."""
+    import json
+
+    from safetensors import safe_open
+
+    import farmflow.models.runtime as runtime
+    from farmflow.models import load_policy
+
+    monkeypatch.setattr(runtime, "cpu_flags", lambda: frozenset(flags))
+    cfg = SFTConfig(epochs=2, batch_size=8, lr=1e-3, warmup_ratio=0.0, snapshot_epochs=[1.0])
+    model = _policy(tok).to(torch.bfloat16)
+    taken = {}
+
+    def snapshot(epochs, step, plain):
+        taken.update({k: p.detach().clone() for k, p in plain.named_parameters()})
+        save(plain, tok, tmp_path / "snapshot")
+
+    sft.train_sft(model, tok, PROMPTS[:N], RESPONSES[:N], cfg, 128, snapshot=snapshot)
+    save(model, tok, tmp_path / "final")
+    assert {p.dtype for p in taken.values()} == {torch.float32}  # taken of float32 weights
+    for name in ("snapshot", "final"):
+        assert json.loads((tmp_path / name / "config.json").read_text())["dtype"] == "bfloat16"
+        with safe_open(str(tmp_path / name / "model.safetensors"), "pt") as f:
+            assert "lm_head.weight" not in f.keys()  # tied: stored once
+            assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+    sizes = [(tmp_path / n / "model.safetensors").stat().st_size for n in ("snapshot", "final")]
+    assert sizes[0] == sizes[1]
+    monkeypatch.setattr(runtime, "cpu_flags", lambda: frozenset({"avx512_bf16"}))  # loads as stored
+    snap, final = load_policy(tmp_path / "snapshot")[0], load_policy(tmp_path / "final")[0]
+    assert snap.lm_head.weight.data_ptr() == snap.model.embed_tokens.weight.data_ptr()
+    for name, p in snap.named_parameters():
+        assert p.dtype == torch.bfloat16 and torch.equal(p, taken[name].to(torch.bfloat16)), name
+    assert any(not torch.equal(p, q) for p, q in zip(snap.parameters(), final.parameters()))  # a second epoch on
+
+
 def test_runtime_on_cpu_splits_nothing_and_needs_no_gpu(tok):
     rt = Runtime(_policy(tok), batch_size=10, micro_batch_size=4, name="t")
     assert (rt.device.type, rt.precision, rt.processes, rt.accumulation) == ("cpu", "no", 1, 3)

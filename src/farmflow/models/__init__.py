@@ -53,6 +53,7 @@ from farmflow.models.runtime import (
     for_compute,
     is_main_process,
     slow_half_precision,
+    stored_dtype,
 )
 from farmflow.models.sampling import (
     FEATURES,
@@ -275,20 +276,41 @@ def value_from_policy(path: str | Path) -> ValueModel:
 
 
 def save(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, folder: str | Path) -> None:
-    """`save_pretrained` of the model and tokenizer, by the main process only.
+    """`save_pretrained` of the model and tokenizer, by the main process only, in the model's stored dtype.
 
-    A model trained under FSDP/DeepSpeed is saved from the full state dict `Runtime.finish`
-    gathered, in its stored dtype (which config.json then records).
+    A model computing in float32 over half-precision storage (upcast by `for_compute`, or float32 master weights
+    mid-training: a snapshot) is saved in its stored dtype, as the same model saved after training would be; tied
+    weights stay tied. A model trained under FSDP/DeepSpeed is saved from the full state dict `Runtime.finish`
+    gathered, in its stored dtype. config.json records the dtype saved.
     """
     if not is_main_process():
         return
     state = model.__dict__.get(FULL_STATE)
-    model.save_pretrained(str(folder), safe_serialization=True, state_dict=state)
+    dtype = stored_dtype(model)
+    if state is None and any(p.is_floating_point() and p.dtype != dtype for p in model.parameters()):
+        state = _cast_state(model.state_dict(), dtype)
+    saved = state and next(v.dtype for v in state.values() if v.is_floating_point())
+    model.save_pretrained(str(folder), safe_serialization=True, state_dict=state)  # empties `state` as it writes
     tokenizer.save_pretrained(str(folder))
-    if state:
+    if saved:
         config = json.loads((Path(folder) / "config.json").read_text())
-        config["dtype"] = str(next(v.dtype for v in state.values() if v.is_floating_point())).removeprefix("torch.")
+        config["dtype"] = str(saved).removeprefix("torch.")
         (Path(folder) / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _cast_state(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """`state`'s floating tensors in `dtype`; entries that share a tensor (tied weights) share its cast, so
+    `save_pretrained` still sees them as tied."""
+    cast: dict[tuple, torch.Tensor] = {}
+    out = {}
+    for name, v in state.items():
+        if v.is_floating_point():
+            ident = (v.data_ptr(), tuple(v.shape), v.stride())
+            if ident not in cast:
+                cast[ident] = v.to(dtype)
+            v = cast[ident]
+        out[name] = v
+    return out
 
 
 # ---------------------------------------------------------------- optimization

@@ -262,6 +262,8 @@ class Runtime:
         """
         if self.original is None:
             self.original = self.unwrap(model)
+        if (self.upcast or self.precision != "no") and self.dtype != torch.float32:
+            self.original.__dict__[STORED_DTYPE] = self.dtype  # float32 from here on: snapshots save in its dtype
         for m in (model, *rest):
             if isinstance(m, torch.nn.Module):
                 if self.upcast:
