@@ -246,6 +246,24 @@ def test_a_snapshot_of_half_weights_saves_in_their_dtype_as_the_trained_model_do
     assert any(not torch.equal(p, q) for p, q in zip(snap.parameters(), final.parameters()))  # a second epoch on
 
 
+def test_a_gathered_full_state_saves_in_its_dtype_and_config_json_says_so(tok, tmp_path):
+    """Under FSDP/DeepSpeed `Runtime.finish` keeps the gathered state dict, cast to the stored dtype, on a model whose
+    own parameters are float32 masters; the checkpoint holds that state and config.json names its dtype
+    (`save_pretrained` empties the dict it is given, so the dtype is read before)."""
+    import json
+
+    from safetensors import safe_open
+
+    from farmflow.models.runtime import FULL_STATE
+
+    model = _policy(tok)
+    model.__dict__[FULL_STATE] = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
+    save(model, tok, tmp_path / "gathered")
+    assert json.loads((tmp_path / "gathered" / "config.json").read_text())["dtype"] == "bfloat16"
+    with safe_open(str(tmp_path / "gathered" / "model.safetensors"), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+
+
 def test_runtime_on_cpu_splits_nothing_and_needs_no_gpu(tok):
     rt = Runtime(_policy(tok), batch_size=10, micro_batch_size=4, name="t")
     assert (rt.device.type, rt.precision, rt.processes, rt.accumulation) == ("cpu", "no", 1, 3)
