@@ -29,7 +29,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(VENV)/bin/uv pip install -q --python $(PY) -c constraints.txt -e ".[dev]"
 	touch $(STAMP)
 
-demo: install  ## the offline synthetic farm end to end (a few minutes on 2 CPU cores)
+demo: install  ## the offline synthetic farm end to end (about 20 min on 2 CPU cores into an empty store; seconds cached)
 	mkdir -p "$(PREFECT_HOME)"
 	$(VENV)/bin/farmflow demo
 
