@@ -12,10 +12,11 @@ forward, but the backward pass stops at the lowest of the top k and the frozen b
 precision). Model: SmolLM2-135M-Instruct from the model cache (`farmflow models get smollm2-135m-instruct`) with a
 fresh scalar head, saved once in each dtype;
 pairs: the lookup farm's SFT prompts, each with its demonstration against the next prompt's (preference 1), the
-validation study's reward settings (batch 16, lr 1e-5, no packing). Every round trains a fresh copy on the same pairs
-for one epoch; reported: pairs/s, median and range, the ratios, and each side's first and last training losses (the
-first is the same batch on the same weights, so the two dtypes agree to bfloat16 rounding; later ones are taken after
-updates that the rounding has already moved apart, so they need not agree).
+validation study's reward settings (batch 16, lr 1e-5, no packing); a fourth contender reads each batch packed
+(``reward.packing``: a pair's prompt once, both outputs after it, no padding rows). Every round trains a fresh copy
+on the same pairs for one epoch; reported: pairs/s, median and range, the ratios, and each side's first and last
+training losses (the first is the same batch on the same weights, so the two dtypes agree to bfloat16 rounding; later
+ones are taken after updates that the rounding has already moved apart, so they need not agree).
 
 ``--smoke`` (CI): a tiny random Llama (its one block as the top), 32 pairs, one round. Writes
 bench/results/mixed_precision.json.
@@ -48,12 +49,19 @@ def checkpoints(folder: Path, smoke: bool, prompts: list[str], outputs: list[str
     return paths, what
 
 
-def side(path: Path, pairs: tuple[list[str], list[str], list[str]], losses: dict, name: str, top: int | None = None):
+def side(
+    path: Path,
+    pairs: tuple[list[str], list[str], list[str]],
+    losses: dict,
+    name: str,
+    top: int | None = None,
+    packing: bool = False,
+):
     from farmflow.config import RewardConfig
     from farmflow.methods.reward import train_reward
     from farmflow.models import load_tokenizer, reward_from_policy
 
-    cfg = RewardConfig(epochs=1, batch_size=16, lr=1e-5, train_backbone=True, train_layers=top)
+    cfg = RewardConfig(epochs=1, batch_size=16, lr=1e-5, train_backbone=True, train_layers=top, packing=packing)
     tok = load_tokenizer(path)
     prompts, out_1, out_2 = pairs
 
@@ -76,6 +84,7 @@ def main(argv: list[str] | None = None) -> dict:
     n = 32 if args.smoke else args.pairs
     top = 1 if args.smoke else args.top
     partial = f"bfloat16 weights, train_layers={top}"
+    packed = "bfloat16 weights, reward.packing"
     prompts, outputs = lookup_pairs(n + 1)
     pairs = (prompts[:n], outputs[:n], outputs[1 : n + 1])
     losses: dict = {}
@@ -86,6 +95,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "bfloat16 weights": side(paths["bfloat16"], pairs, losses, "bfloat16 weights"),
                 "float32 weights": side(paths["float32"], pairs, losses, "float32 weights"),
                 partial: side(paths["bfloat16"], pairs, losses, partial, top),
+                packed: side(paths["bfloat16"], pairs, losses, packed, packing=True),
             },
             rounds=1 if args.smoke else args.rounds,
             warmup=0 if args.smoke else 1,
@@ -102,14 +112,29 @@ def main(argv: list[str] | None = None) -> dict:
                 "pairs/s",
                 {name: values(rs, "pairs_per_s") for name, rs in runs.items()},
                 note=f"bfloat16 weights train with mixed precision {mixed!r}; training loss first/last: "
-                + ", ".join(f"{k} {a:.4f}/{b:.4f}" for k, (a, b) in losses.items() if k != partial),
+                + ", ".join(
+                    f"{k} {a:.4f}/{b:.4f}"
+                    for k, (a, b) in losses.items()
+                    if k in ("bfloat16 weights", "float32 weights")
+                ),
             ),
             entry(
                 f"reward model fine-tuning, {what}, {n} lookup-farm pairs: reward.train_layers={top} vs every block",
                 "pairs/s",
                 {name: values(runs[name], "pairs_per_s") for name in (partial, "bfloat16 weights")},
                 note="training loss first/last: "
-                + ", ".join(f"{k} {a:.4f}/{b:.4f}" for k, (a, b) in losses.items() if k != "float32 weights"),
+                + ", ".join(
+                    f"{k} {a:.4f}/{b:.4f}" for k, (a, b) in losses.items() if k in (partial, "bfloat16 weights")
+                ),
+            ),
+            entry(
+                f"reward model fine-tuning, {what}, {n} lookup-farm pairs: reward.packing vs two padded rows per pair",
+                "pairs/s",
+                {name: values(runs[name], "pairs_per_s") for name in (packed, "bfloat16 weights")},
+                note="the same rewards and gradients up to float rounding; training loss first/last: "
+                + ", ".join(
+                    f"{k} {a:.4f}/{b:.4f}" for k, (a, b) in losses.items() if k in (packed, "bfloat16 weights")
+                ),
             ),
         ],
         "runs": runs,

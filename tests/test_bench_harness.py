@@ -166,9 +166,12 @@ def test_mixed_precision_smoke_trains_both_dtypes_on_the_same_pairs(tmp_path):
     from bench import mixed_precision
 
     r = mixed_precision.main(["--smoke", "--out", str(tmp_path / "mixed.json")])
-    e, top = r["entries"]
+    e, top, packed = r["entries"]
     assert e["contenders"] == ["bfloat16 weights", "float32 weights"] and r["setup"]["pairs"] == 32
     assert top["contenders"] == ["bfloat16 weights, train_layers=1", "bfloat16 weights"]
+    assert packed["contenders"] == ["bfloat16 weights, reward.packing", "bfloat16 weights"]
+    # packed pairs: the same rewards and gradients up to rounding, so the same losses
+    assert r["losses"]["bfloat16 weights, reward.packing"] == pytest.approx(r["losses"]["bfloat16 weights"], rel=0.05)
     (bf_first, _), (fp_first, _) = r["losses"]["bfloat16 weights"], r["losses"]["float32 weights"]
     assert bf_first == pytest.approx(fp_first, rel=0.05)  # the same pairs from the same weights
     # the tiny model's one block is its top: the same model trained, the same losses up to rounding
