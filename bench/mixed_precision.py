@@ -103,38 +103,28 @@ def main(argv: list[str] | None = None) -> dict:
     from farmflow.models.runtime import cpu_flags, mixed_precision
 
     mixed = mixed_precision(torch.bfloat16, torch.cuda.is_available(), cpu_flags())
+    bf16 = "bfloat16 weights"
+
+    def compared(what_vs: str, a: str, b: str, lead: str = "") -> dict:
+        notes = ", ".join(f"{k} {losses[k][0]:.4f}/{losses[k][1]:.4f}" for k in (a, b))
+        return entry(
+            f"reward model fine-tuning, {what}, {n} lookup-farm pairs{what_vs}",
+            "pairs/s",
+            {k: values(runs[k], "pairs_per_s") for k in (a, b)},
+            note=f"{lead}training loss first/last: {notes}",
+        )
+
     results = {
         "machine": machine(),
         "setup": {"model": what, "pairs": n, "batch_size": 16, "bfloat16_precision": mixed, "train_layers": top},
         "entries": [
-            entry(
-                f"reward model fine-tuning, {what}, {n} lookup-farm pairs",
-                "pairs/s",
-                {name: values(rs, "pairs_per_s") for name, rs in runs.items()},
-                note=f"bfloat16 weights train with mixed precision {mixed!r}; training loss first/last: "
-                + ", ".join(
-                    f"{k} {a:.4f}/{b:.4f}"
-                    for k, (a, b) in losses.items()
-                    if k in ("bfloat16 weights", "float32 weights")
-                ),
-            ),
-            entry(
-                f"reward model fine-tuning, {what}, {n} lookup-farm pairs: reward.train_layers={top} vs every block",
-                "pairs/s",
-                {name: values(runs[name], "pairs_per_s") for name in (partial, "bfloat16 weights")},
-                note="training loss first/last: "
-                + ", ".join(
-                    f"{k} {a:.4f}/{b:.4f}" for k, (a, b) in losses.items() if k in (partial, "bfloat16 weights")
-                ),
-            ),
-            entry(
-                f"reward model fine-tuning, {what}, {n} lookup-farm pairs: reward.packing vs two padded rows per pair",
-                "pairs/s",
-                {name: values(runs[name], "pairs_per_s") for name in (packed, "bfloat16 weights")},
-                note="the same rewards and gradients up to float rounding; training loss first/last: "
-                + ", ".join(
-                    f"{k} {a:.4f}/{b:.4f}" for k, (a, b) in losses.items() if k in (packed, "bfloat16 weights")
-                ),
+            compared("", bf16, "float32 weights", f"bfloat16 weights train with mixed precision {mixed!r}; "),
+            compared(f": reward.train_layers={top} vs every block", partial, bf16),
+            compared(
+                ": reward.packing vs two padded rows per pair",
+                packed,
+                bf16,
+                "the same rewards and gradients up to float rounding; ",
             ),
         ],
         "runs": runs,
