@@ -48,6 +48,7 @@ from farmflow.models.encoding import (
 )
 from farmflow.models.runtime import (
     FULL_STATE,
+    cast_state,
     cpu_flags,
     default_device,
     for_compute,
@@ -288,7 +289,7 @@ def save(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, folder: str
     state = model.__dict__.get(FULL_STATE)
     dtype = stored_dtype(model)
     if state is None and any(p.is_floating_point() and p.dtype != dtype for p in model.parameters()):
-        state = _cast_state(model.state_dict(), dtype)
+        state = cast_state(model.state_dict(), dtype)
     saved = state and next(v.dtype for v in state.values() if v.is_floating_point())
     model.save_pretrained(str(folder), safe_serialization=True, state_dict=state)  # empties `state` as it writes
     tokenizer.save_pretrained(str(folder))
@@ -296,21 +297,6 @@ def save(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, folder: str
         config = json.loads((Path(folder) / "config.json").read_text())
         config["dtype"] = str(saved).removeprefix("torch.")
         (Path(folder) / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-
-
-def _cast_state(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """`state`'s floating tensors in `dtype`; entries that share a tensor (tied weights) share its cast, so
-    `save_pretrained` still sees them as tied."""
-    cast: dict[tuple, torch.Tensor] = {}
-    out = {}
-    for name, v in state.items():
-        if v.is_floating_point():
-            ident = (v.data_ptr(), tuple(v.shape), v.stride())
-            if ident not in cast:
-                cast[ident] = v.to(dtype)
-            v = cast[ident]
-        out[name] = v
-    return out
 
 
 # ---------------------------------------------------------------- optimization

@@ -160,6 +160,21 @@ def for_compute(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def cast_state(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """`state`'s floating tensors in `dtype`; entries that share a tensor (tied weights) share its cast, so
+    `save_pretrained` still sees them as tied."""
+    cast: dict[tuple, torch.Tensor] = {}
+    out = {}
+    for name, v in state.items():
+        if v.is_floating_point():
+            ident = (v.data_ptr(), tuple(v.shape), v.stride())
+            if ident not in cast:
+                cast[ident] = v.to(dtype)
+            v = cast[ident]
+        out[name] = v
+    return out
+
+
 def stored_dtype(model: torch.nn.Module) -> torch.dtype:
     """The dtype `model`'s weights are stored (and saved) in: their own, or the one `for_compute` upcast from."""
     return model.__dict__.get(STORED_DTYPE) or next(model.parameters()).dtype
@@ -360,7 +375,7 @@ class Runtime:
         if self.sharded:
             state = self.accelerator.get_state_dict(self.prepared)
             if self.dtype != torch.float32:
-                state = {k: (v.to(self.dtype) if v.is_floating_point() else v) for k, v in state.items()}
+                state = cast_state(state, self.dtype)
             self.original.__dict__[FULL_STATE] = state if self.is_main else None
         elif self.precision != "no" or self.upcast:
             self.original.to(self.dtype)
