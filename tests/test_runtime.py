@@ -264,6 +264,50 @@ def test_a_gathered_full_state_saves_in_its_dtype_and_config_json_says_so(tok, t
         assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
 
 
+def test_a_trained_half_reward_model_is_measured_on_val_as_later_stages_score_it(tmp_path, monkeypatch):
+    """The reward stage's held-out measurement after training scores the weights back in bfloat16 as a later stage
+    loads them: in float32 where the CPU emulates bfloat16 (not at emulated speed, many times slower), the same scores
+    as the saved checkpoint gives, which stays bfloat16."""
+    import json
+
+    import farmflow.models as models
+    import farmflow.models.runtime as runtime
+    from farmflow import tasks
+    from farmflow.config import load_config
+    from farmflow.data import prompts_of, split_rows
+    from farmflow.models import load_policy, load_reward
+    from farmflow.storage import open_store
+
+    monkeypatch.setattr(runtime, "cpu_flags", lambda: frozenset({"avx2"}))
+    cfg = load_config("synthetic-micro", [f"store.uri={tmp_path}"])
+    uri, store = cfg.store.uri, open_store(cfg.store.uri)
+    data = tasks.data_task.fn(uri, cfg.data)
+    sft = tasks.sft_task.fn(uri, cfg.sft, data, tasks.base_model_task.fn(uri, cfg.model, data))
+    prefs = tasks.annotate_task.fn(uri, cfg.annotation, tasks.sample_pairs_task.fn(uri, cfg.pairs, data, sft))
+    policy, tok = load_policy(store.model_dir(sft))
+    with store.put_model("sft", "bfloat16-copy", "policy") as (folder, _):
+        save(policy.to(torch.bfloat16), tok, folder)
+    half = store.get("sft", "bfloat16-copy")
+    scored = []  # (parameter dtype, scores) of every score call
+
+    def spy(model, *args, **kwargs):
+        out = real_score(model, *args, **kwargs)
+        scored.append((next(model.parameters()).dtype, out))
+        return out
+
+    real_score = models.score
+    monkeypatch.setattr(models, "score", spy)
+    assert cfg.reward.eval_every == 0  # measured once, after training
+    rm = tasks.train_reward_task.fn(uri, cfg.reward, prefs, half)
+    assert [dtype for dtype, _ in scored] == [torch.float32, torch.float32]  # output_1, output_2 of val
+    assert json.loads((store.model_dir(rm) / "config.json").read_text())["dtype"] == "bfloat16"
+    saved, _ = load_reward(store.model_dir(rm))
+    held = split_rows(store.read_table(prefs), "val")
+    for (_, got), column in zip(scored, ("output_1", "output_2")):
+        again = real_score(saved, tok, prompts_of(held), [r[column] for r in held])
+        assert torch.equal(got, again), column
+
+
 def test_runtime_on_cpu_splits_nothing_and_needs_no_gpu(tok):
     rt = Runtime(_policy(tok), batch_size=10, micro_batch_size=4, name="t")
     assert (rt.device.type, rt.precision, rt.processes, rt.accumulation) == ("cpu", "no", 1, 3)

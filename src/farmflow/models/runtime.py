@@ -175,6 +175,17 @@ def cast_state(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, 
     return out
 
 
+def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """`model`'s parameters (and gradients) in `dtype`, in place; buffers stay as they are. A half-precision model
+    loaded from its checkpoint keeps some in float32 (the rotary embedding's frequencies, made at load time, never
+    saved): `module.to(dtype)` would round them, and the model would then score otherwise than the same weights
+    loaded again."""
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
+        if p.grad is not None:
+            p.grad = p.grad.to(dtype)
+
+
 def stored_dtype(model: torch.nn.Module) -> torch.dtype:
     """The dtype `model`'s weights are stored (and saved) in: their own, or the one `for_compute` upcast from."""
     return model.__dict__.get(STORED_DTYPE) or next(model.parameters()).dtype
@@ -378,5 +389,5 @@ class Runtime:
                 state = cast_state(state, self.dtype)
             self.original.__dict__[FULL_STATE] = state if self.is_main else None
         elif self.precision != "no" or self.upcast:
-            self.original.to(self.dtype)
+            cast_parameters(self.original, self.dtype)
             self.original.__dict__.pop(STORED_DTYPE, None)  # back in its stored dtype

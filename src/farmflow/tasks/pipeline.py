@@ -152,7 +152,7 @@ def train_reward_task(
     """Bradley–Terry reward model from `sft` (the SFT policy, or `reward.backbone` fine-tuned the same way), trained on
     PREF, measured on val (resumable)."""
     from farmflow.methods.reward import train_reward
-    from farmflow.models import FEATURES, load_tokenizer, reward_from_policy, score
+    from farmflow.models import FEATURES, for_compute, load_tokenizer, reward_from_policy, score
 
     table = run.store.read_table(preferences)
     train, held = split_rows(table, "pref"), split_rows(table, "val")
@@ -182,7 +182,9 @@ def train_reward_task(
     )
     if held and not config.eval_every:  # otherwise the loop measured the weights it kept and logged each measurement
         with progress("train_reward: val", 2 * len(held), unit="output") as bar:
-            heldout = measure(model, bar)
+            # trained, the weights are back in their stored dtype: score them as later stages load them (float32
+            # where this CPU would emulate half precision), not at emulated speed
+            heldout = measure(for_compute(model), bar)
         metrics.update(heldout)
         recorder("reward").log(int(metrics["steps"]), split="val", **heldout)
     return Model(model, tokenizer, metrics, format="reward")
