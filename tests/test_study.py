@@ -26,6 +26,7 @@ from farmflow.evaluation.study import (
     majority,
     over_seeds,
     overoptimization_findings,
+    proxy_findings,
     resolution_rows,
     simulated_agreement,
     study_markdown,
@@ -519,6 +520,31 @@ def test_findings_pooled_over_seeds_take_the_mean_with_a_t_interval_and_count_th
     assert other[1]["value"] == -2.0
 
 
+def test_the_curves_reward_models_are_reported_with_their_agreement_with_gold_and_its_gap():
+    rows = {f["quantity"]: f for f in proxy_findings({"greedy": 0.80, "p_sim^ann": 0.65})}
+    assert rows["reward model on p_sim^ann labels: held-out agreement with gold"]["value"] == 0.65
+    assert rows["reward model on greedy labels: held-out agreement with gold"]["value"] == 0.80
+    gap = rows["reward model agreement with gold: p_sim^ann's minus greedy's"]
+    assert gap["value"] == pytest.approx(-0.15) and gap["detail"] == "p_sim^ann's reward model the weaker proxy"
+    assert [f["quantity"] for f in proxy_findings({"greedy": 0.8})] == [
+        "reward model on greedy labels: held-out agreement with gold"
+    ]  # no gap without both
+    # over three seeds: gaps −0.15, +0.05, −0.10 → mean −0.0667, sd 0.1041, half-width t(2)·sd/√3 = 0.2586
+    per_seed = [proxy_findings({"p_sim^ann": a, "greedy": b}) for a, b in [(0.65, 0.80), (0.75, 0.70), (0.60, 0.70)]]
+    pooled = {f["quantity"]: f for f in over_seeds(per_seed)}
+    gap = pooled["reward model agreement with gold: p_sim^ann's minus greedy's, over 3 seeds"]
+    assert gap["value"] == pytest.approx(-0.2 / 3)
+    assert (gap["low"], gap["high"]) == (
+        pytest.approx(-0.2 / 3 - 0.2586, abs=1e-4),
+        pytest.approx(-0.2 / 3 + 0.2586, abs=1e-4),
+    )
+    assert gap["detail"] == "p_sim^ann's the weaker proxy on 2 of 3 seeds; Student t over seeds"
+    greedy = pooled["reward model on greedy labels: held-out agreement with gold, over 3 seeds"]
+    assert (
+        greedy["value"] == pytest.approx(0.7333, abs=1e-4) and greedy["detail"] == "over 3 seeds; Student t over seeds"
+    )
+
+
 def _curve(points: dict[tuple[str, float], tuple[float, float]], judges=("p_sim^ann", "greedy")) -> list[dict]:
     """One seed's best-of-n curve rows: (labeller, n) → (win rate under every judge but greedy's +10, mean gold)."""
     return [
@@ -657,6 +683,18 @@ def test_study_flow_on_micro_writes_its_table_plots_and_artifacts_then_is_cached
     contrasts = [f for q, f in findings.items() if q.startswith("over-optimization contrast:")]
     assert len(contrasts) == 2 * 5  # per family: one per judge and one with each curve judged by its labeller
     assert all(f["detail"].split()[0] in ("present", "absent") for f in curves)
+    # beside the curves, the two reward models they optimized, as good a proxy as their held-out gold agreement says
+    # (p_sim^ann's trains first, for the methods; greedy's for its curve)
+    from farmflow.storage import open_store
+
+    store = open_store(micro_config.store.location)
+    trained = list(dict.fromkeys(s["key"] for s in summary["stages"] if s["stage"] == "train_reward"))
+    gold = [store.get("train_reward", k).metrics["heldout_gold_accuracy"] for k in trained]
+    assert len(gold) == 2
+    for labeller, value in zip(("p_sim^ann", "greedy"), gold):
+        assert findings[f"reward model on {labeller} labels: held-out agreement with gold"]["value"] == value
+    gap = findings["reward model agreement with gold: p_sim^ann's minus greedy's"]["value"]
+    assert gap == pytest.approx(gold[0] - gold[1])
     for png in ("rankings.png", "overoptimization.png"):
         assert open(f"{folder}/{png}", "rb").read(4) == b"\x89PNG"
     assert "| finding | value [95% CI] | detail |" in open(f"{folder}/study.md").read()
@@ -688,6 +726,9 @@ def test_curves_under_more_seeds_reuse_the_first_and_pool_each_finding(micro_con
     for q, f in first.items():
         seeds = [f["value"], found[f"{q} [replicate 1]"]["value"]]
         assert found[f"{q}, over 2 seeds"]["value"] == pytest.approx(sum(seeds) / 2), q
+    q = "reward model on greedy labels: held-out agreement with gold"
+    seeds = [found[q]["value"], found[f"{q} [replicate 1]"]["value"]]
+    assert found[f"{q}, over 2 seeds"]["value"] == pytest.approx(sum(seeds) / 2)
     # the curves pooled point by point: each point's gold the mean of the two seeds' (a table, a figure, study.md)
     assert not (Path(one["artifacts"]["study"]) / "study_curves.parquet").exists()
     folder = Path(two["artifacts"]["study"])

@@ -567,6 +567,36 @@ def overoptimization_findings(curves: dict[tuple[str, str, str], list[dict]], n_
     return out + held_out
 
 
+def proxy_findings(gold_agreement: dict[str, float]) -> list[dict]:
+    """``study_summary`` rows on the curves' reward models: each one's held-out agreement with gold (val pairs whose
+    gold differs, `heldout_accuracies`) and p_sim^ann's minus greedy's. `gold_agreement`: labeller → agreement.
+
+    Why beside the curves: a reward model trained on noisier labels is usually also the weaker proxy, so p_sim^ann's
+    curve falling further than greedy's can mean its labels' noise and biases were exploited, or only that best-of-n
+    picked against a worse ranker. Where the two reward models agree with gold alike, the contrast speaks to the
+    first; where p_sim^ann's agrees less, the gap is the confound to read the contrast against."""
+    out = [
+        _finding(
+            f"reward model on {labeller} labels: held-out agreement with gold",
+            gold_agreement[labeller],
+            "the curves' proxy, on val pairs whose gold differs",
+        )
+        for labeller in LABELLERS
+        if labeller in gold_agreement
+    ]
+    if all(labeller in gold_agreement for labeller in LABELLERS):
+        first, second = LABELLERS
+        gap = gold_agreement[first] - gold_agreement[second]
+        out.append(
+            _finding(
+                f"reward model agreement with gold: {first}'s minus {second}'s",
+                gap,
+                f"{first}'s reward model the {'weaker' if gap < 0 else 'stronger' if gap > 0 else 'equal'} proxy",
+            )
+        )
+    return out
+
+
 def held_out_peak(points: Sequence[np.ndarray], seed: int = 0) -> tuple[np.ndarray, tuple[int, int]]:
     """Each prompt's score at a curve's peak chosen without it: the prompts split in two halves at random (`seed`),
     each half scored at the point with the best mean on the other half. Returns those scores, (K, n) like each of
@@ -585,9 +615,10 @@ def held_out_peak(points: Sequence[np.ndarray], seed: int = 0) -> tuple[np.ndarr
 
 
 def over_seeds(per_seed: Sequence[Sequence[dict]]) -> list[dict]:
-    """`overoptimization_findings` of several replicates (seeds) pooled: per curve and per contrast, the mean of the
-    seeds' values with a 95% Student-t interval over the seeds (what another seed would show; each seed's own interval
-    is over prompts), and on how many seeds a fall was present or a contrast resolved, in which direction. A finding
+    """`overoptimization_findings` (and `proxy_findings`) of several replicates (seeds) pooled: per curve and per
+    contrast, the mean of the seeds' values with a 95% Student-t interval over the seeds (what another seed would
+    show; each seed's own interval is over prompts), and on how many seeds a fall was present or a contrast resolved,
+    in which direction (a proxy gap: on how many p_sim^ann's reward model was the weaker). A finding
     some seed lacks is pooled over the seeds that have it."""
     by_seed = [{f["quantity"]: f for f in fs} for fs in per_seed]
     out = []
@@ -595,13 +626,17 @@ def over_seeds(per_seed: Sequence[Sequence[dict]]) -> list[dict]:
         found = [seed[quantity] for seed in by_seed if quantity in seed]
         values = [f["value"] for f in found]
         _, low, high = replicate_interval(values)
+        first, second = LABELLERS
         if "over-optimization contrast:" in quantity:
             resolved = [f["value"] for f in found if f["detail"].startswith("resolved")]
-            first, second = LABELLERS
             detail = (
                 f"resolved on {sum(v > 0 for v in resolved)} of {len(found)} seeds with {first}'s fall the larger, "
                 f"on {sum(v < 0 for v in resolved)} with {second}'s"
             )
+        elif quantity.startswith("reward model agreement with gold:"):
+            detail = f"{first}'s the weaker proxy on {sum(v < 0 for v in values)} of {len(found)} seeds"
+        elif quantity.startswith("reward model on"):
+            detail = f"over {len(found)} seeds"
         else:
             detail = f"present on {sum(f['detail'].startswith('present') for f in found)} of {len(found)} seeds"
         out.append(

@@ -19,8 +19,9 @@ humans do, and does over-optimization show? (AlpacaFarm Fig. 3, Fig. 5, Table 2;
    over-optimizes further changes from seed to seed; each finding is kept per seed and pooled over them.
 4. `study_task`: the ``validation_study`` table (one row per method), ``study_summary.parquet`` (Spearman and Pearson
    between the arms with bootstrap intervals, what the evaluation set resolves, over-optimization per curve and the
-   contrast of p_sim^ann's fall with greedy's per judge and with each curve judged by its labeller, as in the paper;
-   over C seeds also their mean with a Student-t interval over the seeds),
+   contrast of p_sim^ann's fall with greedy's per judge and with each curve judged by its labeller, as in the paper,
+   beside each reward model's held-out agreement with gold, since a weaker proxy falls further too; over C seeds
+   also their mean with a Student-t interval over the seeds),
    ``study.md``, ``rankings.png``, ``overoptimization.png`` (replicate 0's curves); over C seeds also the curves
    pooled point by point (``study_curves.parquet``, ``overoptimization_seeds.png``: each point's mean over the seeds
    with its Student-t band, and a table of them in ``study.md``); Prefect markdown and table artifacts.
@@ -55,6 +56,7 @@ from farmflow.evaluation.study import (
     is_method,
     over_seeds,
     overoptimization_findings,
+    proxy_findings,
     study_markdown,
     study_rows,
     study_summary,
@@ -96,16 +98,20 @@ def study_task(
     calibration: dict[str, float],
     title: str,
     n_boot: int = N_BOOT,
+    rewards: list[dict[str, ArtifactRef]] | None = None,
 ) -> ArtifactRef:
     """The study's table, findings and figures from its evaluations (flow doc, step 4); content-keyed, rebuilt only
-    when an input changed. `curves`: replicate r's over-optimization curve at index r (empty: none)."""
-    store = open_store(store_uri)
+    when an input changed. `curves`: replicate r's over-optimization curve at index r (empty: none); `rewards`:
+    replicate r's reward models by labeller, the proxies its curve optimized (their agreement with gold sits beside
+    the curve's findings)."""
+    store, rewards = open_store(store_uri), rewards or []
     inputs = {
         f"{arm}:{m}@{r}": ref
         for arm, refs in (("sim", sim), ("human", human))
         for r, evs in enumerate(refs)
         for m, ref in evs.items()
     } | {("curve" if r == 0 else f"curve@{r}"): c for r, c in enumerate(curves)}
+    inputs |= {f"reward:{lab}@{r}": ref for r, refs in enumerate(rewards) for lab, ref in refs.items()}
     key = stage_key("validation_study", VERSION, {"title": title, "n_boot": n_boot, **calibration}, inputs)
     ref = store.get("validation_study", key)
     if ref is None:
@@ -113,7 +119,17 @@ def study_task(
         rows = study_rows(sim_rows, human_rows, n_boot=n_boot, sharpness=calibration["sharpness"])
         summary = study_summary(sim_rows, human_rows, rows, calibration, n_boot)
         curve_rows = [store.read_table(c).to_pylist() for c in curves]
-        per_seed = [overoptimization_findings(curve_points(store, rows), n_boot) for rows in curve_rows]
+        per_seed = [
+            overoptimization_findings(curve_points(store, rows), n_boot)
+            + proxy_findings(
+                {
+                    lab: ref.metrics["heldout_gold_accuracy"]
+                    for lab, ref in (rewards[r] if r < len(rewards) else {}).items()
+                    if "heldout_gold_accuracy" in ref.metrics
+                }
+            )
+            for r, rows in enumerate(curve_rows)
+        ]
         seed_rows = [
             f | ({"quantity": f"{f['quantity']} [replicate {r}]"} if r else {})
             for r, fs in enumerate(per_seed)
@@ -187,20 +203,22 @@ def overoptimization_curve(
     ns: tuple[int, ...],
     ppo_every: int | None,
     replicate: str = "",
-) -> ArtifactRef:
+) -> tuple[ArtifactRef, dict[str, ArtifactRef]]:
     """Best-of-n (and PPO) against a reward model per labeller, every point judged by every judge (flow doc, step 3);
-    `replicate` marks the stage labels of a replicate's curve."""
-    configs, sampled = [], None
+    `replicate` marks the stage labels of a replicate's curve. Returns the curve and its reward models by labeller."""
+    configs, sampled, rewards = [], None, {}
     for labeller in LABELLERS:
         up = labelled_upstream(run, cfg, labeller)
         tag = f" [{labeller}]{replicate}"
         points = best_of_n_points(up, ns, tag, sampled)
+        rewards[labeller] = up.reward
         sampled = sampled or points[-1].outputs
         points += ppo_points(up, ppo_every, tag) if ppo_every else []
         configs += point_configs(up, points, judges, labeller)
-    return run(
+    curve = run(
         overoptimization_task, {"title": f"Over-optimization ({cfg.name})", "points": configs}, "overoptimization"
     )
+    return curve, rewards
 
 
 def default_sft_epochs(cfg: FarmConfig) -> tuple[float, ...]:
@@ -291,18 +309,21 @@ def run_study(
     board = replicate_board_task(
         run.store_uri, methods_only, f"Leaderboard: {cfg.name}, {replicates} replicate(s)", n_boot
     )
-    curves = []
+    curves, rewards = [], []
     for r in range(curve_replicates if ns else 0):
         cfg_r = replicate_config(cfg, r)
         # the labellers judge too (each curve is also judged by its own labeller, as in the paper), and the human arm
         judges = evaluating_annotators(cfg_r, LABELLERS) | {
             HUMAN: human_like_annotator(sharpness, seed=cfg_r.evaluation.annotator.seed)
         }
-        curves.append(
-            overoptimization_curve(run, cfg_r, judges, tuple(ns), ppo_every, f" [replicate {r}]" if r else "")
+        curve, reward = overoptimization_curve(
+            run, cfg_r, judges, tuple(ns), ppo_every, f" [replicate {r}]" if r else ""
         )
+        curves.append(curve)
+        rewards.append(reward)
     title = f"Validation study: {cfg.name}, {replicates} replicate(s)"
-    ref = study_task(run.store_uri, sim, human, curves, {"sharpness": sharpness, "agreement": reached}, title, n_boot)
+    calibration = {"sharpness": sharpness, "agreement": reached}
+    ref = study_task(run.store_uri, sim, human, curves, calibration, title, n_boot, rewards)
     return {
         "preset": cfg.name,
         "replicates": replicates,
