@@ -543,6 +543,10 @@ def test_the_curves_reward_models_are_reported_with_their_agreement_with_gold_an
     assert (
         greedy["value"] == pytest.approx(0.7333, abs=1e-4) and greedy["detail"] == "over 3 seeds; Student t over seeds"
     )
+    # an agreement's interval stays within [0, 1]: over two seeds, 0.6 and 0.95, t(1)·sd/√2 = 12.706·0.2475/1.414
+    # = 2.22 around 0.775 would reach from −1.45 to 3.0
+    two = over_seeds([proxy_findings({"greedy": 0.6}), proxy_findings({"greedy": 0.95})])
+    assert (two[0]["low"], two[0]["high"]) == (0.0, 1.0) and two[0]["value"] == pytest.approx(0.775)
 
 
 def _curve(points: dict[tuple[str, float], tuple[float, float]], judges=("p_sim^ann", "greedy")) -> list[dict]:

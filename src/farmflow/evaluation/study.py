@@ -637,6 +637,7 @@ def over_seeds(per_seed: Sequence[Sequence[dict]]) -> list[dict]:
             detail = f"{first}'s the weaker proxy on {sum(v < 0 for v in values)} of {len(found)} seeds"
         elif quantity.startswith("reward model on"):
             detail = f"over {len(found)} seeds"
+            low, high = max(low, 0.0), min(high, 1.0)  # an agreement: the t interval of few seeds can pass 0 or 1
         else:
             detail = f"present on {sum(f['detail'].startswith('present') for f in found)} of {len(found)} seeds"
         out.append(
