@@ -95,16 +95,16 @@ def study_task(
     sim: list[dict[str, ArtifactRef]],
     human: list[dict[str, ArtifactRef]],
     curves: list[ArtifactRef],
+    rewards: list[dict[str, ArtifactRef]],
     calibration: dict[str, float],
     title: str,
     n_boot: int = N_BOOT,
-    rewards: list[dict[str, ArtifactRef]] | None = None,
 ) -> ArtifactRef:
     """The study's table, findings and figures from its evaluations (flow doc, step 4); content-keyed, rebuilt only
-    when an input changed. `curves`: replicate r's over-optimization curve at index r (empty: none); `rewards`:
-    replicate r's reward models by labeller, the proxies its curve optimized (their agreement with gold sits beside
-    the curve's findings)."""
-    store, rewards = open_store(store_uri), rewards or []
+    when an input changed. `curves`: replicate r's over-optimization curve at index r (empty: none); `rewards[r]`:
+    its reward models by labeller, the proxies the curve optimized (their agreement with gold sits beside the curve's
+    findings)."""
+    store = open_store(store_uri)
     inputs = {
         f"{arm}:{m}@{r}": ref
         for arm, refs in (("sim", sim), ("human", human))
@@ -124,11 +124,11 @@ def study_task(
             + proxy_findings(
                 {
                     lab: ref.metrics["heldout_gold_accuracy"]
-                    for lab, ref in (rewards[r] if r < len(rewards) else {}).items()
+                    for lab, ref in reward.items()
                     if "heldout_gold_accuracy" in ref.metrics
                 }
             )
-            for r, rows in enumerate(curve_rows)
+            for rows, reward in zip(curve_rows, rewards, strict=True)
         ]
         seed_rows = [
             f | ({"quantity": f"{f['quantity']} [replicate {r}]"} if r else {})
@@ -323,7 +323,7 @@ def run_study(
         rewards.append(reward)
     title = f"Validation study: {cfg.name}, {replicates} replicate(s)"
     calibration = {"sharpness": sharpness, "agreement": reached}
-    ref = study_task(run.store_uri, sim, human, curves, calibration, title, n_boot, rewards)
+    ref = study_task(run.store_uri, sim, human, curves, rewards, calibration, title, n_boot)
     return {
         "preset": cfg.name,
         "replicates": replicates,
