@@ -11,7 +11,7 @@ import pytest
 from prefect_server import all_artifacts
 
 from farmflow import tasks
-from farmflow.evaluation.bootstrap import N_BOOT
+from farmflow.evaluation.bootstrap import N_BOOT, spearman
 from farmflow.evaluation.study import (
     agreement,
     calibrate_sharpness,
@@ -26,12 +26,15 @@ from farmflow.evaluation.study import (
     majority,
     over_seeds,
     overoptimization_findings,
+    proxy_fall_correlations,
     proxy_findings,
     resolution_rows,
     simulated_agreement,
     study_markdown,
     study_rows,
     study_summary,
+    top_agreement,
+    top_candidates,
     writers,
 )
 
@@ -549,6 +552,77 @@ def test_the_curves_reward_models_are_reported_with_their_agreement_with_gold_an
     assert (two[0]["low"], two[0]["high"]) == (0.0, 1.0) and two[0]["value"] == pytest.approx(0.775)
 
 
+def test_agreement_among_the_proxys_top_candidates_counts_the_pairs_it_orders_as_gold_does():
+    # one prompt, four candidates by proxy 4 > 3 > 2 > 1 with gold 0, 1, 1, 0.5
+    proxy, gold = np.array([[4.0, 3.0, 2.0, 1.0]]), np.array([[0.0, 1.0, 1.0, 0.5]])
+    # top 2: the pair (4, 3) is ordered against gold (0 < 1)
+    assert top_agreement(proxy, gold, 2) == (0.0, 1)
+    # all four: (4,3), (4,2), (4,1) wrong; (3,2) a gold tie, left out; (3,1), (2,1) right → 2 of 5
+    assert top_agreement(proxy, gold, 4) == (pytest.approx(0.4), 5)
+    # the top is the proxy's, wherever the candidates sit; a proxy tie is left out, as a gold tie is
+    shuffled = np.array([[1.0, 3.0, 4.0, 3.0]]), np.array([[0.5, 1.0, 0.0, 0.2]])
+    assert top_agreement(*shuffled, 3) == (0.0, 2)  # (4, 3) and (4, 3'): gold 0 < 1 and 0 < 0.2; (3, 3') tied
+    # prompts pool their pairs; nothing to count is NaN
+    two = np.vstack([proxy, proxy]), np.vstack([gold, 1.0 - gold])
+    assert top_agreement(*two, 4) == (pytest.approx(5 / 10), 10)
+    agreement, pairs = top_agreement(np.ones((1, 4)), gold, 4)
+    assert math.isnan(agreement) and pairs == 0
+    assert [top_candidates(n) for n in (2, 8, 16, 64, 256)] == [2, 2, 2, 8, 32]
+
+
+def test_the_proxys_agreement_among_its_top_candidates_sits_beside_the_held_out_one():
+    rows = proxy_findings({"p_sim^ann": 0.75, "greedy": 0.79}, {"p_sim^ann": 0.33, "greedy": 0.45}, "top 8 of 64")
+    found = {f["quantity"]: f for f in rows}
+    tail = "reward model on p_sim^ann labels: agreement with gold on its top 8 of 64 best-of-n candidates"
+    assert found[tail]["value"] == 0.33
+    assert found[tail]["detail"].startswith("the curves' proxy, on pairs of an eval prompt's top 8 of 64 candidates")
+    gap = found["reward model agreement with gold on its top candidates: p_sim^ann's minus greedy's"]
+    assert gap["value"] == pytest.approx(-0.12) and gap["detail"] == "p_sim^ann's reward model the weaker proxy"
+    assert len(rows) == 6 and rows[:3] == proxy_findings({"p_sim^ann": 0.75, "greedy": 0.79})
+    # pooled over seeds like the held-out gap: tail gaps −0.12 and +0.02
+    second = proxy_findings({"p_sim^ann": 0.70, "greedy": 0.72}, {"p_sim^ann": 0.50, "greedy": 0.48}, "top 8 of 64")
+    pooled = {f["quantity"]: f for f in over_seeds([rows, second])}
+    gap = pooled["reward model agreement with gold on its top candidates: p_sim^ann's minus greedy's, over 2 seeds"]
+    assert gap["value"] == pytest.approx(-0.05)
+    assert gap["detail"] == "p_sim^ann's the weaker proxy on 1 of 2 seeds; Student t over seeds"
+    assert pooled[f"{tail}, over 2 seeds"]["value"] == pytest.approx(0.415)
+
+
+def test_over_seeds_the_curves_falls_are_ranked_against_each_measure_of_their_proxys_quality():
+    def seed(held: dict, tail: dict, falls: dict) -> list[dict]:
+        oos = "out-of-sample over-optimization: best_of_n, reward model on {} labels, judged by gold"
+        return proxy_findings(held, tail, "top 8 of 64") + [
+            {"quantity": oos.format(lab), "value": fall} for lab, fall in falls.items()
+        ]
+
+    # four curves: falls 12, 2 | 8, 1; top-candidate agreement 0.3, 0.5 | 0.4, 0.6 orders them exactly backwards;
+    # held-out 0.7, 0.6 | 0.8, 0.75: rank differences −2, −1, 1, 2 → 1 − 6·10/(4·15) = 0
+    seeds = [
+        seed({"p_sim^ann": 0.7, "greedy": 0.6}, {"p_sim^ann": 0.3, "greedy": 0.5}, {"p_sim^ann": 12.0, "greedy": 2.0}),
+        seed({"p_sim^ann": 0.8, "greedy": 0.75}, {"p_sim^ann": 0.4, "greedy": 0.6}, {"p_sim^ann": 8.0, "greedy": 1.0}),
+    ]
+    found = {f["quantity"]: f for f in proxy_fall_correlations(seeds, n_boot=500)}
+    tail = found[
+        "Spearman (reward model's top-candidate agreement with gold, its best-of-n curve's out-of-sample fall in gold)"
+    ]
+    # every resample of a monotone set is monotone too (or constant, and left out): the interval is the point
+    assert (tail["value"], tail["low"], tail["high"]) == (-1.0, -1.0, -1.0)
+    assert tail["detail"].startswith("4 curves over 2 seeds; bootstrap over the curves")
+    held = found[
+        "Spearman (reward model's held-out agreement with gold, its best-of-n curve's out-of-sample fall in gold)"
+    ]
+    assert held["value"] == pytest.approx(0.0, abs=1e-12) and held["low"] < 0 < held["high"]
+    assert proxy_fall_correlations(seeds[:1]) == []  # two curves are too few
+    # a measure every curve shares ranks nothing: NaN, not an error
+    flat = [
+        seed({"p_sim^ann": 0.7, "greedy": 0.6}, {"p_sim^ann": 0.5, "greedy": 0.5}, {"p_sim^ann": f, "greedy": 1.0})
+        for f in (12.0, 8.0)
+    ]
+    flat_tail = proxy_fall_correlations(flat)[1]
+    assert flat_tail["quantity"].startswith("Spearman (reward model's top-candidate")
+    assert all(math.isnan(flat_tail[k]) for k in ("value", "low", "high"))
+
+
 def _curve(points: dict[tuple[str, float], tuple[float, float]], judges=("p_sim^ann", "greedy")) -> list[dict]:
     """One seed's best-of-n curve rows: (labeller, n) → (win rate under every judge but greedy's +10, mean gold)."""
     return [
@@ -699,6 +773,25 @@ def test_study_flow_on_micro_writes_its_table_plots_and_artifacts_then_is_cached
         assert findings[f"reward model on {labeller} labels: held-out agreement with gold"]["value"] == value
     gap = findings["reward model agreement with gold: p_sim^ann's minus greedy's"]["value"]
     assert gap == pytest.approx(gold[0] - gold[1])
+    # and among each one's top best-of-n candidates: the curve's largest best-of-n (n = 2) scored by that reward model
+    from farmflow.data import gold_reward
+
+    key_of = {s["stage"]: s["key"] for s in summary["stages"]}  # stage labels → keys
+    largest = {
+        "p_sim^ann": store.get("best_of_n", key_of["best_of_2 [p_sim^ann]"]),
+        "greedy": store.get("best_of_n_rescore", key_of["best_of_2 [greedy] (rescored)"]),
+    }
+    for (labeller, best), reward in zip(largest.items(), trained):
+        assert store.record(best)["inputs"]["reward"] == reward
+        rows = {r["id"]: r for r in store.read_table(best).to_pylist()}
+        every = store.read_table(best, "candidates.parquet", "candidates").to_pylist()
+        proxy = np.array([c["reward"] for c in every]).reshape(-1, 2)
+        gold_of = np.array([gold_reward(rows[c["id"]]["task"], c["output"]) for c in every]).reshape(-1, 2)
+        expected, _ = top_agreement(proxy, gold_of, 2)
+        found = findings[
+            f"reward model on {labeller} labels: agreement with gold on its top 2 of 2 best-of-n candidates"
+        ]
+        assert found["value"] == pytest.approx(expected, nan_ok=True)
     for png in ("rankings.png", "overoptimization.png"):
         assert open(f"{folder}/{png}", "rb").read(4) == b"\x89PNG"
     assert "| finding | value [95% CI] | detail |" in open(f"{folder}/study.md").read()
@@ -733,6 +826,19 @@ def test_curves_under_more_seeds_reuse_the_first_and_pool_each_finding(micro_con
     q = "reward model on greedy labels: held-out agreement with gold"
     seeds = [found[q]["value"], found[f"{q} [replicate 1]"]["value"]]
     assert found[f"{q}, over 2 seeds"]["value"] == pytest.approx(sum(seeds) / 2)
+    # the four curves' falls ranked against their reward models' held-out agreement with gold
+    fall = "out-of-sample over-optimization: best_of_n, reward model on {} labels, judged by gold{}"
+    held = "reward model on {} labels: held-out agreement with gold{}"
+    points = [
+        (found[held.format(lab, r)]["value"], found[fall.format(lab, r)]["value"])
+        for lab in ("p_sim^ann", "greedy")
+        for r in ("", " [replicate 1]")
+    ]
+    rho = found[
+        "Spearman (reward model's held-out agreement with gold, its best-of-n curve's out-of-sample fall in gold)"
+    ]
+    assert rho["value"] == pytest.approx(float(spearman(*np.array(points).T)), nan_ok=True)
+    assert rho["detail"].startswith("4 curves over 2 seeds")
     # the curves pooled point by point: each point's gold the mean of the two seeds' (a table, a figure, study.md)
     assert not (Path(one["artifacts"]["study"]) / "study_curves.parquet").exists()
     folder = Path(two["artifacts"]["study"])

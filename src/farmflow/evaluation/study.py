@@ -567,33 +567,79 @@ def overoptimization_findings(curves: dict[tuple[str, str, str], list[dict]], n_
     return out + held_out
 
 
-def proxy_findings(gold_agreement: dict[str, float]) -> list[dict]:
+HELD_OUT = "held-out agreement with gold"
+TAIL = "agreement with gold on its"
+"""How `proxy_findings` names a reward model's agreement with gold: on held-out pairs; among its top candidates (the
+quantity goes on with which: "top 8 of 64 best-of-n candidates")."""
+
+
+def top_candidates(n: int) -> int:
+    """How many of a prompt's `n` best-of-n candidates `top_agreement` reads: the proxy's top eighth, at least two.
+
+    Why an eighth: best-of-k of the n picks within the proxy's top n/8 with probability 1 − C(7n/8, k)/C(n, k)
+    (about two thirds at k = 8, nine in ten at k = 16 of 64), so these are the candidates the curve's right end,
+    where falls show, chooses among."""
+    return max(2, n // 8)
+
+
+def top_agreement(proxy: np.ndarray, gold: np.ndarray, top: int) -> tuple[float, int]:
+    """(agreement, pairs) of a proxy reward with gold among each prompt's `top` candidates by proxy (its first ones on
+    ties): over the pairs of those candidates, the share the proxy orders as gold does. Pairs whose gold or proxy is
+    tied are left out, as in `heldout_accuracies`; NaN when none is left. `proxy`, `gold`: (prompts, candidates).
+
+    Why: held-out agreement is measured on pairs of typical samples, while best-of-n picks from the proxy's upper
+    tail; a proxy that has learned its labellers' biases ranks that tail by them, and a curve falls as far as the
+    tail is misordered, which the held-out pairs seldom test."""
+    order = np.argsort(-proxy, axis=1, kind="stable")[:, :top]
+    p, g = np.take_along_axis(proxy, order, axis=1), np.take_along_axis(gold, order, axis=1)
+    i, j = np.triu_indices(p.shape[1], 1)
+    counted = (p[:, i] != p[:, j]) & (g[:, i] != g[:, j])
+    hits = ((p[:, i] > p[:, j]) == (g[:, i] > g[:, j])) & counted
+    pairs = int(counted.sum())
+    return (float(hits.sum() / pairs) if pairs else math.nan), pairs
+
+
+def proxy_findings(
+    gold_agreement: dict[str, float], tail_agreement: dict[str, float] | None = None, tail: str = ""
+) -> list[dict]:
     """``study_summary`` rows on the curves' reward models: each one's held-out agreement with gold (val pairs whose
-    gold differs, `heldout_accuracies`) and p_sim^ann's minus greedy's. `gold_agreement`: labeller → agreement.
+    gold differs, `heldout_accuracies`) and p_sim^ann's minus greedy's; with `tail_agreement` (labeller →
+    `top_agreement` on the curve's largest best-of-n, whose candidates `tail` names, e.g. "top 8 of 64"), the same
+    for the proxy's upper tail. `gold_agreement`: labeller → agreement.
 
     Why beside the curves: a reward model trained on noisier labels is usually also the weaker proxy, so p_sim^ann's
     curve falling further than greedy's can mean its labels' noise and biases were exploited, or only that best-of-n
     picked against a worse ranker. Where the two reward models agree with gold alike, the contrast speaks to the
-    first; where p_sim^ann's agrees less, the gap is the confound to read the contrast against."""
-    out = [
-        _finding(
-            f"reward model on {labeller} labels: held-out agreement with gold",
-            gold_agreement[labeller],
-            "the curves' proxy, on val pairs whose gold differs",
-        )
-        for labeller in LABELLERS
-        if labeller in gold_agreement
-    ]
-    if all(labeller in gold_agreement for labeller in LABELLERS):
-        first, second = LABELLERS
-        gap = gold_agreement[first] - gold_agreement[second]
-        out.append(
-            _finding(
-                f"reward model agreement with gold: {first}'s minus {second}'s",
-                gap,
-                f"{first}'s reward model the {'weaker' if gap < 0 else 'stronger' if gap > 0 else 'equal'} proxy",
+    first; where p_sim^ann's agrees less, the gap is the confound to read the contrast against. The tail is where the
+    two can part: reward models that agree alike on typical pairs can order the candidates best-of-n picks from
+    differently."""
+    measures = [(HELD_OUT, "", gold_agreement, "the curves' proxy, on val pairs whose gold differs")]
+    if tail_agreement:
+        measures.append(
+            (
+                f"{TAIL} {tail} best-of-n candidates",
+                " on its top candidates",
+                tail_agreement,
+                f"the curves' proxy, on pairs of an eval prompt's {tail} candidates by it whose gold differs",
             )
         )
+    first, second = LABELLERS
+    out = []
+    for measure, gap_measure, agreement, detail in measures:
+        out += [
+            _finding(f"reward model on {labeller} labels: {measure}", agreement[labeller], detail)
+            for labeller in LABELLERS
+            if labeller in agreement
+        ]
+        if all(labeller in agreement for labeller in LABELLERS):
+            gap = agreement[first] - agreement[second]
+            out.append(
+                _finding(
+                    f"reward model agreement with gold{gap_measure}: {first}'s minus {second}'s",
+                    gap,
+                    f"{first}'s reward model the {'weaker' if gap < 0 else 'stronger' if gap > 0 else 'equal'} proxy",
+                )
+            )
     return out
 
 
@@ -612,6 +658,53 @@ def held_out_peak(points: Sequence[np.ndarray], seed: int = 0) -> tuple[np.ndarr
     means = lambda half: [float(p[:, half].mean()) if half.any() else 0.0 for p in points]  # noqa: E731
     peak_first, peak_second = int(np.argmax(means(~first))), int(np.argmax(means(first)))
     return np.where(first, points[peak_first], points[peak_second]), (peak_first, peak_second)
+
+
+def proxy_fall_correlations(per_seed: Sequence[Sequence[dict]], n_boot: int = N_BOOT, seed: int = 0) -> list[dict]:
+    """Over every seed's best-of-n curves (two a seed, one per reward model): Spearman between each reward model's
+    agreement with gold, held out and among its top candidates (`proxy_findings`), and its curve's out-of-sample fall
+    in gold (`overoptimization_findings`), with a 95% bootstrap interval over the curves; none below four curves.
+
+    Why: which measure of proxy quality tells how far best-of-n falls says which gap a contrast between the two
+    labellers' curves is to be read against (`proxy_findings`); the curves of several seeds are the sample."""
+    pairs: dict[str, list[tuple[float, float]]] = {}
+    for fs in per_seed:
+        found = {f["quantity"]: f["value"] for f in fs}
+        for labeller in LABELLERS:
+            fall = found.get(
+                f"out-of-sample over-optimization: best_of_n, reward model on {labeller} labels, judged by gold"
+            )
+            for measure in (HELD_OUT, TAIL):
+                name = f"reward model on {labeller} labels: {measure}"
+                value = next((v for q, v in found.items() if q.startswith(name)), None)
+                if fall is not None and value is not None and math.isfinite(fall) and math.isfinite(value):
+                    pairs.setdefault(measure, []).append((value, fall))
+    out = []
+    for measure, xy in pairs.items():
+        if len(xy) < 4:
+            continue
+        x, y = np.array(xy).T
+        picks = np.random.default_rng(seed).integers(0, len(xy), size=(n_boot, len(xy)))
+        estimate, boot = float(spearman(x, y)), spearman(x[picks], y[picks])
+        boot = boot[np.isfinite(boot)]  # a draw of one repeated curve has no ranks
+        ci = (
+            draws_interval(estimate, boot, 0.95)
+            if math.isfinite(estimate) and boot.size
+            else {"estimate": estimate, "low": math.nan, "high": math.nan}
+        )  # every curve's agreement (or fall) the same: no ranking
+        which = "held-out" if measure == HELD_OUT else "top-candidate"
+        out.append(
+            _finding(
+                f"Spearman (reward model's {which} agreement with gold, its best-of-n curve's out-of-sample fall in "
+                "gold)",
+                ci["estimate"],
+                f"{len(xy)} curves over {len(per_seed)} seeds; bootstrap over the curves; negative: the better proxy "
+                "falls less",
+                ci["low"],
+                ci["high"],
+            )
+        )
+    return out
 
 
 def over_seeds(per_seed: Sequence[Sequence[dict]]) -> list[dict]:
@@ -633,7 +726,7 @@ def over_seeds(per_seed: Sequence[Sequence[dict]]) -> list[dict]:
                 f"resolved on {sum(v > 0 for v in resolved)} of {len(found)} seeds with {first}'s fall the larger, "
                 f"on {sum(v < 0 for v in resolved)} with {second}'s"
             )
-        elif quantity.startswith("reward model agreement with gold:"):
+        elif quantity.startswith("reward model agreement with gold"):
             detail = f"{first}'s the weaker proxy on {sum(v < 0 for v in values)} of {len(found)} seeds"
         elif quantity.startswith("reward model on"):
             detail = f"over {len(found)} seeds"

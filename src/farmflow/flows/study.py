@@ -20,7 +20,8 @@ humans do, and does over-optimization show? (AlpacaFarm Fig. 3, Fig. 5, Table 2;
 4. `study_task`: the ``validation_study`` table (one row per method), ``study_summary.parquet`` (Spearman and Pearson
    between the arms with bootstrap intervals, what the evaluation set resolves, over-optimization per curve and the
    contrast of p_sim^ann's fall with greedy's per judge and with each curve judged by its labeller, as in the paper,
-   beside each reward model's held-out agreement with gold, since a weaker proxy falls further too; over C seeds
+   beside each reward model's agreement with gold, held out and among the best-of-n candidates it scores highest
+   (a weaker proxy falls further too, and a curve falls as far as that tail is misordered); over C seeds
    also their mean with a Student-t interval over the seeds),
    ``study.md``, ``rankings.png``, ``overoptimization.png`` (replicate 0's curves); over C seeds also the curves
    pooled point by point (``study_curves.parquet``, ``overoptimization_seeds.png``: each point's mean over the seeds
@@ -35,6 +36,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
@@ -42,6 +44,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.context import TaskRunContext
 
 from farmflow.config import METHODS, FarmConfig
+from farmflow.data import gold_reward
 from farmflow.evaluation.bootstrap import N_BOOT
 from farmflow.evaluation.overopt import LABELLERS
 from farmflow.evaluation.study import (
@@ -56,10 +59,13 @@ from farmflow.evaluation.study import (
     is_method,
     over_seeds,
     overoptimization_findings,
+    proxy_fall_correlations,
     proxy_findings,
     study_markdown,
     study_rows,
     study_summary,
+    top_agreement,
+    top_candidates,
     writers,
 )
 from farmflow.evaluation.study_plots import plot_curves_over_seeds, plot_overoptimization, plot_rankings
@@ -79,9 +85,10 @@ from farmflow.storage import ArtifactRef, open_store, stage_key
 from farmflow.storage.schemas import SCHEMAS
 from farmflow.tasks import evaluate_task, sft_snapshot, write_task
 from farmflow.tasks.analysis import overoptimization_task
+from farmflow.tasks.methods import read_candidates
 
 STUDY_NS = (1, 2, 4, 8, 16, 64)
-VERSION = "12"  # 12: the judgements per pair at which the yardstick reaches the goal
+VERSION = "13"  # 13: the curves' reward models' agreement with gold among their top best-of-n candidates
 
 
 def _tables(store, refs: list[dict[str, ArtifactRef]]) -> dict[str, list[list[dict]]]:
@@ -96,14 +103,15 @@ def study_task(
     human: list[dict[str, ArtifactRef]],
     curves: list[ArtifactRef],
     rewards: list[dict[str, ArtifactRef]],
+    candidates: list[dict[str, ArtifactRef]],
     calibration: dict[str, float],
     title: str,
     n_boot: int = N_BOOT,
 ) -> ArtifactRef:
     """The study's table, findings and figures from its evaluations (flow doc, step 4); content-keyed, rebuilt only
     when an input changed. `curves`: replicate r's over-optimization curve at index r (empty: none); `rewards[r]`:
-    its reward models by labeller, the proxies the curve optimized (their agreement with gold sits beside the curve's
-    findings)."""
+    its reward models by labeller, the proxies the curve optimized, and `candidates[r]` each one's largest best-of-n
+    (their agreement with gold, held out and on those candidates, sits beside the curve's findings)."""
     store = open_store(store_uri)
     inputs = {
         f"{arm}:{m}@{r}": ref
@@ -111,7 +119,12 @@ def study_task(
         for r, evs in enumerate(refs)
         for m, ref in evs.items()
     } | {("curve" if r == 0 else f"curve@{r}"): c for r, c in enumerate(curves)}
-    inputs |= {f"reward:{lab}@{r}": ref for r, refs in enumerate(rewards) for lab, ref in refs.items()}
+    inputs |= {
+        f"{what}:{lab}@{r}": ref
+        for what, each in (("reward", rewards), ("candidates", candidates))
+        for r, refs in enumerate(each)
+        for lab, ref in refs.items()
+    }
     key = stage_key("validation_study", VERSION, {"title": title, "n_boot": n_boot, **calibration}, inputs)
     ref = store.get("validation_study", key)
     if ref is None:
@@ -126,9 +139,10 @@ def study_task(
                     lab: ref.metrics["heldout_gold_accuracy"]
                     for lab, ref in reward.items()
                     if "heldout_gold_accuracy" in ref.metrics
-                }
+                },
+                *tail_agreements(store, best),
             )
-            for rows, reward in zip(curve_rows, rewards, strict=True)
+            for rows, reward, best in zip(curve_rows, rewards, candidates, strict=True)
         ]
         seed_rows = [
             f | ({"quantity": f"{f['quantity']} [replicate {r}]"} if r else {})
@@ -137,7 +151,7 @@ def study_task(
         ]
         pooled = curves_over_seeds(curve_rows) if len(curve_rows) > 1 else []
         if pooled:  # over several seeds the pooled findings lead; each seed's follow in a section of their own
-            summary += over_seeds(per_seed)
+            summary += over_seeds(per_seed) + proxy_fall_correlations(per_seed, n_boot)
             markdown = study_markdown(rows, summary, title, pooled, seed_rows)
             summary += seed_rows
         else:
@@ -182,6 +196,22 @@ def study_task(
     return ref
 
 
+def tail_agreements(store, candidates: dict[str, ArtifactRef]) -> tuple[dict[str, float], str]:
+    """Each labeller's `top_agreement` on its curve's largest best-of-n artifact (`candidates`: labeller → artifact;
+    the candidates' stored proxy rewards against their gold), and which candidates it read ("top 8 of 64")."""
+    out, tail = {}, ""
+    for labeller, ref in candidates.items():
+        rows, every, big = read_candidates(store, ref, "validation_study")
+        task = {r["id"]: r["task"] for r in rows}
+        shape = (len(rows), big)
+        proxy = np.array([c["reward"] for c in every], dtype=float).reshape(shape)
+        gold = np.array([gold_reward(task[c["id"]], c["output"]) for c in every], dtype=float).reshape(shape)
+        top = top_candidates(big)
+        out[labeller], _ = top_agreement(proxy, gold, top)
+        tail = f"top {top} of {big}"
+    return out, tail
+
+
 def curve_points(store, curve_rows: list[dict]) -> dict[tuple[str, str, str], list[dict]]:
     """(labeller, family, judge) → its points with their evaluation rows; judge 'gold' once per labeller and family."""
     curves: dict[tuple[str, str, str], list[dict]] = {}
@@ -203,22 +233,23 @@ def overoptimization_curve(
     ns: tuple[int, ...],
     ppo_every: int | None,
     replicate: str = "",
-) -> tuple[ArtifactRef, dict[str, ArtifactRef]]:
+) -> tuple[ArtifactRef, dict[str, ArtifactRef], dict[str, ArtifactRef]]:
     """Best-of-n (and PPO) against a reward model per labeller, every point judged by every judge (flow doc, step 3);
-    `replicate` marks the stage labels of a replicate's curve. Returns the curve and its reward models by labeller."""
-    configs, sampled, rewards = [], None, {}
+    `replicate` marks the stage labels of a replicate's curve. Returns the curve, and by labeller its reward models
+    and their largest best-of-n (every candidate scored)."""
+    configs, sampled, rewards, candidates = [], None, {}, {}
     for labeller in LABELLERS:
         up = labelled_upstream(run, cfg, labeller)
         tag = f" [{labeller}]{replicate}"
         points = best_of_n_points(up, ns, tag, sampled)
-        rewards[labeller] = up.reward
+        rewards[labeller], candidates[labeller] = up.reward, points[-1].outputs
         sampled = sampled or points[-1].outputs
         points += ppo_points(up, ppo_every, tag) if ppo_every else []
         configs += point_configs(up, points, judges, labeller)
     curve = run(
         overoptimization_task, {"title": f"Over-optimization ({cfg.name})", "points": configs}, "overoptimization"
     )
-    return curve, rewards
+    return curve, rewards, candidates
 
 
 def default_sft_epochs(cfg: FarmConfig) -> tuple[float, ...]:
@@ -309,21 +340,22 @@ def run_study(
     board = replicate_board_task(
         run.store_uri, methods_only, f"Leaderboard: {cfg.name}, {replicates} replicate(s)", n_boot
     )
-    curves, rewards = [], []
+    curves, rewards, candidates = [], [], []
     for r in range(curve_replicates if ns else 0):
         cfg_r = replicate_config(cfg, r)
         # the labellers judge too (each curve is also judged by its own labeller, as in the paper), and the human arm
         judges = evaluating_annotators(cfg_r, LABELLERS) | {
             HUMAN: human_like_annotator(sharpness, seed=cfg_r.evaluation.annotator.seed)
         }
-        curve, reward = overoptimization_curve(
+        curve, reward, best = overoptimization_curve(
             run, cfg_r, judges, tuple(ns), ppo_every, f" [replicate {r}]" if r else ""
         )
         curves.append(curve)
         rewards.append(reward)
+        candidates.append(best)
     title = f"Validation study: {cfg.name}, {replicates} replicate(s)"
     calibration = {"sharpness": sharpness, "agreement": reached}
-    ref = study_task(run.store_uri, sim, human, curves, rewards, calibration, title, n_boot)
+    ref = study_task(run.store_uri, sim, human, curves, rewards, candidates, calibration, title, n_boot)
     return {
         "preset": cfg.name,
         "replicates": replicates,

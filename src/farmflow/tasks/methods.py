@@ -25,7 +25,7 @@ from farmflow.config import METHODS, BestOfNConfig, CheckpointConfig, DPOConfig,
 from farmflow.data import prompts_of, split_rows
 from farmflow.generation import scored_candidates_vllm
 from farmflow.progress import progress
-from farmflow.storage import ArtifactRef
+from farmflow.storage import ArtifactRef, Store
 from farmflow.storage.schemas import SCHEMAS
 from farmflow.tasks.pipeline import outputs_table
 from farmflow.tasks.registry import STAGES
@@ -86,10 +86,11 @@ def best_of_n_task(
     return scored_outputs(rows, every, cfg.n, cfg.n, rewards)
 
 
-def read_candidates(run: StageRun, best_of_n: ArtifactRef) -> tuple[list[dict], list[dict], int]:
-    """A best-of-n artifact's output rows, its candidates (checked: as many per row, in row order), that count."""
-    rows = run.store.read_table(best_of_n).to_pylist()
-    every = run.store.read_table(best_of_n, CANDIDATES, "candidates").to_pylist()
+def read_candidates(store: Store, best_of_n: ArtifactRef, reader: str) -> tuple[list[dict], list[dict], int]:
+    """A best-of-n artifact's output rows, its candidates (checked: as many per row, in row order), that count.
+    `reader`: the stage reading them, for the error."""
+    rows = store.read_table(best_of_n).to_pylist()
+    every = store.read_table(best_of_n, CANDIDATES, "candidates").to_pylist()
     big = len(every) // max(1, len(rows))
     if (
         not rows
@@ -97,7 +98,7 @@ def read_candidates(run: StageRun, best_of_n: ArtifactRef) -> tuple[list[dict], 
         or any(c["id"] != r["id"] for i, r in enumerate(rows) for c in every[i * big : (i + 1) * big])
     ):
         raise ValueError(
-            f"{run.stage}: {CANDIDATES} of {best_of_n.stage} {best_of_n.key} does not hold the same number of "
+            f"{reader}: {CANDIDATES} of {best_of_n.stage} {best_of_n.key} does not hold the same number of "
             "candidates per output row"
         )
     return rows, every, big
@@ -147,7 +148,7 @@ def best_of_n_prefix_task(run: StageRun, config: dict, best_of_n: ArtifactRef, r
             f"best_of_n_prefix: {best_of_n.stage} {best_of_n.key} was scored by reward model {scored_by}, "
             f"not {reward.key}"
         )
-    rows, every, big = read_candidates(run, best_of_n)
+    rows, every, big = read_candidates(run.store, best_of_n, run.stage)
     if not 1 <= config["n"] <= big:
         raise ValueError(f"best_of_n_prefix: n={config['n']} must be between 1 and the artifact's n={big}")
     return scored_outputs(rows, every, big, config["n"])
@@ -165,7 +166,7 @@ def best_of_n_rescore_task(
     """
     from farmflow.models import FEATURES, load_reward, score
 
-    rows, every, big = read_candidates(run, best_of_n)
+    rows, every, big = read_candidates(run.store, best_of_n, run.stage)
     model, tokenizer = load_reward(run.store.model_dir(reward))
     prompts = prompts_of(rows)
     with progress("best_of_n_rescore: score", len(every), unit="sample") as bar:
