@@ -817,6 +817,11 @@ def test_curves_under_more_seeds_reuse_the_first_and_pool_each_finding(micro_con
     assert (tasks.EXECUTED["sft"], tasks.EXECUTED["annotate"], tasks.EXECUTED["train_reward"]) == (1, 2, 2)
     assert two["artifacts"]["overoptimization"] == one["artifacts"]["overoptimization"]
     assert two["artifacts"]["overoptimization@1"] != one["artifacts"]["overoptimization"]
+    labels = {s["stage"] for s in two["stages"]}  # a replicate's curve stages say whose they are in the logs
+    assert {
+        "proxy_reward best_of_2 [greedy] [replicate 1]",
+        "evaluate best_of_1 [p_sim^ann] [replicate 1] (greedy)",
+    } <= labels
     first = {f["quantity"]: f for f in one["findings"] if f["quantity"].startswith("over-optimization")}
     found = {f["quantity"]: f for f in two["findings"]}
     assert all(found[q] == f for q, f in first.items())  # replicate 0's findings, as a study of one seed has them

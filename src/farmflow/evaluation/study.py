@@ -20,7 +20,10 @@
   arm (its expectation's own agreement with draws of it), the yardstick for Spearman (sim, human-like);
   `labelled_arm_size`, how many times the labels it would take for the yardstick to reach the goal of 0.9.
 * **Over-optimization.** A curve (best-of-n over n) is *over-optimized* under a judge when its best point beats its
-  highest-pressure point with a paired 95% interval that excludes 0 (`overoptimization_findings`).
+  highest-pressure point with a paired 95% interval that excludes 0 (`overoptimization_findings`). Beside the curves,
+  how good a proxy each reward model is: its agreement with gold on held-out pairs and among the best-of-n candidates
+  it scores highest (`proxy_findings`, `top_agreement`), and over several seeds how the curves' falls rank against
+  each (`proxy_fall_correlations`).
 * **How many prompts.** The half-width of the paired difference to SFT shrinks as 1/√n; `bootstrap.eval_size_for`
   gives the prompts needed to resolve 2 points.
 """

@@ -137,13 +137,14 @@ def ppo_points(up: Upstream, every: int, tag: str = "") -> list[CurvePoint]:
 
 
 def point_configs(
-    up: Upstream, points: list[CurvePoint], annotators: dict[str, Any], labeller: str = "p_sim^ann"
+    up: Upstream, points: list[CurvePoint], annotators: dict[str, Any], labeller: str = "p_sim^ann", replicate: str = ""
 ) -> list[dict]:
     """Proxy reward (under `up`'s reward model) and evaluations of every point: the `overoptimization` stage's points.
 
-    `labeller` names whose labels trained `up`'s reward model (the farm's own cfg.annotation is p_sim^ann).
+    `labeller` names whose labels trained `up`'s reward model (the farm's own cfg.annotation is p_sim^ann);
+    `replicate` marks a replicate's stage labels.
     """
-    run, tag = up.run, f" [{labeller}]"
+    run, tag = up.run, f" [{labeller}]{replicate}"
     out = []
     for p in points:
         proxy = run(

@@ -245,7 +245,7 @@ def overoptimization_curve(
         rewards[labeller], candidates[labeller] = up.reward, points[-1].outputs
         sampled = sampled or points[-1].outputs
         points += ppo_points(up, ppo_every, tag) if ppo_every else []
-        configs += point_configs(up, points, judges, labeller)
+        configs += point_configs(up, points, judges, labeller, replicate)
     curve = run(
         overoptimization_task, {"title": f"Over-optimization ({cfg.name})", "points": configs}, "overoptimization"
     )
