@@ -21,7 +21,7 @@ humans do, and does over-optimization show? (AlpacaFarm Fig. 3, Fig. 5, Table 2;
    between the arms with bootstrap intervals, what the evaluation set resolves, over-optimization per curve and the
    contrast of p_sim^ann's fall with greedy's per judge and with each curve judged by its labeller, as in the paper,
    beside each reward model's agreement with gold, held out and among the best-of-n candidates it scores highest
-   (a weaker proxy falls further too, and a curve falls as far as that tail is misordered); over C seeds
+   (a weaker proxy falls further too, above all one that misorders that tail); over C seeds
    also their mean with a Student-t interval over the seeds),
    ``study.md``, ``rankings.png``, ``overoptimization.png`` (replicate 0's curves); over C seeds also the curves
    pooled point by point (``study_curves.parquet``, ``overoptimization_seeds.png``: each point's mean over the seeds
