@@ -567,6 +567,8 @@ def test_agreement_among_the_proxys_top_candidates_counts_the_pairs_it_orders_as
     assert top_agreement(*two, 4) == (pytest.approx(5 / 10), 10)
     agreement, pairs = top_agreement(np.ones((1, 4)), gold, 4)
     assert math.isnan(agreement) and pairs == 0
+    agreement, pairs = top_agreement(np.ones((3, 1)), np.ones((3, 1)), 2)  # one candidate a prompt: no pairs
+    assert math.isnan(agreement) and pairs == 0
     assert [top_candidates(n) for n in (2, 8, 16, 64, 256)] == [2, 2, 2, 8, 32]
 
 

@@ -52,6 +52,7 @@ from farmflow.evaluation.human import preference_rates
 from farmflow.evaluation.leaderboard import method_family
 from farmflow.evaluation.overopt import LABELLERS
 from farmflow.evaluation.replicates import aligned, replicate_interval
+from farmflow.evaluation.reward_report import pairwise_hits, target_labels
 from farmflow.evaluation.stats import parse_preference
 
 HUMAN_AGREEMENT = 0.657
@@ -588,18 +589,20 @@ def top_candidates(n: int) -> int:
 def top_agreement(proxy: np.ndarray, gold: np.ndarray, top: int) -> tuple[float, int]:
     """(agreement, pairs) of a proxy reward with gold among each prompt's `top` candidates by proxy (its first ones on
     ties): over the pairs of those candidates, the share the proxy orders as gold does. Pairs whose gold or proxy is
-    tied are left out, as in `heldout_accuracies`; NaN when none is left. `proxy`, `gold`: (prompts, candidates).
+    tied are left out (`pairwise_hits` against the ``gold`` target, as `heldout_accuracies` counts); NaN when none is
+    left. `proxy`, `gold`: (prompts, candidates).
 
     Why: held-out agreement is measured on pairs of typical samples, while best-of-n picks from the proxy's upper
-    tail; a proxy that has learned its labellers' biases ranks that tail by them, and a curve falls as far as the
-    tail is misordered, which the held-out pairs seldom test."""
+    tail, where ranking on the proxy gathers the candidates whose score its error inflates; how well it orders that
+    tail is what the held-out pairs seldom test."""
     order = np.argsort(-proxy, axis=1, kind="stable")[:, :top]
     p, g = np.take_along_axis(proxy, order, axis=1), np.take_along_axis(gold, order, axis=1)
     i, j = np.triu_indices(p.shape[1], 1)
-    counted = (p[:, i] != p[:, j]) & (g[:, i] != g[:, j])
-    hits = ((p[:, i] > p[:, j]) == (g[:, i] > g[:, j])) & counted
-    pairs = int(counted.sum())
-    return (float(hits.sum() / pairs) if pairs else math.nan), pairs
+    golds = [{"gold_1": a, "gold_2": b} for a, b in zip(g[:, i].ravel(), g[:, j].ravel())]
+    if not golds:  # one candidate a prompt (a curve to n = 1): no pairs
+        return math.nan, 0
+    hits, pairs = pairwise_hits(p[:, i].ravel(), p[:, j].ravel(), target_labels(golds, "gold"))
+    return (hits / pairs if pairs else math.nan), pairs
 
 
 def proxy_findings(
