@@ -44,6 +44,7 @@ bench: install  ## performance benchmarks; results in bench/results/
 	$(PY) -m bench.sampling  # SmolLM2-135M-Instruct from the model cache (farmflow models get smollm2-135m-instruct)
 	$(PY) -m bench.annotators  # creates .farmflow/bench/alpaca-eval-venv (pinned alpaca_eval) for the peer once
 	$(PY) -m bench.features  # a frozen reward model's features on SmolLM2-135M-Instruct: bfloat16 autocast vs float32
+	$(PY) -m bench.scoring  # best-of-n candidates scored by a SmolLM2-135M-Instruct reward model: each prompt once (packed) vs a padded row each
 	$(PY) -m bench.mixed_precision  # fine-tuning a reward model on SmolLM2-135M-Instruct: bfloat16 weights (mixed) vs float32, top 4 blocks vs all, packed pairs vs padded
 	$(PY) -m bench.judge  # the hf judge on SmolLM2-135M-Instruct from the model cache: guidance read once vs whole
 	$(PY) -m bench.serve_judge  # the same judge in process vs behind transformers serve on loopback

@@ -177,3 +177,18 @@ def test_mixed_precision_smoke_trains_both_dtypes_on_the_same_pairs(tmp_path):
     # the tiny model's one block is its top: the same model trained, the same losses up to rounding
     assert r["losses"]["bfloat16 weights, train_layers=1"] == pytest.approx(r["losses"]["bfloat16 weights"], rel=0.05)
     assert json.loads((tmp_path / "mixed.json").read_text())["entries"][0]["unit"] == "pairs/s"
+
+
+def test_scoring_smoke_reads_the_same_candidates_packed_and_padded(tmp_path):
+    from bench import scoring
+
+    r = scoring.main(["--smoke", "--out", str(tmp_path / "scoring.json")])
+    e, wide = r["entries"]
+    assert e["contenders"] == ["packed, rows of 256", "padded"] and e["medians"]["padded"]["rounds"] == 1
+    assert wide["contenders"] == ["packed, rows of 256", "packed, rows of 1024"]
+    # float32 weights: packed rewards equal padded ones up to rounding, and pick the same best candidates
+    assert r["setup"]["dtype"] == "float32" and r["max_difference"]["packed_vs_padded"] < 1e-4
+    assert r["same_best"]["packed_vs_padded"] == 1.0
+    import farmflow.models.sampling as sampling
+
+    assert sampling.PACKED_WIDTH == 256  # restored after the rounds

@@ -712,7 +712,7 @@ def test_pair_rewards_equal_each_output_read_alone_and_their_gradients(tok, rewa
     assert pack_pairs(tok, p_ids, o1, o2, max_len).input_ids.numel() < ids.numel()  # fewer positions than 2 rows a pair
 
 
-def test_reward_loop_with_packing_trains_like_the_padded_loop(tok, reward_model):
+def test_reward_loop_with_packing_trains_like_the_padded_loop(tok, reward_model, tmp_path):
     from farmflow.config import RewardConfig
     from farmflow.methods import reward
 
@@ -730,6 +730,11 @@ def test_reward_loop_with_packing_trains_like_the_padded_loop(tok, reward_model)
         assert torch.allclose(p, q, atol=1e-5), name
         moved += not torch.equal(p, r)
     assert moved > 0  # the two steps trained something
+    from farmflow.models import load_reward, packed_reads
+
+    assert packed_reads(packed) and not packed_reads(padded)  # a model trained packed scores packed
+    save(packed, tok, tmp_path / "rm")
+    assert packed_reads(load_reward(tmp_path / "rm")[0])  # recorded with the model
 
 
 def test_head_features_are_what_the_score_head_reads(tok, reward_model):
@@ -1030,3 +1035,57 @@ def test_half_precision_on_a_cpu_that_emulates_it_is_flagged():
     assert not slow_half_precision("bfloat16", False, {"amx_bf16"})
     assert not slow_half_precision("bfloat16", True, set())  # a GPU runs it natively
     assert not slow_half_precision("float32", False, set())
+
+
+def test_pack_shared_by_hand():
+    """Two groups (max_len 8, rows of 9): three outputs of one prompt, split when the third does not fit; a long
+    prompt that its two outputs' examples cut differently, so the second carries its own cut."""
+    from types import SimpleNamespace
+
+    from farmflow.models import pack_shared
+
+    t = SimpleNamespace(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    groups = [([5, 6], [[7], [8, 9], [3]]), ([10, 11, 12, 13, 14, 15, 16], [[], [18, 19]])]
+    packed = pack_shared(t, groups, max_len=8, capacity=9)
+    assert packed.input_ids.tolist() == [
+        [1, 5, 6, 7, 2, 8, 9, 2],  # the prompt once, both outputs after it
+        [1, 11, 12, 13, 14, 15, 16, 2],
+        [1, 12, 13, 14, 15, 16, 18, 19],  # its own cut of the prompt
+        [1, 5, 6, 3, 2, 0, 0, 0],  # the third output with a copy of the prompt
+    ]
+    assert packed.position_ids.tolist() == [
+        [0, 1, 2, 3, 4, 3, 4, 5],
+        [0, 1, 2, 3, 4, 5, 6, 7],
+        [0, 1, 2, 3, 4, 5, 6, 7],
+        [0, 1, 2, 3, 4, 0, 0, 0],
+    ]
+    assert packed.ends.tolist() == [[0, 4], [0, 7], [3, 4], [1, 7], [2, 7]]  # the outputs in the given order
+    seen = packed.allowed[:, 0]
+    assert seen[0, 5].nonzero().flatten().tolist() == [0, 1, 2, 5]  # the second output: the prompt and itself
+    assert seen[0, 4].nonzero().flatten().tolist() == [0, 1, 2, 3, 4]
+    assert seen[3, 3].nonzero().flatten().tolist() == [0, 1, 2, 3]
+    assert seen[3, 5].nonzero().flatten().tolist() == [5]  # padding: none of the units
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_a_packed_reader_scores_every_output_as_read_alone_from_fewer_positions(tok, reward_model, attn):
+    """A reward model that reads packed (`packed_reads`) gives each candidate the reward of its own padded row, with
+    and without a feature memo, on both attention kernels, from fewer positions: each prompt once per batch."""
+    from farmflow.models import FeatureMemo
+
+    _, folder = reward_model
+    model = reward_from_policy(folder, seed=0).eval()
+    model.set_attn_implementation(attn)
+    prompts = [p for p in PROMPTS[:3] for _ in range(6)] + [PROMPTS[0], "Hi"]
+    outputs = RESPONSES[:18] + [RESPONSES[0], "a reply to a prompt of its own"]
+    positions = []
+    model.base_model.register_forward_hook(lambda _m, _a, out: positions.append(out[0].shape[0] * out[0].shape[1]))
+    padded = score(model, tok, prompts, outputs, batch_size=5)
+    read_padded = sum(positions)
+    model.config.farmflow_packing = True
+    positions.clear()
+    packed = score(model, tok, prompts, outputs, batch_size=5)
+    assert torch.allclose(packed, padded, atol=1e-5)
+    assert len(set(padded.tolist())) == 19  # every distinct output (one repeats) scored differently: a mix-up shows
+    assert sum(positions) < 0.8 * read_padded
+    assert torch.allclose(score(model, tok, prompts, outputs, batch_size=7, memo=FeatureMemo()), padded, atol=1e-5)

@@ -141,7 +141,8 @@ class RewardConfig(Section):
         description="Read each micro-batch's pairs in one packed forward pass: a pair's prompt once, both outputs "
         "after it (the second attending to the prompt and itself only, a 4D attention mask), several pairs to a row "
         "of up to twice the model's max_seq_len, instead of two right-padded rows per pair: fewer positions, the same "
-        "rewards and gradients up to float rounding (sdpa and eager attention). Not part of the stage key.",
+        "rewards and gradients up to float rounding (sdpa and eager attention). The model records it and scores packed "
+        "too (best-of-n's candidates after one copy of their prompt). Not part of the stage key.",
     )
     eval_every: int = Field(
         0,

@@ -12,7 +12,8 @@ follow AlpacaFarm's reward-modeling script for LLaMA-7B: 1 epoch, AdamW lr 3e-6,
 `farmflow.models.runtime.Runtime` (device, processes, micro-batches of `micro_batch_size`
 pairs weighted by their share of the batch). A micro-batch's pairs are read in one forward
 pass (`pair_rewards`): two right-padded rows per pair, or with ``packing`` each prompt once and
-both outputs after it, several pairs to a row, with the same rewards up to float rounding.
+both outputs after it, several pairs to a row, with the same rewards up to float rounding; a model trained packed
+also scores packed (`farmflow.models.packed_reads`): best-of-n's candidates for a prompt after one copy of it.
 
 With ``train_backbone=False`` only the scalar head trains: the backbone's features (the hidden state the head
 reads at each output's closing </s>) are computed once, before the first step, and every step is a linear
@@ -153,6 +154,8 @@ def train_reward(
                 cfg.feature_dtype,
             )
         inner.config.farmflow_feature_dtype = cfg.feature_dtype  # saved with the model: it scores as it trained
+    if cfg.packing and not frozen:
+        inner.config.farmflow_packing = True  # likewise: it scores each prompt's outputs after one copy of it
     best = None  # a copy of the weights with the best held-out accuracy so far
     if cfg.select == "best_val":
         if rt.sharded:

@@ -73,22 +73,111 @@ def _cut(tokenizer: PreTrainedTokenizerFast, p: list[int], r: list[int], max_len
 
 @dataclass
 class PackedPairs:
-    """Both outputs of preference pairs laid out to be read in one forward pass (`pack_pairs`)."""
+    """Outputs laid out to be read in one forward pass, each prompt once (`pack_shared`, `pack_pairs`)."""
 
     input_ids: torch.Tensor
-    """(rows, width) token ids, `pad_token_id` after the last pair of a row."""
+    """(rows, width) token ids, `pad_token_id` after the last unit of a row."""
     position_ids: torch.Tensor
     """(rows, width): each output continues its prompt's positions, as if read on its own after it."""
     allowed: torch.Tensor
     """(rows, 1, width, width) bool, True where query position i may attend to key position j."""
     ends: torch.Tensor
-    """(pairs, 2, 2): the (row, column) whose score is output_1's and output_2's reward."""
+    """(outputs, 2) from `pack_shared`, (pairs, 2, 2) from `pack_pairs`: the (row, column) whose score is each
+    output's reward."""
 
     def attention_mask(self, attn_implementation: str, dtype: torch.dtype) -> torch.Tensor:
         """`allowed` as a Hugging Face model takes a ready 4D mask: bool for sdpa, an additive float bias for eager."""
         if attn_implementation == "sdpa":
             return self.allowed
         return torch.zeros(self.allowed.shape, dtype=dtype).masked_fill(~self.allowed, torch.finfo(dtype).min)
+
+
+def pack_shared(
+    tokenizer: PreTrainedTokenizerFast,
+    groups: Sequence[tuple[list[int], Sequence[list[int]]]],
+    max_len: int,
+    capacity: int,
+) -> PackedPairs:
+    """Outputs that share a prompt, packed for one forward pass that reads the prompt once per unit.
+
+    `groups`: (prompt ids, its outputs' ids). Every output is the example `pack_examples` makes of (prompt, output),
+    so its reward equals the one read from that example alone, up to float rounding. A group becomes ``prompt
+    output_1 output_2 ...``: each output attends to the prompt and to itself, not to the other outputs, and its
+    position ids continue the prompt's; an output whose example cuts the prompt differently from the group's first
+    carries its own cut prompt (positions from 0, attending to itself only). A group longer than `capacity` tokens is
+    split into units that each repeat the prompt. Units go into rows of up to `capacity` tokens (or the longest unit),
+    longest first, each into the first row with room (first-fit decreasing), and attend only within themselves; the
+    row width bounds the dense attention mask's cost. An output's reward is read where a sequence classifier reads it
+    alone: at its example's last token that is not `pad_token_id`. `ends` lists the outputs group by group.
+    """
+    pad = tokenizer.pad_token_id
+    units: list[dict] = []  # tokens, positions, branch (0: the shared prompt, j: output j's own), sees, reads
+    n_out = 0
+    for prompt, outputs in groups:
+        cut = [_cut(tokenizer, prompt, o, max_len) for o in outputs]
+        shared = cut[0][0] if cut else []
+        unit = None
+        for p, o in cut:
+            shares = p == shared
+            own, first = (o, len(p)) if shares else (p + o, 0)
+            if (
+                unit is None
+                or (shares and not unit["shared"])
+                or (unit["reads"] and len(unit["tokens"]) + len(own) > capacity)
+            ):
+                prefix = shared if shares else []  # an output of its own cut starts a unit without the shared prompt
+                unit = {"tokens": list(prefix), "positions": list(range(len(prefix))), "reads": [], "shared": shares}
+                unit["branch"], unit["sees"] = [0] * len(prefix), [True] * len(prefix)
+                units.append(unit)
+            start, br = len(unit["tokens"]), len(unit["reads"]) + 1
+            unit["tokens"] += own
+            unit["positions"] += range(first, first + len(own))
+            unit["branch"] += [br] * len(own)
+            unit["sees"] += [first > 0] * len(own)
+            example = p + o
+            last = max((k for k, t in enumerate(example) if t != pad), default=0)  # index in the example alone
+            # the example is this branch alone, or the unit's shared prompt (at the unit's start) and this branch
+            col = start + last if first == 0 else (last if last < len(p) else start + last - len(p))
+            unit["reads"].append((n_out, col))
+            n_out += 1
+    width_cap = max([capacity] + [len(u["tokens"]) for u in units])
+    rows: list[list[int]] = []  # unit indices per row
+    room: list[int] = []
+    for u in sorted(range(len(units)), key=lambda u: -len(units[u]["tokens"])):
+        n = len(units[u]["tokens"])
+        at = next((k for k, left in enumerate(room) if left >= n), None)
+        if at is None:
+            rows.append([])
+            room.append(width_cap)
+            at = len(rows) - 1
+        rows[at].append(u)
+        room[at] -= n
+    width = max((width_cap - left for left in room), default=0)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    pos = torch.zeros((len(rows), width), dtype=torch.long)
+    unit = torch.full((len(rows), width), -1, dtype=torch.long)
+    branch = torch.full((len(rows), width), -1, dtype=torch.long)
+    sees = torch.zeros((len(rows), width), dtype=torch.bool)
+    ends = torch.zeros((n_out, 2), dtype=torch.long)
+    for r, members in enumerate(rows):
+        at = 0
+        for u in members:
+            x = units[u]
+            n = len(x["tokens"])
+            ids[r, at : at + n] = torch.tensor(x["tokens"])
+            pos[r, at : at + n] = torch.tensor(x["positions"])
+            branch[r, at : at + n] = torch.tensor(x["branch"])
+            sees[r, at : at + n] = torch.tensor(x["sees"])
+            unit[r, at : at + n] = u
+            for k, col in x["reads"]:
+                ends[k] = torch.tensor([r, at + col])
+            at += n
+    q_unit, k_unit = unit[:, :, None], unit[:, None, :]
+    q_branch, k_branch = branch[:, :, None], branch[:, None, :]
+    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    allowed = causal & (q_unit == k_unit) & ((k_branch == q_branch) | ((k_branch == 0) & sees[:, :, None]))
+    allowed |= torch.eye(width, dtype=torch.bool)  # padding attends to itself: no query without a key
+    return PackedPairs(ids, pos, allowed[:, None], ends)
 
 
 def pack_pairs(
@@ -98,74 +187,16 @@ def pack_pairs(
     r2_ids: Sequence[list[int]],
     max_len: int,
 ) -> PackedPairs:
-    """Preference pairs packed for one forward pass that reads each prompt once.
+    """Preference pairs packed for one forward pass that reads each prompt once (`pack_shared`, a pair a group).
 
-    Every output is the example `pack_examples` makes of (prompt, output), so its reward equals the one read
-    from that example alone, up to float rounding. A pair becomes ``prompt output_1 output_2``: output_2 attends
-    to the prompt and to itself, not to output_1, and its position ids continue the prompt's (when the two
-    outputs' examples cut the prompt differently, the pair is ``prompt_1 output_1 prompt_2 output_2`` instead).
-    Pairs go into rows of up to 2 × `max_len` tokens, longest first, each into the first row with room
-    (first-fit decreasing), and attend only within themselves. Against two right-padded rows per pair this
-    skips each prompt's second reading and most of the padding. An output's reward is read where a sequence
-    classifier reads it alone: at its example's last token that is not `pad_token_id`.
+    A pair becomes ``prompt output_1 output_2`` (``prompt_1 output_1 prompt_2 output_2`` when the two outputs'
+    examples cut the prompt differently), in rows of up to 2 × `max_len` tokens, so a pair is never split. Against two
+    right-padded rows per pair this skips each prompt's second reading and most of the padding. `ends` is (pairs, 2,
+    2): output_1's and output_2's read-out (row, column).
     """
-    pad = tokenizer.pad_token_id
-    units = []  # per pair: tokens, positions, branch (0: the shared prompt, 1/2: an output's own), read-out offsets
-    for p, r1, r2 in zip(p_ids, r1_ids, r2_ids):
-        (pa, a), (pb, b) = _cut(tokenizer, p, r1, max_len), _cut(tokenizer, p, r2, max_len)
-        if pa == pb:
-            parts = [(pa, 0, 0), (a, 1, len(pa)), (b, 2, len(pa))]
-        else:
-            parts = [(pa + a, 1, 0), (pb + b, 2, 0)]
-        tokens, positions, branch = [], [], []
-        for seg, br, first in parts:
-            tokens += seg
-            positions += range(first, first + len(seg))
-            branch += [br] * len(seg)
-        reads = []
-        for example, br in ((pa + a, 1), (pb + b, 2)):
-            last = max((k for k, t in enumerate(example) if t != pad), default=0)  # index in the example alone
-            # the example is the prompt (shared or this branch's own) followed by this branch's output
-            own = [k for k, x in enumerate(branch) if x == br]
-            shared = [k for k, x in enumerate(branch) if x == 0]
-            reads.append((shared + own)[last])
-        units.append((tokens, positions, branch, reads))
-    capacity = 2 * max_len
-    rows: list[list[int]] = []  # unit indices per row
-    room: list[int] = []
-    for u in sorted(range(len(units)), key=lambda u: -len(units[u][0])):
-        n = len(units[u][0])
-        at = next((k for k, left in enumerate(room) if left >= n), None)
-        if at is None:
-            rows.append([])
-            room.append(capacity)
-            at = len(rows) - 1
-        rows[at].append(u)
-        room[at] -= n
-    width = max(capacity - left for left in room)
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    pos = torch.zeros((len(rows), width), dtype=torch.long)
-    unit = torch.full((len(rows), width), -1, dtype=torch.long)
-    branch = torch.full((len(rows), width), -1, dtype=torch.long)
-    ends = torch.zeros((len(units), 2, 2), dtype=torch.long)
-    for r, members in enumerate(rows):
-        at = 0
-        for u in members:
-            tokens, positions, br, reads = units[u]
-            n = len(tokens)
-            ids[r, at : at + n] = torch.tensor(tokens)
-            pos[r, at : at + n] = torch.tensor(positions)
-            branch[r, at : at + n] = torch.tensor(br)
-            unit[r, at : at + n] = u
-            ends[u, :, 0] = r
-            ends[u, :, 1] = torch.tensor(reads) + at
-            at += n
-    q_unit, k_unit = unit[:, :, None], unit[:, None, :]
-    q_branch, k_branch = branch[:, :, None], branch[:, None, :]
-    causal = torch.ones(width, width, dtype=torch.bool).tril()
-    allowed = causal & (q_unit == k_unit) & ((k_branch == 0) | (k_branch == q_branch))
-    allowed |= torch.eye(width, dtype=torch.bool)  # padding attends to itself: no query without a key
-    return PackedPairs(ids, pos, allowed[:, None], ends)
+    layout = pack_shared(tokenizer, [(p, [a, b]) for p, a, b in zip(p_ids, r1_ids, r2_ids)], max_len, 2 * max_len)
+    layout.ends = layout.ends.reshape(len(p_ids), 2, 2)
+    return layout
 
 
 def next_token_rows(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from transformers import LlamaForCausalLM, LlamaForSequenceClassification, PreTrainedTokenizerFast
 
-from farmflow.models.encoding import left_pad, pack_examples, tokenize_examples
+from farmflow.models.encoding import left_pad, pack_examples, pack_shared, tokenize_examples
 from farmflow.models.runtime import device_of
 
 SAMPLER_VERSION = "3"  # part of the sampling stages' keys; 3: an over-long prompt keeps its BOS when cut to fit
@@ -201,14 +201,17 @@ def _read_distinct(
     batch_size: int,
     progress: Callable[[int], None] | None,
     known: dict[Key, torch.Tensor] | None = None,
+    by_prompt: bool = False,
 ) -> torch.Tensor:
     """``read(prompts, outputs)`` (token ids; one result row per example) of every (prompt, output), stacked in the
     given order. Each distinct pair is read once, in batches of similar length (less padding), and not at all when
-    `known` holds it; what is read is added to `known`. `progress` counts the given rows: repeats and known ones first,
+    `known` holds it; what is read is added to `known`. `by_prompt`: batches of the same prompt's outputs instead, for
+    a `read` that reads each prompt once. `progress` counts the given rows: repeats and known ones first,
     through its ``skip`` when it has one (`farmflow.progress.Progress`: they do not count towards the rate)."""
     keys = [(tuple(p), tuple(o)) for p, o in zip(p_ids, o_ids)]
     known = {} if known is None else known
-    todo = sorted((k for k in dict.fromkeys(keys) if k not in known), key=lambda k: len(k[0]) + len(k[1]))
+    length = (lambda k: (len(k[0]), k[0], len(k[1]))) if by_prompt else (lambda k: len(k[0]) + len(k[1]))
+    todo = sorted((k for k in dict.fromkeys(keys) if k not in known), key=length)
     if progress and len(keys) > len(todo):
         getattr(progress, "skip", progress)(len(keys) - len(todo))
     for start in range(0, len(todo), batch_size):
@@ -260,13 +263,13 @@ class FeatureMemo:
 
     def __init__(self, backbones: int = 2):
         self.backbones = backbones
-        self._tables: OrderedDict[tuple[str, int, str], dict[Key, torch.Tensor]] = OrderedDict()
+        self._tables: OrderedDict[tuple[str, int, str, bool], dict[Key, torch.Tensor]] = OrderedDict()
         self._lock = threading.Lock()
 
     def table(self, model: LlamaForSequenceClassification, max_len: int) -> dict[Key, torch.Tensor]:
         """The features `model`'s backbone has read with this `max_len` in its `feature_dtype`, by (prompt ids, output
         ids) (a live dict)."""
-        key = (backbone_digest(model), max_len, feature_dtype(model))
+        key = (backbone_digest(model), max_len, feature_dtype(model), packed_reads(model))
         with self._lock:
             table = self._tables.pop(key, None)
             self._tables[key] = table = {} if table is None else table
@@ -282,6 +285,51 @@ class FeatureMemo:
 FEATURES = FeatureMemo()
 """The process's feature memo: the stages that read many outputs with one backbone pass it (`score`,
 `farmflow.methods.reward.train_reward`)."""
+
+
+PACKED_WIDTH = 256
+"""Tokens per row when a reward model reads outputs packed (`pack_shared`): a prompt and a dozen or more short outputs
+after it. A row's dense attention mask costs width² per layer, so a narrow row bounds it where a batch holds many
+prompts; on best-of-n's candidates rows of 256 and of 1024 read alike (`bench.scoring`)."""
+
+
+def packed_reads(model: LlamaForSequenceClassification) -> bool:
+    """Whether `model` reads the outputs it scores packed, each prompt once (``farmflow_packing``, recorded by a reward
+    model trained with `RewardConfig.packing`: it scores as it trained, the same rewards up to float rounding)."""
+    return bool(getattr(model.config, "farmflow_packing", False))
+
+
+def _padded_hidden(model, tokenizer, p: list[list[int]], o: list[list[int]], max_len: int) -> torch.Tensor:
+    """The backbone's last hidden state where the classifier pools each example, read as right-padded rows."""
+    param = next(model.parameters())
+    ids, mask, _ = pack_examples(tokenizer, p, o, max_len)
+    ids = ids.to(param.device)
+    hidden = model.base_model(input_ids=ids, attention_mask=mask.to(param.device), use_cache=False)[0]
+    positions = torch.arange(ids.shape[1], device=ids.device)
+    last = (positions * (ids != model.config.pad_token_id)).argmax(-1)  # as the classifier pools
+    return hidden[torch.arange(len(p), device=ids.device), last]
+
+
+def _packed_hidden(model, tokenizer, p: list[list[int]], o: list[list[int]], max_len: int) -> torch.Tensor:
+    """As `_padded_hidden`, with the outputs of each prompt read after one copy of it (`pack_shared`)."""
+    param = next(model.parameters())
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, prompt in enumerate(p):
+        groups.setdefault(tuple(prompt), []).append(i)
+    order = [i for members in groups.values() for i in members]
+    layout = pack_shared(
+        tokenizer, [(list(k), [o[i] for i in members]) for k, members in groups.items()], max_len, PACKED_WIDTH
+    )
+    hidden = model.base_model(
+        input_ids=layout.input_ids.to(param.device),
+        attention_mask=layout.attention_mask(model.config._attn_implementation, param.dtype).to(param.device),
+        position_ids=layout.position_ids.to(param.device),
+        use_cache=False,
+    )[0]
+    ends = layout.ends.to(param.device)
+    rows = torch.empty((len(p), hidden.shape[-1]), dtype=hidden.dtype, device=hidden.device)
+    rows[torch.tensor(order, device=hidden.device)] = hidden[ends[:, 0], ends[:, 1]]
+    return rows
 
 
 @torch.no_grad()
@@ -306,18 +354,15 @@ def reward_features(
     training = model.training
     model.eval()
 
+    packed = packed_reads(model)
+
     def read(p: list[list[int]], o: list[list[int]]) -> torch.Tensor:
-        ids, mask, _ = pack_examples(tokenizer, p, o, max_len)
-        ids = ids.to(param.device)
         with feature_precision(model):
-            hidden = model.base_model(input_ids=ids, attention_mask=mask.to(param.device), use_cache=False)[0]
-        positions = torch.arange(ids.shape[1], device=ids.device)
-        last = (positions * (ids != model.config.pad_token_id)).argmax(-1)  # as the classifier pools
-        rows = hidden[torch.arange(len(p), device=ids.device), last].to(head_dtype)
+            rows = (_packed_hidden if packed else _padded_hidden)(model, tokenizer, p, o, max_len).to(head_dtype)
         return rows.cpu() if memo is not None else rows
 
     known = memo.table(model, max_len) if memo is not None else None
-    features = _read_distinct(p_ids, o_ids, read, batch_size, progress, known)
+    features = _read_distinct(p_ids, o_ids, read, batch_size, progress, known, by_prompt=packed)
     model.train(training)
     if not len(p_ids):
         return torch.zeros((0, model.config.hidden_size), dtype=head_dtype, device=param.device)
@@ -340,7 +385,9 @@ def score(
     Each distinct pair is read once, in batches of similar length. With a `memo` (`FEATURES`) the reward is the head
     applied to the backbone's features (`reward_features`), read once per backbone in this process: for reward models
     that share a frozen backbone. A model whose features are read in lower precision (`feature_dtype`) is read that way
-    too, memo or not, with its head in its own dtype. Otherwise it is the model's own forward pass (which a sharded
+    too, memo or not, with its head in its own dtype, and so is a model trained packed (`packed_reads`), which reads
+    each prompt once before its outputs (best-of-n's candidates share their prompt: about a quarter of the positions
+    for SmolLM2 on the synthetic farm's best-of-64). Otherwise it is the model's own forward pass (which a sharded
     model needs).
     """
     reward_model.eval()
@@ -348,7 +395,7 @@ def score(
         return torch.zeros(0)
     max_len, device = reward_model.config.max_position_embeddings, device_of(reward_model)
     p_ids, o_ids = tokenize_examples(tokenizer, prompts, responses)
-    if memo is not None or feature_dtype(reward_model) != "float32":
+    if memo is not None or feature_dtype(reward_model) != "float32" or packed_reads(reward_model):
         features = reward_features(
             reward_model, tokenizer, p_ids, o_ids, max_len, batch_size=batch_size, progress=progress, memo=memo
         )
