@@ -210,8 +210,8 @@ def _read_distinct(
     through its ``skip`` when it has one (`farmflow.progress.Progress`: they do not count towards the rate)."""
     keys = [(tuple(p), tuple(o)) for p, o in zip(p_ids, o_ids)]
     known = {} if known is None else known
-    length = (lambda k: (len(k[0]), k[0], len(k[1]))) if by_prompt else (lambda k: len(k[0]) + len(k[1]))
-    todo = sorted((k for k in dict.fromkeys(keys) if k not in known), key=length)
+    order = (lambda k: (len(k[0]), k[0], len(k[1]))) if by_prompt else (lambda k: len(k[0]) + len(k[1]))
+    todo = sorted((k for k in dict.fromkeys(keys) if k not in known), key=order)
     if progress and len(keys) > len(todo):
         getattr(progress, "skip", progress)(len(keys) - len(todo))
     for start in range(0, len(todo), batch_size):
